@@ -1,0 +1,115 @@
+"""Engine configuration: static knobs, validated once, frozen.
+
+The field names are the launcher's flag names and the keyword arguments of
+`LLM(...)`. Shapes compiled by the runner (decode batch buckets, prefill token
+buckets, context-width buckets) are all derived here, so the set of compiled
+programs is a pure function of this config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = (None, "int8", "int4", "fp8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+  """Powers of two from `lo` up to `hi`; `hi` itself is always the last bucket."""
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= 2
+  out.append(hi)
+  return tuple(sorted(set(out)))
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+  """Smallest bucket >= n; raises if n exceeds the largest."""
+  for b in buckets:
+    if b >= n:
+      return b
+  raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def default_cache_dir() -> str:
+  return os.environ.get(
+      "XLASERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "jax"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static engine options (same names as the launcher's flags)."""
+
+  max_num_seqs: int = 32
+  max_model_len: int = 2048
+  page_size: int = 16
+  num_pages: int | None = None  # None: sized from kv_cache_memory_fraction
+  kv_cache_memory_fraction: float = 0.3
+  max_num_batched_tokens: int = 512
+  enable_prefix_caching: bool = True
+  attention_backend: str = "auto"
+  dtype: str = "auto"
+  kv_cache_dtype: str = "auto"
+  quantization: str | None = None
+  tp: int = 1
+  ep: int = 1
+  dp: int = 1
+  prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
+  min_context_bucket: int = 128  # smallest attention width (tokens) compiled
+  compilation_cache: bool = True
+  compilation_cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens",
+                 "tp", "ep", "dp"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+    if self.max_model_len % self.page_size:
+      raise ValueError(f"page_size={self.page_size} must divide max_model_len="
+                       f"{self.max_model_len}")
+    if self.num_pages is not None and self.num_pages < 2:
+      raise ValueError(f"num_pages={self.num_pages} must be at least 2 (one is reserved)")
+    if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+      raise ValueError(
+          f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be in (0, 0.95]")
+    if self.attention_backend not in ATTENTION_BACKENDS:
+      raise ValueError(f"attention_backend={self.attention_backend!r} not in "
+                       f"{ATTENTION_BACKENDS}")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype={self.dtype!r} not in {DTYPES}")
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
+    if self.quantization not in QUANTIZATIONS:
+      raise ValueError(f"quantization={self.quantization!r} not in {QUANTIZATIONS}")
+    if self.prefill_buckets is not None:
+      object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+      if self.prefill_buckets[-1] > self.max_num_batched_tokens:
+        raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds "
+                         f"max_num_batched_tokens={self.max_num_batched_tokens}")
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    return self.max_model_len // self.page_size
+
+  @property
+  def prefill_token_buckets(self) -> tuple[int, ...]:
+    """Token counts a prefill chunk is padded to."""
+    if self.prefill_buckets:
+      return self.prefill_buckets
+    return pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+  @property
+  def decode_batch_buckets(self) -> tuple[int, ...]:
+    """Row counts the decode slot batch is padded to."""
+    return pow2_buckets(1, self.max_num_seqs)
+
+  @property
+  def context_page_buckets(self) -> tuple[int, ...]:
+    """Block-table widths (pages) attention is compiled for."""
+    lo = max(1, min(self.min_context_bucket // self.page_size, self.max_pages_per_seq))
+    return pow2_buckets(lo, self.max_pages_per_seq)
