@@ -1,0 +1,113 @@
+"""Pallas kernels for xlaserve, each beside its pure-jnp reference.
+
+Public entry points (stable; ``serving/attention.py`` calls them with ``impl``
+chosen by platform):
+
+- ``paged_decode_attention``: one query token per sequence.
+- ``ragged_paged_attention``: many query tokens per sequence (prefill, chunked
+  prefill, mixed prefill + decode), causal.
+
+KV layout: ``k_pages``, ``v_pages`` are ``[P, page_size, K, H]`` page pools;
+page 0 may be a reserved dummy page. Query head ``n`` uses kv head ``n // G``
+with ``G = N // K``. ``impl``: ``"ref"`` (pure jnp, any platform), ``"tpu"``
+(Pallas Mosaic TPU), ``"gpu"`` (Pallas Triton). ``interpret=True`` runs a
+kernel through the Pallas interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from kernels_pallas.paged_attention import validation
+from kernels_pallas.paged_attention.reference import (
+  ref_paged_decode_attention,
+  ref_ragged_paged_attention,
+)
+from kernels_pallas.paged_attention.tuning import BlockSizes
+
+__all__ = [
+  "BlockSizes",
+  "paged_decode_attention",
+  "ragged_paged_attention",
+  "ref_paged_decode_attention",
+  "ref_ragged_paged_attention",
+]
+
+_STATIC = ("scale", "sliding_window", "soft_cap", "impl", "interpret", "block_sizes")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
+                           sliding_window=None, soft_cap=None, impl="ref", interpret=False,
+                           block_sizes: BlockSizes | None = None):
+  """Decode attention: one new query token per sequence over its KV pages.
+
+  Args:
+    q: [B, N, H] float32 or bfloat16; the query of each sequence, at position
+      ``seq_lens[b] - 1``.
+    k_pages, v_pages: [P, page_size, K, H], q's dtype; N must be a multiple of K.
+    block_tables: [B, W] int32 page ids; entries past a sequence's
+      ``cdiv(seq_lens[b], page_size)`` pages are never read.
+    seq_lens: [B] int32 number of valid keys (including the query's own);
+      0 marks a padding row, whose output is zeros.
+    scale: logit scale (usually ``H ** -0.5``), static.
+    sliding_window: None, or w: keys at positions ``> q_pos - w`` only.
+    soft_cap: None, or c: logits become ``c * tanh(logits / c)``.
+    impl: "ref" | "tpu" | "gpu".
+    interpret: run the Pallas kernel in interpret mode (ignored for "ref").
+    block_sizes: override the tuned ``BlockSizes`` (kernels only).
+
+  Returns:
+    [B, N, H] in q's dtype (softmax and accumulation in float32).
+  """
+  validation.check_decode(q, k_pages, v_pages, block_tables, seq_lens)
+  validation.check_options(scale, sliding_window, soft_cap, impl)
+  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  if impl == "ref":
+    return ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs)
+  if impl == "tpu":
+    from kernels_pallas.paged_attention import decode_tpu as mod
+  else:
+    from kernels_pallas.paged_attention import decode_gpu as mod
+  return mod.paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
+                                    interpret=interpret, block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
+                           sliding_window=None, soft_cap=None, impl="ref", interpret=False,
+                           block_sizes: BlockSizes | None = None):
+  """Causal attention for a ragged batch of query tokens over paged KV.
+
+  Args:
+    q: [T, N, H] float32 or bfloat16; queries of S sequences, flattened.
+      Sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``; rows at or past
+      ``cu_q_lens[S]`` are padding (output zeros).
+    k_pages, v_pages: [P, page_size, K, H], q's dtype. The new tokens' K/V
+      are already written into the pages.
+    block_tables: [S, W] int32 page ids; entries past a sequence's
+      ``cdiv(kv_lens[s], page_size)`` pages are never read.
+    cu_q_lens: [S+1] int32 cumulative query counts, ``cu_q_lens[0] == 0``,
+      non-decreasing.
+    kv_lens: [S] int32 total keys of each sequence including its new queries;
+      query i of sequence s sits at position ``kv_lens[s] - q_len_s + i``.
+    scale, sliding_window, soft_cap, impl, interpret, block_sizes: as in
+      ``paged_decode_attention`` (``block_sizes.q_block`` sets the query tile).
+
+  Returns:
+    [T, N, H] in q's dtype.
+  """
+  validation.check_ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
+  validation.check_options(scale, sliding_window, soft_cap, impl)
+  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  if impl == "ref":
+    return ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
+                                      **kwargs)
+  if impl == "tpu":
+    from kernels_pallas.paged_attention import ragged_tpu as mod
+  else:
+    from kernels_pallas.paged_attention import ragged_gpu as mod
+  return mod.ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
+                                    **kwargs, interpret=interpret, block_sizes=block_sizes)

@@ -1,0 +1,116 @@
+"""Pure-jnp references for paged decode and ragged paged attention.
+
+They gather each sequence's pages through its block table, mask by length,
+causality and sliding window, and run softmax in float32. They are the
+numerical ground truth for the Pallas kernels beside them and the XLA path
+the engine uses on CPU. Page ids past a sequence's last page are replaced by
+page 0 before the gather, so garbage block-table entries are never read.
+
+Masking rule (shared with every kernel): a query at position ``i`` sees key
+``j`` iff ``j <= i`` and, with a sliding window ``w``, ``i - j < w``. Logits are
+``scale * q.k``, then ``soft_cap * tanh(logits / soft_cap)`` when capped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _gather_pages(pages, block_tables, num_valid_pages):
+  """[P, ps, K, H] pages, [R, W] tables -> [R, W * ps, K, H] keys or values."""
+  rows, width = block_tables.shape
+  _, page_size, num_kv_heads, head_dim = pages.shape
+  in_use = jnp.arange(width)[None, :] < num_valid_pages[:, None]
+  safe_tables = jnp.where(in_use, block_tables, 0)
+  # [R, W, ps, K, H] -> [R, W * ps, K, H]
+  return pages[safe_tables].reshape(rows, width * page_size, num_kv_heads, head_dim)
+
+
+def _attend(q, k, v, valid, scale, soft_cap):
+  """Masked softmax attention of one query row per r.
+
+  q [R, N, H]; k, v [R, L, K, H]; valid [R, L] bool. Returns [R, N, H] in q's
+  dtype; rows with no valid key are zeros.
+  """
+  rows, num_q_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  # [R, N, H] -> [R, K, G, H]
+  qg = q.astype(jnp.float32).reshape(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+  logits = jnp.einsum("rkgh,rlkh->rkgl", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  mask = valid[:, None, None, :]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+  denom = jnp.sum(probs, axis=-1, keepdims=True)
+  v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+  out = jnp.einsum("rkgl,rlkh->rkgh", probs, v, precision=_HIGHEST)
+  out = out / jnp.where(denom > 0, denom, 1.0)
+  # [R, K, G, H] -> [R, N, H]
+  return out.reshape(rows, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _key_mask(key_pos, q_pos, kv_len, sliding_window):
+  """key_pos [L]; q_pos, kv_len [R] -> [R, L] visibility."""
+  valid = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len[:, None])
+  if sliding_window is not None:
+    valid &= key_pos[None, :] > q_pos[:, None] - sliding_window
+  return valid
+
+
+def ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
+                               sliding_window=None, soft_cap=None):
+  """Reference paged decode attention; same contract as ``paged_decode_attention``.
+
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype);
+  block_tables [B, W] int32; seq_lens [B] int32. Returns [B, N, H] in q's dtype.
+  """
+  page_size = k_pages.shape[1]
+  num_valid_pages = (seq_lens + page_size - 1) // page_size
+  k = _gather_pages(k_pages, block_tables, num_valid_pages)
+  v = _gather_pages(v_pages, block_tables, num_valid_pages)
+  key_pos = jnp.arange(k.shape[1])
+  valid = _key_mask(key_pos, seq_lens - 1, seq_lens, sliding_window)
+  return _attend(q, k, v, valid, scale, soft_cap)
+
+
+def ragged_token_layout(cu_q_lens, kv_lens, num_tokens):
+  """Per-token sequence id, query position and validity for ragged batches.
+
+  cu_q_lens [S+1] int32, kv_lens [S] int32 -> (seq_id [T], q_pos [T], valid [T]).
+  Tokens at or past ``cu_q_lens[S]`` are padding (``valid`` False).
+  """
+  num_seqs = kv_lens.shape[0]
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  seq_id = jnp.searchsorted(cu_q_lens, tokens, side="right").astype(jnp.int32) - 1
+  seq_id = jnp.clip(seq_id, 0, num_seqs - 1)
+  q_start = cu_q_lens[seq_id]
+  q_len = cu_q_lens[seq_id + 1] - q_start
+  q_pos = kv_lens[seq_id] - q_len + (tokens - q_start)
+  valid = (tokens >= cu_q_lens[0]) & (tokens < cu_q_lens[num_seqs])
+  return seq_id, q_pos, valid
+
+
+def ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
+                               sliding_window=None, soft_cap=None):
+  """Reference ragged paged attention; same contract as ``ragged_paged_attention``.
+
+  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H]; block_tables [S, W]
+  int32; cu_q_lens [S+1] int32; kv_lens [S] int32. Returns [T, N, H] in q's dtype.
+  Materialises [T, W * page_size, K, H] keys: a reference, not a fast path.
+  """
+  page_size = k_pages.shape[1]
+  seq_id, q_pos, token_ok = ragged_token_layout(cu_q_lens, kv_lens, q.shape[0])
+  kv_len = jnp.where(token_ok, kv_lens[seq_id], 0)
+  num_valid_pages = (kv_len + page_size - 1) // page_size
+  tables = block_tables[seq_id]
+  k = _gather_pages(k_pages, tables, num_valid_pages)
+  v = _gather_pages(v_pages, tables, num_valid_pages)
+  key_pos = jnp.arange(k.shape[1])
+  valid = _key_mask(key_pos, q_pos, kv_len, sliding_window)
+  return _attend(q, k, v, valid, scale, soft_cap)

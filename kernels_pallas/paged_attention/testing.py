@@ -1,0 +1,97 @@
+"""Builders of random paged-attention inputs for tests and benchmarks.
+
+Pages are handed out in a shuffled order from a small pool whose page 0 is the
+reserved dummy page. Everything a correct kernel must never read is poisoned:
+unused pages and the unused tail of each sequence's last page hold NaN, and
+block-table entries past a sequence's pages are garbage (ids of NaN pages or
+out-of-range ids). Any out-of-bounds read then shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedInputs:
+  """Arrays of one paged-attention call (decode: ``lens`` = seq_lens)."""
+
+  q: jnp.ndarray
+  k_pages: jnp.ndarray
+  v_pages: jnp.ndarray
+  block_tables: jnp.ndarray
+  lens: jnp.ndarray
+  cu_q_lens: jnp.ndarray | None = None
+
+
+def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq, spare_pages,
+               dtype, poison):
+  """K/V page pools and block tables holding ``kv_lens[s]`` keys for each sequence."""
+  needed = [-(-n // page_size) for n in kv_lens]
+  if max(needed, default=0) > pages_per_seq:
+    raise ValueError(f"{pages_per_seq=} too small for {kv_lens=}")
+  num_pages = 1 + sum(needed) + spare_pages
+  shape = (num_pages, page_size, num_kv_heads, head_dim)
+  fill = np.nan if poison else 0.0
+  k = np.full(shape, fill, np.float32)
+  v = np.full(shape, fill, np.float32)
+  order = rng.permutation(np.arange(1, num_pages))
+  unused = order[sum(needed):]
+  tables = np.zeros((len(kv_lens), pages_per_seq), np.int32)
+  nxt = 0
+  for s, (n, n_pages) in enumerate(zip(kv_lens, needed, strict=True)):
+    pages = order[nxt:nxt + n_pages]
+    nxt += n_pages
+    tables[s, :n_pages] = pages
+    garbage = [num_pages + 7, -1, *unused] if poison else [0]
+    tables[s, n_pages:] = rng.choice(garbage, size=pages_per_seq - n_pages)
+    for j, page in enumerate(pages):
+      rows = min(page_size, n - j * page_size)
+      k[page, :rows] = rng.standard_normal((rows, num_kv_heads, head_dim))
+      v[page, :rows] = rng.standard_normal((rows, num_kv_heads, head_dim))
+  return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
+
+
+def make_decode_inputs(seed, seq_lens, *, page_size, num_kv_heads, group, head_dim, dtype,
+                       pages_per_seq=None, spare_pages=2, poison=True) -> PagedInputs:
+  """Random decode inputs: q [B, K*group, H] and a poisoned page pool."""
+  rng = np.random.default_rng(seed)
+  if pages_per_seq is None:
+    pages_per_seq = max(1, max(-(-n // page_size) for n in seq_lens) + 1)
+  k, v, tables = _page_pool(
+    rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+    pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=dtype, poison=poison)
+  q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
+  return PagedInputs(jnp.asarray(q, dtype), k, v, tables, jnp.asarray(seq_lens, jnp.int32))
+
+
+def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_heads, group,
+                       head_dim, dtype, pages_per_seq=None, spare_pages=2,
+                       poison=True) -> PagedInputs:
+  """Random ragged inputs: q [num_tokens, K*group, H]; rows past sum(q_lens) are padding."""
+  if any(ql > kl for ql, kl in zip(q_lens, kv_lens, strict=True)):
+    raise ValueError(f"each q_len must be <= its kv_len: {q_lens=} {kv_lens=}")
+  if sum(q_lens) > num_tokens:
+    raise ValueError(f"{num_tokens=} < sum of {q_lens=}")
+  rng = np.random.default_rng(seed)
+  if pages_per_seq is None:
+    pages_per_seq = max(1, max(-(-n // page_size) for n in kv_lens) + 1)
+  k, v, tables = _page_pool(
+    rng, kv_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+    pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=dtype, poison=poison)
+  q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
+  if poison:
+    q[sum(q_lens):] = np.nan
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  return PagedInputs(jnp.asarray(q, dtype), k, v, tables, jnp.asarray(kv_lens, jnp.int32),
+                     jnp.asarray(cu))
+
+
+def tolerance(dtype) -> dict[str, float]:
+  """assert_allclose tolerances for a kernel-vs-reference comparison."""
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return {"atol": 2e-2, "rtol": 2e-2}
+  return {"atol": 2e-5, "rtol": 2e-5}
