@@ -1,0 +1,147 @@
+"""Prometheus metrics for the servers (prefix `xlaserve_`, vLLM's names).
+
+Two sources, one per-server `CollectorRegistry` (no global state):
+  1. Engine state (running / waiting requests, KV cache usage, token and
+     prefix-cache counters) is read from `engine.stats()` at scrape time by a
+     custom collector, so it is never stale and costs nothing between scrapes.
+  2. Per-request latencies (time to first token, inter-token latency, time per
+     output token, end-to-end) and `request_success_total{finish_reason}` are
+     observed by the async front end (`serving.async_engine`) through a
+     `RequestTimer` per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+PREFIX = "xlaserve_"
+
+# Bucket edges follow vLLM's defaults (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name without prefix, EngineStats field, help) read at scrape time.
+_GAUGES = (
+    ("num_requests_running", "num_running", "Requests in the decode batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache pages in use (0..1)."),
+    ("kv_cache_pages_total", "num_pages_total", "KV cache pages in the pool."),
+    ("kv_cache_pages_free", "num_pages_free", "KV cache pages free."),
+)
+_COUNTERS = (
+    ("num_preemptions_total", "num_preemptions_total", "Requests preempted (KV pages reclaimed)."),
+    ("prompt_tokens_total", "prompt_tokens_total", "Prompt tokens of admitted requests."),
+    ("generation_tokens_total", "generation_tokens_total", "Tokens generated."),
+    ("prefix_cache_queries_total", "prefix_cache_queries_total", "Prefix cache queries (tokens)."),
+    ("prefix_cache_hits_total", "prefix_cache_hits_total", "Prefix cache hits (tokens)."),
+    ("prefill_tokens_computed_total", "prefill_tokens_computed_total",
+     "Prompt tokens actually computed by prefill (not served from the prefix cache)."),
+)
+
+
+class EngineStatsCollector(Collector):
+  """Reads `stats_fn()` (an `EngineStats`) on every scrape."""
+
+  def __init__(self, stats_fn: Callable[[], Any], labels: dict[str, str]):
+    self._stats_fn = stats_fn
+    self._labels = labels
+
+  def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    stats = self._stats_fn()
+    names, values = list(self._labels), list(self._labels.values())
+    for name, field, doc in _GAUGES:
+      family = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+      family.add_metric(values, float(getattr(stats, field)))
+      yield family
+    for name, field, doc in _COUNTERS:
+      family = CounterMetricFamily(PREFIX + name, doc, labels=names)
+      family.add_metric(values, float(getattr(stats, field)))
+      yield family
+
+
+class Metrics:
+  """All metrics of one server process, in their own registry."""
+
+  def __init__(self, stats_fn: Callable[[], Any] | None = None, model_name: str = ""):
+    self.registry = CollectorRegistry(auto_describe=True)
+    labels = {"model_name": model_name}
+    label_names = list(labels)
+    self._labels = labels
+    if stats_fn is not None:
+      self.registry.register(EngineStatsCollector(stats_fn, labels))
+    kw = {"registry": self.registry, "labelnames": label_names}
+    self.request_success = Counter(
+        PREFIX + "request_success_total", "Finished requests by finish reason.",
+        labelnames=[*label_names, "finish_reason"], registry=self.registry)
+    self.request_rejected = Counter(
+        PREFIX + "request_rejected_total", "Requests refused before reaching the engine.",
+        labelnames=[*label_names, "reason"], registry=self.registry)
+    self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                          "Time from arrival to the first generated token.",
+                          buckets=TTFT_BUCKETS, **kw)
+    self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                          "Mean time per output token after the first, per request.",
+                          buckets=ITL_BUCKETS, **kw)
+    self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                         "Time between consecutive generated tokens.", buckets=ITL_BUCKETS, **kw)
+    self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                         "Time from arrival to the last token.", buckets=E2E_BUCKETS, **kw)
+
+  def timer(self) -> RequestTimer:
+    return RequestTimer(self)
+
+  def reject(self, reason: str) -> None:
+    self.request_rejected.labels(**self._labels, reason=reason).inc()
+
+  def render(self) -> tuple[bytes, str]:
+    """The Prometheus text exposition and its content type."""
+    return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+  """Observes one request's latencies as its deltas arrive."""
+
+  def __init__(self, metrics: Metrics):
+    self._m = metrics
+    self._arrival = time.perf_counter()
+    self._first: float | None = None
+    self._last: float | None = None
+    self._tokens = 0
+
+  def on_tokens(self, num_tokens: int) -> None:
+    """Called when a delta with `num_tokens` new tokens arrives."""
+    if num_tokens <= 0:
+      return
+    now = time.perf_counter()
+    labels = self._m._labels
+    if self._first is None:
+      # Tokens of the first delta all count as "first"; there is no gap to observe.
+      self._first = now
+      self._m.ttft.labels(**labels).observe(now - self._arrival)
+    else:
+      # Tokens that arrive together share the gap since the previous delta.
+      gap = (now - self._last) / num_tokens
+      itl = self._m.itl.labels(**labels)
+      for _ in range(num_tokens):
+        itl.observe(gap)
+    self._tokens += num_tokens
+    self._last = now
+
+  def on_finish(self, finish_reason: str) -> None:
+    now = time.perf_counter()
+    labels = self._m._labels
+    self._m.request_success.labels(**labels, finish_reason=finish_reason).inc()
+    self._m.e2e.labels(**labels).observe(now - self._arrival)
+    if self._first is not None and self._tokens > 1:
+      self._m.tpot.labels(**labels).observe((self._last - self._first) / (self._tokens - 1))

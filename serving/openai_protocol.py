@@ -1,0 +1,219 @@
+"""OpenAI-compatible request models and error bodies (pydantic 2).
+
+Requests are validated strictly (`extra="forbid"`, no type coercion), as the
+OpenAI API does: an unknown field or a string where a number belongs is a 400
+naming the field. vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`, ...) are accepted in the
+body. Fields we know but do not implement (`tools`, `response_format` other
+than text, `logit_bias`, `echo`, `suffix`, ...) are rejected with a message
+saying so, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serving.types import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # most choices per request
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class APIError(Exception):
+  """An error returned to the client as `{"error": {message, type, param, code}}`."""
+
+  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status, self.message, self.type = status, message, type
+    self.param, self.code, self.headers = param, code, headers
+
+  def body(self) -> dict[str, Any]:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                      "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+  """The first pydantic error as a 400 naming the offending field."""
+  err = exc.errors()[0]
+  loc = [str(x) for x in err["loc"] if not _is_union_tag(x)]
+  param = ".".join(loc) or None
+  if err["type"] == "json_invalid":
+    return APIError(400, f"malformed JSON body: {err['msg']}", code="invalid_json")
+  if err["type"] == "extra_forbidden":
+    return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                    code="unknown_parameter")
+  msg = err["msg"] if not param else f"{param}: {err['msg']}"
+  return APIError(400, msg, param=param, code="invalid_value")
+
+
+def _is_union_tag(x: Any) -> bool:
+  return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool"))
+
+
+class _Strict(BaseModel):
+  model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+  include_usage: bool = False
+  continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+  """Fields shared by completions and chat completions."""
+
+  model: str
+  max_tokens: int | None = Field(None, ge=1)
+  temperature: float | None = None
+  top_p: float | None = None
+  n: int = Field(1, ge=1, le=MAX_N)
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = Field(None, ge=0)
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: dict[str, float] | None = None
+  user: str | None = None
+  metadata: dict[str, str] | None = None
+  store: bool | None = None
+  service_tier: str | None = None
+  response_format: dict[str, Any] | None = None
+  # vLLM extensions.
+  top_k: int | None = None
+  min_p: float | None = None
+  repetition_penalty: float | None = None
+  ignore_eos: bool = False
+  stop_token_ids: list[int] | None = None
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+
+  def check_supported(self) -> None:
+    """Rejects known-but-unimplemented options with a clear message."""
+    if self.logit_bias:
+      raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if self.response_format and self.response_format.get("type", "text") != "text":
+      raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported "
+                     "yet (no structured output / JSON mode)", param="response_format")
+    if self.stream_options is not None and not self.stream:
+      raise APIError(400, "stream_options is only allowed when stream is true",
+                     param="stream_options")
+
+  def include_usage(self) -> bool:
+    return bool(self.stream_options and self.stream_options.include_usage)
+
+  def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    """SamplingParams for choice `index` (the seed is offset so choices differ)."""
+    try:
+      return SamplingParams(
+          max_tokens=max_tokens,
+          temperature=1.0 if self.temperature is None else self.temperature,
+          top_p=1.0 if self.top_p is None else self.top_p,
+          top_k=-1 if self.top_k is None else self.top_k,
+          min_p=self.min_p or 0.0,
+          repetition_penalty=self.repetition_penalty or 1.0,
+          presence_penalty=self.presence_penalty,
+          frequency_penalty=self.frequency_penalty,
+          seed=None if self.seed is None else (self.seed + index) % 2**63,
+          stop=self.stop,
+          stop_token_ids=self.stop_token_ids,
+          ignore_eos=self.ignore_eos,
+          logprobs=logprobs,
+          include_stop_str_in_output=self.include_stop_str_in_output,
+          skip_special_tokens=self.skip_special_tokens)
+    except ValueError as e:
+      param = str(e).split()[0]
+      raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+class CompletionRequest(_SamplingRequest):
+  """POST /v1/completions."""
+
+  prompt: Prompt
+  logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+  echo: bool = False
+  suffix: str | None = None
+  best_of: int | None = None
+
+  def check_supported(self) -> None:
+    super().check_supported()
+    if self.echo:
+      raise APIError(400, "echo is not supported", param="echo")
+    if self.suffix:
+      raise APIError(400, "suffix is not supported", param="suffix")
+    if self.best_of is not None and self.best_of != self.n:
+      raise APIError(400, "best_of other than n is not supported", param="best_of")
+
+  def prompts(self) -> list[str | list[int]]:
+    """The prompt(s) as a list of texts or token-id lists."""
+    p = self.prompt
+    if isinstance(p, str):
+      return [p]
+    if not p:
+      raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(p[0], int):
+      return [p]
+    return list(p)
+
+
+class TextPart(BaseModel):
+  model_config = ConfigDict(extra="ignore", strict=True)
+  type: Literal["text"]
+  text: str
+
+
+class ChatMessage(BaseModel):
+  """One chat message; unknown per-message fields are ignored (as OpenAI does)."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[dict[str, Any]] | None = None
+  name: str | None = None
+
+  def text(self) -> str:
+    if self.content is None or isinstance(self.content, str):
+      return self.content or ""
+    parts = []
+    for part in self.content:
+      if part.get("type") != "text":
+        raise APIError(400, f"content part type {part.get('type')!r} is not supported "
+                       "(text only)", param="messages")
+      try:
+        parts.append(TextPart.model_validate(part).text)
+      except ValidationError as e:
+        raise validation_error(e) from None
+    return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+  """POST /v1/chat/completions."""
+
+  messages: list[ChatMessage] = Field(min_length=1)
+  max_completion_tokens: int | None = Field(None, ge=1)
+  logprobs: bool = False
+  top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+  tools: list[dict[str, Any]] | None = None
+  tool_choice: str | dict[str, Any] | None = None
+  parallel_tool_calls: bool | None = None
+  add_generation_prompt: bool = True  # vLLM extension
+  chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
+
+  def check_supported(self) -> None:
+    super().check_supported()
+    if self.tools or (self.tool_choice not in (None, "none")):
+      raise APIError(400, "tool calling is not supported", param="tools")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+  def num_logprobs(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
+
+  def requested_max_tokens(self) -> int | None:
+    return self.max_completion_tokens or self.max_tokens
+
+  def message_dicts(self) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,1 @@
+"""Protocol buffer package `xlaserve.v1` (generated stubs live beside the .proto)."""
