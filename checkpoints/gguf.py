@@ -1,0 +1,204 @@
+"""GGUF files (llama.cpp): metadata -> HF-style config, tensors -> params.
+
+1. `read_gguf(path)` opens the file with `gguf.GGUFReader` (memory-mapped).
+2. `gguf_hf_config(reader)` turns `{arch}.*` metadata into a HF config dict
+   (architectures llama, incl. Mixtral-style MoE, qwen2, qwen3, qwen3moe).
+3. `load_gguf_params(reader, cfg)` dequantizes each tensor to float with
+   `gguf.quants.dequantize` (types in `SUPPORTED_TYPES`) and copies it into the
+   params tree. For llama-arch files the Q/K rows are un-permuted: llama.cpp's
+   converter reorders each head's rows from HF's rotate-half layout to
+   interleaved pairs; `unpermute_rows` reverses it exactly as transformers'
+   `LlamaTensorProcessor` does, so our weights equal transformers' load of
+   the same file.
+4. `raw_tensor(reader, name)` gives a tensor's quantized blocks untouched
+   (name, ggml type, logical shape, bytes) for quantized serving paths; the
+   Q/K un-permutation moves whole rows, so it applies to raw blocks too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+
+from checkpoints.layout import Params, ParamsBuilder
+from serving.model_config import ModelConfig
+
+Q = gguf.GGMLQuantizationType
+# Types we dequantize (each checked against an independent decoder in tests,
+# or a gguf-py decoder of the same k-quant family).
+SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+                             Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# general.architecture -> HF model_type (llama with experts becomes mixtral).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+
+_TOP = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),
+        "output.weight": ("lm_head", True)}
+_BLOCK = {
+    "attn_norm.weight": ("attn_norm", False), "ffn_norm.weight": ("mlp_norm", False),
+    "attn_q.weight": ("wq", True), "attn_k.weight": ("wk", True),
+    "attn_v.weight": ("wv", True), "attn_output.weight": ("wo", True),
+    "attn_q.bias": ("bq", False), "attn_k.bias": ("bk", False), "attn_v.bias": ("bv", False),
+    "attn_q_norm.weight": ("q_norm", False), "attn_k_norm.weight": ("k_norm", False),
+    "ffn_gate.weight": ("w_gate", True), "ffn_up.weight": ("w_up", True),
+    "ffn_down.weight": ("w_down", True), "ffn_gate_inp.weight": ("router", True),
+    # [E, M, D] / [E, D, M] -> swap the last two axes.
+    "ffn_gate_exps.weight": ("we_gate", True), "ffn_up_exps.weight": ("we_up", True),
+    "ffn_down_exps.weight": ("we_down", True),
+}
+_BLK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+  """A GGUF tensor's stored blocks, not dequantized.
+
+  `shape` is the logical numpy shape (rows first, e.g. [out, in] for a
+  Linear weight); `data` is uint8 `[*shape[:-1], shape[-1] // block_size *
+  type_size]` for block types (a read-only view of the file for plain ones).
+  """
+
+  name: str
+  ggml_type: gguf.GGMLQuantizationType
+  shape: tuple[int, ...]
+  data: np.ndarray
+
+  @property
+  def block_size(self) -> int:
+    return gguf.GGML_QUANT_SIZES[self.ggml_type][0]
+
+  @property
+  def type_size(self) -> int:
+    return gguf.GGML_QUANT_SIZES[self.ggml_type][1]
+
+
+def read_gguf(path: str) -> gguf.GGUFReader:
+  return gguf.GGUFReader(path)
+
+
+def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+  f = reader.fields.get(key)
+  return default if f is None else f.contents()
+
+
+def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+  """A HF-style config dict from GGUF metadata; unsupported files raise ValueError."""
+  arch = field(reader, "general.architecture")
+  if arch not in ARCHITECTURES:
+    raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r} "
+                     f"(supported: {sorted(ARCHITECTURES)})")
+  g = lambda key, default=None: field(reader, f"{arch}.{key}", default)
+  names = {t.name for t in reader.tensors}
+  if "rope_freqs.weight" in names:
+    raise ValueError("unsupported GGUF tensor rope_freqs.weight (llama3-style rope scaling "
+                     "baked into frequency factors)")
+  scaling = g("rope.scaling.type")
+  if scaling not in (None, "none"):
+    raise ValueError(f"unsupported GGUF rope scaling {arch}.rope.scaling.type={scaling!r}")
+  heads = g("attention.head_count")
+  if isinstance(heads, list):
+    raise ValueError(f"unsupported GGUF: per-layer {arch}.attention.head_count")
+  hidden = g("embedding_length")
+  head_dim = g("attention.key_length") or (g("rope.dimension_count") if arch == "llama" else None)
+  experts = g("expert_count", 0) or 0
+  model_type = "mixtral" if arch == "llama" and experts else ARCHITECTURES[arch]
+  tokens = reader.fields.get("tokenizer.ggml.tokens")
+  cfg = {
+      "model_type": model_type,
+      "vocab_size": g("vocab_size") or (len(tokens.data) if tokens is not None else None),
+      "hidden_size": hidden,
+      "intermediate_size": g("feed_forward_length", 0),
+      "num_hidden_layers": g("block_count"),
+      "num_attention_heads": heads,
+      "num_key_value_heads": g("attention.head_count_kv") or heads,
+      "head_dim": head_dim or hidden // heads,
+      "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+      "rope_theta": float(g("rope.freq_base", 10000.0)),
+      "max_position_embeddings": g("context_length", 4096),
+      "tie_word_embeddings": "output.weight" not in names,
+      "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+      "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+  }
+  if experts:
+    cfg.update(num_local_experts=experts, num_experts_per_tok=g("expert_used_count"),
+               moe_intermediate_size=g("expert_feed_forward_length") or cfg["intermediate_size"],
+               norm_topk_prob=bool(g("expert_weights_norm", True)))
+  if arch == "qwen2":
+    cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
+  return cfg
+
+
+def check_tensor_type(t: Any) -> None:
+  if t.tensor_type not in SUPPORTED_TYPES:
+    raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} for tensor {t.name!r} "
+                     f"(supported: {sorted(q.name for q in SUPPORTED_TYPES)})")
+
+
+def dequantize_tensor(t: Any) -> np.ndarray:
+  """A reader tensor as float32 (numpy, logical shape: rows first)."""
+  check_tensor_type(t)
+  out = gguf.quants.dequantize(t.data, t.tensor_type)
+  return out.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Undoes llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half).
+
+  `w` is [n_head * head_dim, ...] (weights, biases, or raw block rows).
+  """
+  half = w.shape[0] // n_head // 2
+  return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig,
+                     dtype: Any = np.float32) -> Params:
+  """Dequantizes every tensor into the params tree (one tensor in flight)."""
+  builder = ParamsBuilder(cfg, dtype)
+  permute = field(reader, "general.architecture") == "llama"
+  for t in reader.tensors:
+    key, layer, transpose = _route(t.name, cfg)
+    if key is None:
+      continue
+    check_tensor_type(t)
+    w = dequantize_tensor(t)
+    if permute and key in ("wq", "bq", "wk", "bk"):
+      w = unpermute_rows(w, cfg.num_heads if key in ("wq", "bq") else cfg.num_kv_heads)
+    if transpose:
+      w = np.swapaxes(w, -1, -2)
+    builder.put(key, w, layer, source=t.name)
+  return builder.finish()
+
+
+def raw_tensor(reader: gguf.GGUFReader, name: str, unpermute: bool = True) -> RawTensor:
+  """The quantized blocks of tensor `name`; llama Q/K rows un-permuted by default."""
+  t = next((t for t in reader.tensors if t.name == name), None)
+  if t is None:
+    raise KeyError(f"no tensor {name!r} in GGUF file")
+  shape = tuple(int(d) for d in reversed(t.shape))
+  data = np.asarray(t.data)
+  m = _BLK_RE.fullmatch(name)
+  part = m.group(2) if m else ""
+  if unpermute and field(reader, "general.architecture") == "llama" and part.startswith(
+      ("attn_q.", "attn_k.")):
+    heads = field(reader, "llama.attention.head_count")
+    if part.startswith("attn_k."):
+      heads = field(reader, "llama.attention.head_count_kv") or heads
+    data = unpermute_rows(data, heads)
+  return RawTensor(name=name, ggml_type=t.tensor_type, shape=shape, data=data)
+
+
+def _route(name: str, cfg: ModelConfig) -> tuple[str | None, int | None, bool]:
+  """(params key, layer, transpose) for a GGUF tensor name."""
+  if name in _TOP:
+    key, transpose = _TOP[name]
+    if key == "lm_head" and cfg.tie_word_embeddings:
+      return None, None, False
+    return key, None, transpose
+  m = _BLK_RE.fullmatch(name)
+  if m is None or m.group(2) not in _BLOCK:
+    raise ValueError(f"unsupported GGUF tensor {name!r} for a {cfg.model_type} model")
+  key, transpose = _BLOCK[m.group(2)]
+  return key, int(m.group(1)), transpose

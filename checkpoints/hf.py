@@ -1,0 +1,164 @@
+"""Hugging Face checkpoint directories: config.json + safetensors -> params.
+
+Reads `config.json` (plus `generation_config.json` EOS ids), then streams the
+weights tensor by tensor with `safetensors.safe_open` from a single
+`model.safetensors` or the shards listed in `model.safetensors.index.json`,
+copying each into the preallocated params tree (host memory: the params plus
+one tensor). Weight names covered:
+
+  model.embed_tokens / model.norm / lm_head
+  model.layers.{i}.input_layernorm / post_attention_layernorm
+  model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, {q,k,v}_proj.bias (Qwen2)
+  model.layers.{i}.self_attn.{q,k}_norm (Qwen3)
+  model.layers.{i}.mlp.{gate,up,down}_proj (dense)
+  Mixtral:   block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1/w3/w2
+  Qwen3-MoE: mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj
+  fused (transformers 5 in-memory layout, `save_original_format=False`):
+    {mlp,block_sparse_moe}.experts.gate_up_proj [E, 2M, D] (gate rows first),
+    {mlp,block_sparse_moe}.experts.down_proj [E, D, M]
+
+Linear weights are transposed to [in, out]. Tied embeddings: any `lm_head`
+tensor in the file is ignored.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from checkpoints.layout import Params, ParamsBuilder
+from serving.model_config import ModelConfig
+
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+# Per-layer names (after "model.layers.{i}.") -> (params key, transpose).
+_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+    "mlp.gate.weight": ("router", True),
+    "block_sparse_moe.gate.weight": ("router", True),
+}
+_EXPERT_KEYS = {"w1": "we_gate", "w3": "we_up", "w2": "we_down",
+                "gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|"
+                        r"down_proj)\.weight")
+_FUSED_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+# Buffers some checkpoints carry that are not parameters.
+_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def is_hf_dir(path: str) -> bool:
+  return os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json"))
+
+
+def load_hf_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
+  """The raw `config.json` dict (EOS extended by generation_config) and its ModelConfig."""
+  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+    raw = json.load(f)
+  if "text_config" in raw and "num_hidden_layers" not in raw:
+    raw = {**raw["text_config"], "architectures": raw.get("architectures")}
+  gen_path = os.path.join(path, "generation_config.json")
+  if os.path.exists(gen_path):
+    with open(gen_path, encoding="utf-8") as f:
+      gen_eos = json.load(f).get("eos_token_id")
+    eos = _as_list(raw.get("eos_token_id"))
+    eos += [i for i in _as_list(gen_eos) if i not in eos]
+    raw = {**raw, "eos_token_id": eos}
+  return raw, ModelConfig.from_hf_config(raw)
+
+
+def load_hf_params(path: str, cfg: ModelConfig, dtype: Any = np.float32) -> Params:
+  """Streams the safetensors weights of `path` into the params tree."""
+  builder = ParamsBuilder(cfg, dtype)
+  for name, read in iter_safetensors(path):
+    _put(builder, cfg, name, read)
+  return builder.finish()
+
+
+def safetensors_files(path: str) -> list[str]:
+  """The weight files of a HF dir: the index's shards, or model.safetensors."""
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index, encoding="utf-8") as f:
+      weight_map = json.load(f)["weight_map"]
+    return [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+  single = os.path.join(path, "model.safetensors")
+  if os.path.exists(single):
+    return [single]
+  shards = sorted(glob.glob(os.path.join(path, "model-*-of-*.safetensors")))
+  if shards:
+    return shards
+  if glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pth")):
+    raise ValueError(f"unsupported checkpoint format in {path}: only safetensors are "
+                     "supported (found PyTorch .bin/.pth files)")
+  raise FileNotFoundError(f"no model.safetensors or shards in {path}")
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, Any]]:
+  """Yields (name, read) per tensor; `read()` loads just that tensor as numpy."""
+  for file in safetensors_files(path):
+    with safe_open(file, framework="np") as f:
+      for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+        yield name, (lambda f=f, name=name: f.get_tensor(name))
+
+
+def _put(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> None:
+  """Routes one HF tensor into the params tree."""
+  if _IGNORED_RE.match(name):
+    return
+  if name in _TOP_LEVEL:
+    key, transpose = _TOP_LEVEL[name]
+    if key == "lm_head" and cfg.tie_word_embeddings:
+      return
+    value = read()
+    builder.put(key, value.T if transpose else value, source=name)
+    return
+  m = _LAYER_RE.fullmatch(name)
+  if m is None:
+    raise ValueError(f"unsupported tensor {name!r} in a {cfg.model_type} checkpoint")
+  layer, rest = int(m.group(1)), m.group(2)
+  if rest in _LAYER:
+    key, transpose = _LAYER[rest]
+    value = read()
+    builder.put(key, value.T if transpose else value, layer, source=name)
+  elif em := _EXPERT_RE.fullmatch(rest):
+    builder.put(_EXPERT_KEYS[em.group(2)], read().T, layer, int(em.group(1)), source=name)
+  elif fm := _FUSED_RE.fullmatch(rest):
+    value = read()
+    if fm.group(1) == "down_proj":  # [E, D, M] -> [E, M, D]
+      builder.put("we_down", value.transpose(0, 2, 1), layer, source=name)
+    else:  # [E, 2M, D]: gate rows then up rows -> two [E, D, M]
+      gate, up = np.split(value, 2, axis=1)
+      builder.put("we_gate", gate.transpose(0, 2, 1), layer, source=name)
+      builder.put("we_up", up.transpose(0, 2, 1), layer, source=name)
+  else:
+    raise ValueError(f"unsupported tensor {name!r} in a {cfg.model_type} checkpoint")
+
+
+def _as_list(value: Any) -> list[int]:
+  if value is None:
+    return []
+  return list(value) if isinstance(value, (list, tuple)) else [value]

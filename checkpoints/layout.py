@@ -1,0 +1,146 @@
+"""The params pytree layout (docs/structure.md), a filler loaders share, LoadedModel.
+
+`param_shapes(config)` gives the shape of every leaf, so a loader can
+allocate the stacked `[L, ...]` arrays up front and copy each checkpoint
+tensor into its slot as it streams by: host memory stays at the final params
+plus one source tensor. `ParamsBuilder` does that bookkeeping and refuses to
+finish while any slot is unfilled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from serving.model_config import ModelConfig
+from serving.tokenizer import Tokenizer
+
+Params = dict[str, Any]
+
+_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "fp32": np.dtype(np.float32),
+    "f32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def resolve_dtype(dtype: Any) -> np.dtype:
+  """np.float32 or ml_dtypes.bfloat16 (also by name); anything else raises."""
+  if isinstance(dtype, str):
+    key = dtype.lower()
+    if key not in _DTYPES:
+      raise ValueError(f"unsupported params dtype {dtype!r} (supported: float32, bfloat16)")
+    return _DTYPES[key]
+  dt = np.dtype(dtype)
+  if dt not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+    raise ValueError(f"unsupported params dtype {dt} (supported: float32, bfloat16)")
+  return dt
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """Shape of every params leaf for `cfg` (the tree of docs/structure.md)."""
+  L, D, V, H = cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+  NH, KH = cfg.num_heads * H, cfg.num_kv_heads * H
+  layers = {
+      "attn_norm": (L, D), "mlp_norm": (L, D),
+      "wq": (L, D, NH), "wk": (L, D, KH), "wv": (L, D, KH), "wo": (L, NH, D),
+  }
+  if cfg.qkv_bias:
+    layers.update(bq=(L, NH), bk=(L, KH), bv=(L, KH))
+  if cfg.qk_norm:
+    layers.update(q_norm=(L, H), k_norm=(L, H))
+  if cfg.is_moe:
+    E, M = cfg.num_experts, cfg.moe_intermediate_size
+    layers.update(router=(L, D, E), we_gate=(L, E, D, M), we_up=(L, E, D, M),
+                  we_down=(L, E, M, D))
+  else:
+    F = cfg.intermediate_size
+    layers.update(w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D))
+  shapes: Params = {"embed": (V, D), "final_norm": (D,), "layers": layers}
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head"] = (D, V)
+  return shapes
+
+
+class ParamsBuilder:
+  """Preallocated params; `put` copies one (layer, expert) slice at a time."""
+
+  def __init__(self, cfg: ModelConfig, dtype: Any = np.float32):
+    self.cfg = cfg
+    self.dtype = resolve_dtype(dtype)
+    shapes = param_shapes(cfg)
+    self.params: Params = {k: np.empty(s, self.dtype) for k, s in shapes.items() if k != "layers"}
+    self.params["layers"] = {k: np.empty(s, self.dtype) for k, s in shapes["layers"].items()}
+    # Slots still to fill: (key, layer, expert); None where the axis is absent.
+    self._todo: set[tuple[str, int | None, int | None]] = set()
+    for key in self.params:
+      if key != "layers":
+        self._todo.add((key, None, None))
+    for key in self.params["layers"]:
+      experts = range(cfg.num_experts) if key.startswith("we_") else [None]
+      self._todo.update((key, i, e) for i in range(cfg.num_layers) for e in experts)
+
+  def has(self, key: str) -> bool:
+    return key in self.params or key in self.params["layers"]
+
+  def put(self, key: str, value: np.ndarray, layer: int | None = None,
+          expert: int | None = None, source: str = "") -> None:
+    """Copies `value` into params[key][layer][expert] (checking the shape)."""
+    if layer is None:
+      dst = self.params.get(key)
+    else:
+      dst = self.params["layers"].get(key)
+    if dst is None:
+      raise ValueError(f"checkpoint tensor {source or key!r} maps to {key!r}, which this "
+                       f"{self.cfg.model_type} config does not have")
+    if layer is not None:
+      if not 0 <= layer < self.cfg.num_layers:
+        raise ValueError(f"{source!r}: layer {layer} out of range (num_layers="
+                         f"{self.cfg.num_layers})")
+      dst = dst[layer]
+      if expert is not None:
+        if not 0 <= expert < self.cfg.num_experts:
+          raise ValueError(f"{source!r}: expert {expert} out of range")
+        dst = dst[expert]
+    if tuple(value.shape) != dst.shape:
+      raise ValueError(f"checkpoint tensor {source or key!r} has shape {tuple(value.shape)}, "
+                       f"expected {dst.shape} for {key!r}")
+    dst[...] = value
+    if expert is None and key.startswith("we_"):
+      self._todo.difference_update((key, layer, e) for e in range(self.cfg.num_experts))
+    else:
+      self._todo.discard((key, layer, expert))
+
+  def finish(self) -> Params:
+    """The params; raises if any slot was never written."""
+    if self._todo:
+      missing = sorted(self._todo, key=lambda t: (t[0], t[1] or 0, t[2] or 0))[:8]
+      raise ValueError(f"checkpoint is missing {len(self._todo)} tensors, e.g. "
+                       + ", ".join(_slot_name(*m) for m in missing))
+    return self.params
+
+
+def _slot_name(key: str, layer: int | None, expert: int | None) -> str:
+  name = key if layer is None else f"layers.{key}[{layer}]"
+  return name if expert is None else f"{name}[expert {expert}]"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """What every loader returns.
+
+  `params` follows docs/structure.md (numpy arrays, or jax arrays when an
+  orbax checkpoint is restored onto shardings); `tokenizer` is None only for
+  a HF directory without tokenizer files; `source` is the resolved path.
+  `config.eos_token_ids` already includes the tokenizer's end-of-generation ids.
+  """
+
+  config: ModelConfig
+  params: Params
+  tokenizer: Tokenizer | None
+  source: str

@@ -1,0 +1,113 @@
+"""Our own checkpoint format: params in orbax, config and tokenizer beside them.
+
+Layout of a directory written by `save_orbax`:
+
+  MARKER_FILE (xlaserve_checkpoint.json)  format tag, version, ModelConfig, dtype
+  params/                                  `ocp.StandardCheckpointer` tree
+  tokenizer/                               tokenizer.json + tokenizer_config.json
+
+Loading needs no dequantization or transposes, and `load_orbax` can restore
+straight onto devices: pass `abstract_params` (a tree of
+`jax.ShapeDtypeStruct` with shardings) or just `shardings` (a tree of
+`jax.sharding.Sharding` matching the params).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from checkpoints.layout import LoadedModel, Params, resolve_dtype
+from serving.model_config import ModelConfig, RopeScaling
+from serving.tokenizer import Tokenizer
+
+MARKER_FILE = "xlaserve_checkpoint.json"
+FORMAT = "xlaserve-orbax"
+VERSION = 1
+
+
+def is_orbax_dir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, MARKER_FILE))
+
+
+def save_orbax(loaded: LoadedModel, out_dir: str) -> str:
+  """Writes `loaded` to `out_dir` (created; an existing checkpoint is replaced)."""
+  out_dir = os.path.abspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  marker = os.path.join(out_dir, MARKER_FILE)
+  if os.path.exists(marker):
+    os.remove(marker)  # an interrupted save must not look complete
+  leaves = _leaves(loaded.params)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(out_dir, "params"), loaded.params, force=True)
+  if loaded.tokenizer is not None:
+    loaded.tokenizer.save(os.path.join(out_dir, "tokenizer"))
+  meta = {"format": FORMAT, "version": VERSION, "config": config_to_dict(loaded.config),
+          "dtype": str(leaves[0].dtype) if leaves else "float32", "source": loaded.source}
+  with open(marker, "w", encoding="utf-8") as f:
+    json.dump(meta, f, indent=1)
+  return out_dir
+
+
+def load_orbax(path: str, dtype: Any = None, abstract_params: Params | None = None,
+               shardings: Params | None = None) -> LoadedModel:
+  """Restores a `save_orbax` directory (numpy params unless given shardings)."""
+  path = os.path.abspath(path)
+  with open(os.path.join(path, MARKER_FILE), encoding="utf-8") as f:
+    meta = json.load(f)
+  if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    raise ValueError(f"unsupported checkpoint format {meta.get('format')!r} version "
+                     f"{meta.get('version')!r} in {path} (expected {FORMAT!r} v{VERSION})")
+  config = config_from_dict(meta["config"])
+  params_dir = os.path.join(path, "params")
+  with ocp.StandardCheckpointer() as ckptr:
+    if abstract_params is None and shardings is not None:
+      abstract_params = _abstract_from_metadata(ckptr.metadata(params_dir), shardings, dtype)
+    params = ckptr.restore(params_dir, abstract_params)
+  if abstract_params is None and dtype is not None:
+    dt = resolve_dtype(dtype)
+    params = _tree_map(lambda x: x if x.dtype == dt else x.astype(dt), params)
+  tok_dir = os.path.join(path, "tokenizer")
+  tokenizer = (Tokenizer.from_hf_dir(tok_dir, extra_eos_ids=config.eos_token_ids)
+               if os.path.isdir(tok_dir) else None)
+  return LoadedModel(config=config, params=params, tokenizer=tokenizer, source=path)
+
+
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+  d = dataclasses.asdict(cfg)
+  d["eos_token_ids"] = list(cfg.eos_token_ids)
+  return d
+
+
+def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+  d = dict(d)
+  if d.get("rope_scaling"):
+    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+  known = {f.name for f in dataclasses.fields(ModelConfig)}
+  return ModelConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def _abstract_from_metadata(metadata: Any, shardings: Params, dtype: Any) -> Params:
+  import jax  # noqa: PLC0415  (only needed for device restores)
+
+  tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  dt = None if dtype is None else resolve_dtype(dtype)
+  return jax.tree.map(
+      lambda m, s: jax.ShapeDtypeStruct(m.shape, dt or m.dtype, sharding=s), tree, shardings,
+      is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _leaves(tree: Params) -> list[Any]:
+  out = []
+  for v in tree.values():
+    out.extend(_leaves(v) if isinstance(v, dict) else [v])
+  return out
+
+
+def _tree_map(fn, tree: Params) -> Params:
+  return {k: _tree_map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}

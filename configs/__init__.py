@@ -1,0 +1,1 @@
+"""Model presets and engine presets as JSON files (read by `checkpoints.presets`)."""
