@@ -1,0 +1,389 @@
+"""On-device token sampling: penalties, temperature, top-k, top-p, min-p, logprobs.
+
+Everything here is a pure, jit-friendly function of arrays. Per-request values
+travel as `[B]` arrays in `SamplingTensors`, so ONE compiled program serves every
+mix of parameters in a batch (no recompiles after warm-up).
+
+Pipeline of `sample` (vLLM order):
+  1. penalties on the raw logits: repetition (prompt and output tokens),
+     frequency and presence (output tokens only);
+  2. greedy rows (temperature 0) take the argmax of the penalised logits;
+  3. random rows divide by their temperature, then keep the tokens that pass
+     top-k, then top-p (over the top-k renormalised distribution), then min-p;
+  4. a draw by inverse CDF with one uniform per row from the key
+     `fold_in(key(seed), step)`, so a request samples the same tokens whatever
+     batch or row it lands in;
+  5. logprobs of the sampled token and the top `num_top` tokens, taken from the
+     log_softmax of the RAW logits (vLLM's default `raw_logprobs`).
+
+Every filter is a per-row threshold on the scaled logits ("keep z >= thr"), so
+no `[B, V]` sort is ever materialised: top-k and top-p read the top
+`TOP_K_CAP` values (`lax.top_k`) and fall back to an exact bisection over the
+float order when a row needs more (top_k > cap, or a nucleus wider than the
+cap). Each optional stage sits behind `lax.cond` on "any row needs it", so an
+all-greedy batch pays for an argmax only.
+
+The runner keeps per-slot penalty state `prompt_mask [S, V] bool` and
+`output_counts [S, V] i32` on device; `reset_slots`, `record_prompt` and
+`record_outputs` are the pure scatter updates for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.types import MAX_LOGPROBS, SamplingParams
+
+# Width of the `lax.top_k` fast path for top-k / top-p thresholds.
+TOP_K_CAP = 256
+# Block width of the two-level argmax and inverse-CDF draw.
+_BLOCK = 128
+# Iterations of the float-order bisection: int32 keys span 2**32 values.
+_BISECT_STEPS = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+  """Per-row sampling parameters of a batch; every field is a `[B]` (or `[B, 2]`) array.
+
+  Neutral values disable a stage: temperature 0 is greedy, top_k <= 0, top_p 1,
+  min_p 0, repetition_penalty 1, presence/frequency penalty 0, num_logprobs -1
+  (no logprobs wanted; 0 wants the sampled token's logprob only).
+  """
+
+  temperature: jax.Array  # [B] f32
+  top_k: jax.Array  # [B] i32
+  top_p: jax.Array  # [B] f32
+  min_p: jax.Array  # [B] f32
+  repetition_penalty: jax.Array  # [B] f32
+  presence_penalty: jax.Array  # [B] f32
+  frequency_penalty: jax.Array  # [B] f32
+  seed: jax.Array  # [B, 2] u32: (seed >> 32, seed & 0xffffffff), threefry key data
+  step: jax.Array  # [B] i32: index of the output token being generated
+  num_logprobs: jax.Array  # [B] i32: SamplingParams.logprobs, -1 for None
+
+  @staticmethod
+  def build(params: Sequence[SamplingParams | None], seeds: Sequence[int],
+            steps: Sequence[int], batch_size: int) -> SamplingTensors:
+    """Host-side (numpy) tensors for a batch of `batch_size` rows.
+
+    Row i takes `params[i]`, `seeds[i]` and `steps[i]`; rows past `len(params)`
+    and rows whose params are None are padding (greedy, neutral, no logprobs).
+    The caller chooses a seed for requests without one.
+    """
+    if len(params) > batch_size:
+      raise ValueError(f"{len(params)=} rows do not fit {batch_size=}")
+    if len(seeds) != len(params) or len(steps) != len(params):
+      raise ValueError(f"need one seed and step per row: {len(params)=}, "
+                       f"{len(seeds)=}, {len(steps)=}")
+    f32 = lambda v: np.full(batch_size, v, np.float32)
+    i32 = lambda v: np.full(batch_size, v, np.int32)
+    t = dict(temperature=f32(0.0), top_k=i32(-1), top_p=f32(1.0), min_p=f32(0.0),
+             repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
+             frequency_penalty=f32(0.0), seed=np.zeros((batch_size, 2), np.uint32),
+             step=i32(0), num_logprobs=i32(-1))
+    for i, (p, seed, step) in enumerate(zip(params, seeds, steps, strict=True)):
+      t["seed"][i] = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
+      t["step"][i] = step
+      if p is None:
+        continue
+      t["temperature"][i] = p.temperature
+      t["top_k"][i] = p.top_k
+      t["top_p"][i] = p.top_p
+      t["min_p"][i] = p.min_p
+      t["repetition_penalty"][i] = p.repetition_penalty
+      t["presence_penalty"][i] = p.presence_penalty
+      t["frequency_penalty"][i] = p.frequency_penalty
+      t["num_logprobs"][i] = -1 if p.logprobs is None else p.logprobs
+    return SamplingTensors(**t)
+
+
+class SampleOutput(NamedTuple):
+  """Result of `sample`; device arrays. Logprobs are zeros when no row asked for them."""
+
+  tokens: jax.Array  # [B] i32
+  logprob: jax.Array  # [B] f32: raw log_softmax of the sampled token
+  top_ids: jax.Array  # [B, num_top] i32, best first
+  top_logprobs: jax.Array  # [B, num_top] f32, descending
+
+
+def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
+           output_counts: jax.Array, *, num_top: int = MAX_LOGPROBS) -> SampleOutput:
+  """Samples one token per row; pure and jit-able (`num_top` static).
+
+  Args:
+    logits: [B, V] float logits of the next token.
+    t: per-row parameters (`SamplingTensors.build`).
+    prompt_mask: [B, V] bool, token appears in the row's prompt.
+    output_counts: [B, V] int, times the token was generated so far.
+    num_top: width of `top_ids` / `top_logprobs` (static).
+  Returns:
+    SampleOutput with tokens [B] i32, logprob [B], top_ids / top_logprobs [B, num_top].
+  """
+  raw = logits.astype(jnp.float32)
+  penalised = apply_penalties(raw, t, prompt_mask, output_counts)
+  greedy = _argmax(penalised)
+  is_random = t.temperature > 0
+  tokens = jax.lax.cond(jnp.any(is_random), _random_tokens, lambda x, t, g: g,
+                        penalised, t, greedy)
+  logprob, top_ids, top_logprobs = _logprobs(raw, tokens, t.num_logprobs, num_top)
+  return SampleOutput(tokens, logprob, top_ids, top_logprobs)
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
+                    output_counts: jax.Array) -> jax.Array:
+  """Repetition, frequency and presence penalties with vLLM / OpenAI semantics; [B, V] f32.
+
+  Repetition: a token seen in the prompt or output has a positive logit divided
+  by the penalty and a negative one multiplied. Then
+  `logit -= frequency * count + presence * (count > 0)` over output tokens.
+  Skipped (lax.cond) when every row is neutral.
+  """
+  def penalise(x):
+    counts = output_counts.astype(jnp.float32)
+    in_output = output_counts > 0
+    rep = t.repetition_penalty[:, None]
+    seen = prompt_mask | in_output
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    x = x - t.frequency_penalty[:, None] * counts
+    return x - t.presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+  active = ((t.repetition_penalty != 1) | (t.frequency_penalty != 0)
+            | (t.presence_penalty != 0))
+  return jax.lax.cond(jnp.any(active), penalise, lambda x: x, logits)
+
+
+def _random_tokens(penalised: jax.Array, t: SamplingTensors, greedy: jax.Array) -> jax.Array:
+  """Tokens of a batch with at least one random row; greedy rows keep `greedy`."""
+  is_random = t.temperature > 0
+  temperature = jnp.where(is_random, t.temperature, 1.0)
+  z = penalised / temperature[:, None]  # [B, V]
+  z_max = jnp.max(z, axis=-1)  # [B]
+  thr = filter_thresholds(z, z_max, t.top_k, t.top_p, t.min_p)
+  u = jax.vmap(_row_uniform)(t.seed, t.step)  # [B]
+  drawn = _draw(z, z_max, thr, u)
+  return jnp.where(is_random, drawn, greedy)
+
+
+def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+  """U[0, 1) of one row from `fold_in(key(seed), step)`; seed is [2] u32 key data."""
+  key = jax.random.wrap_key_data(seed, impl="threefry2x32")
+  return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
+
+
+def filter_thresholds(z: jax.Array, z_max: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      min_p: jax.Array) -> jax.Array:
+  """Per-row threshold [B] f32: the row keeps the tokens with `z >= thr`.
+
+  z are temperature-scaled logits [B, V] and z_max their row max. Top-k keeps
+  the k largest (ties at the k-th value kept), top-p the smallest prefix of
+  the top-k renormalised distribution, sorted descending, whose mass before
+  each kept token is < p, and min-p the tokens whose probability is at least
+  `min_p` times the largest.
+  """
+  v = z.shape[-1]
+  need_k = (top_k > 0) & (top_k < v)
+  need_p = top_p < 1
+  neg_inf = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
+  thr = jax.lax.cond(jnp.any(need_k | need_p), _top_k_top_p, lambda *a: neg_inf,
+                     z, z_max, jnp.where(need_k, top_k, v), jnp.where(need_p, top_p, 1.0))
+  thr_min_p = jnp.where(min_p > 0, z_max + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
+  return jnp.maximum(thr, thr_min_p)
+
+
+def _top_k_top_p(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
+  """Top-k / top-p threshold from the top TOP_K_CAP values, else by bisection.
+
+  k is in [1, V] (V: disabled) and p in (0, 1] (1: disabled).
+  """
+  v = z.shape[-1]
+  cap = min(TOP_K_CAP, v)
+  vals, _ = jax.lax.top_k(z, cap)  # [B, cap] descending
+  thr_k = jnp.where(k <= cap, _take(vals, jnp.clip(k - 1, 0, cap - 1)), -jnp.inf)
+  thr_k = jnp.where(k >= v, -jnp.inf, thr_k)
+  mass = jnp.sum(jnp.where(z >= thr_k[:, None], jnp.exp(z - z_max[:, None]), 0.0), axis=-1)
+  q = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - z_max[:, None]), 0.0) / mass[:, None]
+  incl = jnp.cumsum(q, axis=-1)  # [B, cap]
+  excl = jnp.concatenate([jnp.zeros_like(incl[:, :1]), incl[:, :-1]], axis=-1)
+  n_keep = jnp.sum(excl < p[:, None], axis=-1)  # >= 1
+  thr_p = jnp.where(p < 1, _take(vals, n_keep - 1), -jnp.inf)
+  k_fits = (k <= cap) | (k >= v)
+  p_fits = (p >= 1) | (incl[:, -1] >= p)
+  fast = jnp.maximum(thr_k, thr_p)
+  return jax.lax.cond(jnp.all(k_fits & p_fits), lambda: fast,
+                      lambda: _bisect_thresholds(z, z_max, k, p, thr_k, k_fits))
+
+
+def _bisect_thresholds(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array,
+                       thr_k_fast: jax.Array, k_fits: jax.Array) -> jax.Array:
+  """Exact top-k / top-p thresholds by bisection over the float order of z.
+
+  Each step is one masked reduction over [B, V]: no sort. `thr_k_fast` is
+  used for rows whose top-k fitted the fast path (`k_fits`).
+  """
+  keys = _order_key(z)  # [B, V] i32, monotone in z
+  lo0 = jnp.min(jnp.where(z > -jnp.inf, keys, jnp.iinfo(jnp.int32).max), axis=-1)
+  hi0 = jnp.max(keys, axis=-1)
+
+  def k_step(_, lo_hi):  # largest key tau with count(keys >= tau) >= k
+    lo, hi = lo_hi
+    mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # ceil((lo + hi) / 2) without overflow
+    ok = jnp.sum(keys >= mid[:, None], axis=-1) >= k
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+  def bisect_k():
+    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, k_step, (lo0, hi0))
+    return jnp.where(k_fits, thr_k_fast, _from_order_key(lo))
+
+  thr_k = jax.lax.cond(jnp.all(k_fits), lambda: thr_k_fast, bisect_k)
+  e = jnp.where(z >= thr_k[:, None], jnp.exp(z - z_max[:, None]), 0.0)
+  q = e / jnp.sum(e, axis=-1, keepdims=True)
+
+  def p_step(_, lo_hi):  # smallest key tau with mass(keys > tau) < p
+    lo, hi = lo_hi
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2)
+    ok = jnp.sum(jnp.where(keys > mid[:, None], q, 0.0), axis=-1) < p
+    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+  _, hi = jax.lax.fori_loop(0, _BISECT_STEPS, p_step, (lo0, hi0))
+  thr_p = jnp.where(p < 1, _from_order_key(hi), -jnp.inf)
+  return jnp.maximum(thr_k, thr_p)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+  """int32 keys with the order of float32 x (an involution on the bit pattern)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _from_order_key(key: jax.Array) -> jax.Array:
+  """Inverse of `_order_key`."""
+  bits = jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _draw(z: jax.Array, z_max: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array:
+  """Inverse-CDF draw, in vocabulary order, from softmax(z) restricted to z >= thr.
+
+  Two levels (blocks of _BLOCK tokens, then within the block) keep it O(V).
+  The chosen token always has positive probability, whatever the rounding.
+  """
+  b, v = z.shape
+  probs = jnp.where(z >= thr[:, None], jnp.exp(z - z_max[:, None]), 0.0)
+  blocks = _blocked(probs, 0.0)  # [B, nb, _BLOCK]
+  block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
+  block_cdf = jnp.cumsum(block_mass, axis=-1)
+  target = u * block_cdf[:, -1]  # [B]
+  blk = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), _last_positive(block_mass))
+  before = jnp.where(blk > 0, _take(block_cdf, jnp.maximum(blk - 1, 0)), 0.0)
+  inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]  # [B, _BLOCK]
+  inner_cdf = before[:, None] + jnp.cumsum(inner, axis=-1)
+  pos = jnp.minimum(jnp.sum(inner_cdf <= target[:, None], axis=-1), _last_positive(inner))
+  return jnp.minimum(blk * _BLOCK + pos, v - 1).astype(jnp.int32)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+  """Index of the last positive entry of each row of [B, N] (0 if none)."""
+  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.max(jnp.where(x > 0, idx, 0), axis=-1)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+  """Row argmax of [B, V] (first maximum), in two levels: ~7x faster than jnp.argmax on CPU."""
+  blocks = _blocked(x, -jnp.inf)  # [B, nb, _BLOCK]
+  blk = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+  inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]
+  return (blk * _BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+
+
+def _blocked(x: jax.Array, fill: float) -> jax.Array:
+  """[B, V] -> [B, ceil(V / _BLOCK), _BLOCK], padding the tail with `fill`."""
+  b, v = x.shape
+  pad = -v % _BLOCK
+  if pad:
+    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill)
+  # [B, V + pad] -> [B, nb, _BLOCK]
+  return x.reshape(b, (v + pad) // _BLOCK, _BLOCK)
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[b, idx[b]] for [B, N] x and [B] idx."""
+  return jnp.take_along_axis(x, idx[:, None], axis=-1)[:, 0]
+
+
+def _logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: jax.Array,
+              num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Raw log_softmax of the sampled tokens and the top `num_top`; zeros when unwanted."""
+  b = raw.shape[0]
+  zeros = (jnp.zeros((b,), jnp.float32), jnp.zeros((b, num_top), jnp.int32),
+           jnp.zeros((b, num_top), jnp.float32))
+
+  def compute(raw):
+    lse = jax.nn.logsumexp(raw, axis=-1)
+    logprob = _take(raw, tokens) - lse
+    if not num_top:
+      return logprob, zeros[1], zeros[2]
+    top_vals, top_ids = jax.lax.cond(
+        jnp.any(num_logprobs > 0), lambda x: _top_n(x, num_top),
+        lambda x: (zeros[2], zeros[1]), raw)
+    return logprob, top_ids, top_vals - lse[:, None]
+
+  return jax.lax.cond(jnp.any(num_logprobs >= 0), compute, lambda raw: zeros, raw)
+
+
+def _top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """lax.top_k of [B, V] padded to width n with (-inf, id 0) when V < n."""
+  vals, ids = jax.lax.top_k(x, min(n, x.shape[-1]))
+  pad = n - vals.shape[-1]
+  if pad:
+    vals = jnp.pad(vals, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    ids = jnp.pad(ids, ((0, 0), (0, pad)))
+  return vals, ids.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Per-slot penalty state, kept by the runner on device.
+
+
+def reset_slots(prompt_mask: jax.Array, output_counts: jax.Array,
+                slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Clears the penalty state of `slots` [N] i32 (a slot given to a new request).
+
+  prompt_mask [S, V] bool and output_counts [S, V] i32 are the per-slot state;
+  slot ids outside [0, S) are padding and ignored. Returns the new (prompt_mask, output_counts).
+  """
+  slots = jnp.where(slots < 0, prompt_mask.shape[0], slots)
+  return (prompt_mask.at[slots].set(False, mode="drop"),
+          output_counts.at[slots].set(0, mode="drop"))
+
+
+def record_prompt(prompt_mask: jax.Array, slots: jax.Array, token_ids: jax.Array) -> jax.Array:
+  """Marks prompt tokens: prompt_mask[slots[n], token_ids[n, l]] = True.
+
+  slots [N] i32 (ids outside [0, S) are padding); token_ids [N, L] i32 where negative ids
+  are padding. Call once per prefill chunk; marks accumulate. Returns the new mask.
+  """
+  s, v = prompt_mask.shape
+  rows = jnp.broadcast_to(slots[:, None], token_ids.shape)
+  cols = jnp.where((token_ids < 0) | (rows < 0), v, token_ids)
+  rows = jnp.where(rows < 0, s, rows)
+  return prompt_mask.at[rows, cols].set(True, mode="drop")
+
+
+def record_outputs(output_counts: jax.Array, slots: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Counts one generated token per row: output_counts[slots[n], tokens[n]] += 1.
+
+  slots [N] i32 (ids outside [0, S) are padding), tokens [N] i32 (negative ids are
+  padding). Returns the new counts.
+  """
+  s, v = output_counts.shape
+  cols = jnp.where((tokens < 0) | (slots < 0), v, tokens)
+  rows = jnp.where(slots < 0, s, slots)
+  return output_counts.at[rows, cols].add(1, mode="drop")

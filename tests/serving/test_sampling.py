@@ -1,0 +1,370 @@
+"""Tests of serving/sampling.py against a row-by-row numpy reference with vLLM semantics.
+
+The reference draws by inverse CDF in vocabulary order with the same uniform
+`jax.random.uniform(fold_in(key(seed), step))` that the contract prescribes, so
+sampled tokens are compared exactly, not only in distribution.
+"""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving import sampling
+from serving.sampling import (
+  SamplingTensors,
+  filter_thresholds,
+  record_outputs,
+  record_prompt,
+  reset_slots,
+  sample,
+)
+from serving.types import MAX_LOGPROBS, SamplingParams
+
+B, V = 16, 1000  # the shape most tests share, so `_sample` compiles once
+_sample = jax.jit(sample)
+
+# ---------------------------------------------------------------------------
+# Reference (numpy, one row at a time).
+
+
+def ref_penalise(x, p, prompt, counts):
+  """vLLM penalties on one f32 row: repetition (prompt + output), frequency, presence."""
+  x = x.astype(np.float32).copy()
+  rep = np.float32(p.repetition_penalty)
+  seen = prompt | (counts > 0)
+  x = np.where(seen, np.where(x > 0, x / rep, x * rep), x).astype(np.float32)
+  x = x - np.float32(p.frequency_penalty) * counts.astype(np.float32)
+  return x - np.float32(p.presence_penalty) * (counts > 0).astype(np.float32)
+
+
+def _softmax(z):
+  e = np.exp(z - np.max(z))
+  return e / e.sum()
+
+
+def ref_filtered(x, p, prompt, counts):
+  """Penalised, temperature-scaled logits of a random row, -inf where filtered out."""
+  z = (ref_penalise(x, p, prompt, counts) / np.float32(p.temperature)).astype(np.float64)
+  if 0 < p.top_k < z.size:
+    kth = np.sort(z)[-p.top_k]
+    z = np.where(z < kth, -np.inf, z)
+  if p.top_p < 1:  # vLLM: ascending sort, drop while cumulative mass <= 1 - p, keep the top
+    order = np.argsort(z, kind="stable")
+    cum = np.cumsum(_softmax(z)[order])
+    drop = cum <= 1 - p.top_p
+    drop[-1] = False
+    z = z.copy()
+    z[order[drop]] = -np.inf
+  if p.min_p > 0:
+    probs = _softmax(z)
+    z = np.where(probs < p.min_p * probs.max(), -np.inf, z)
+  return z
+
+
+def uniform(seed, step):
+  return float(jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step)))
+
+
+def ref_token(x, p, prompt, counts, seed, step):
+  if p is None or p.temperature == 0:
+    base = p or SamplingParams(temperature=0.0)
+    return int(np.argmax(ref_penalise(x, base, prompt, counts)))
+  cdf = np.cumsum(_softmax(ref_filtered(x, p, prompt, counts)))
+  return int(np.searchsorted(cdf, uniform(seed, step) * cdf[-1], side="right"))
+
+
+def ref_log_softmax(x):
+  x = x.astype(np.float64)
+  return x - np.max(x) - np.log(np.sum(np.exp(x - np.max(x))))
+
+
+def test_reference_hand_cases():
+  neutral = dict(prompt=np.zeros(4, bool), counts=np.zeros(4, np.int32))
+  x = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+  keep = lambda **kw: np.isfinite(ref_filtered(x, SamplingParams(**kw), **neutral))
+  np.testing.assert_array_equal(keep(top_k=2), [1, 1, 0, 0])
+  np.testing.assert_array_equal(keep(top_p=0.45), [1, 0, 0, 0])
+  np.testing.assert_array_equal(keep(top_p=0.6), [1, 1, 0, 0])
+  np.testing.assert_array_equal(keep(top_p=0.85), [1, 1, 1, 0])
+  np.testing.assert_array_equal(keep(min_p=0.5), [1, 1, 0, 0])
+  np.testing.assert_array_equal(keep(top_k=3, min_p=0.4), [1, 1, 0, 0])
+  y = np.array([2.0, -2.0, 2.0, 1.0], np.float32)
+  counts = np.array([0, 0, 2, 1], np.int32)
+  pen = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+  np.testing.assert_allclose(
+      ref_penalise(y, pen, np.array([1, 1, 0, 0], bool), counts), [1.0, -4.0, -0.25, -0.25])
+  assert ref_token(y, None, np.zeros(4, bool), counts, 0, 0) == 0
+
+
+# ---------------------------------------------------------------------------
+# Helpers.
+
+
+def make_logits(rng, b=B, v=V, scale=3.0):
+  return (rng.standard_normal((b, v)) * scale).astype(np.float32)
+
+
+def make_state(rng, b=B, v=V):
+  prompt = rng.random((b, v)) < 0.05
+  counts = rng.poisson(0.05, (b, v)).astype(np.int32)
+  return prompt, counts
+
+
+def run(logits, params, prompt, counts, seeds=None, steps=None):
+  b = logits.shape[0]
+  seeds = list(range(100, 100 + len(params))) if seeds is None else seeds
+  steps = [0] * len(params) if steps is None else steps
+  t = SamplingTensors.build(params, seeds, steps, b)
+  return _sample(logits, t, prompt, counts), seeds, steps
+
+
+def check_against_reference(logits, params, prompt, counts, seeds=None, steps=None):
+  out, seeds, steps = run(logits, params, prompt, counts, seeds, steps)
+  tokens = np.asarray(out.tokens)
+  want = [ref_token(logits[i], p, prompt[i], counts[i], seeds[i], steps[i])
+          for i, p in enumerate(params)]
+  np.testing.assert_array_equal(tokens[:len(params)], want)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Sampling against the reference.
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+  rng = np.random.default_rng(0)
+  logits = make_logits(rng)
+  zero = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+  out = check_against_reference(logits, [SamplingParams(temperature=0.0, logprobs=5)] * B, *zero)
+  np.testing.assert_array_equal(out.tokens, np.argmax(logits, -1))
+  lsm = np.stack([ref_log_softmax(r) for r in logits])
+  np.testing.assert_allclose(out.logprob, lsm[np.arange(B), out.tokens], atol=1e-5)
+
+
+CASES = {
+  "temperature": dict(temperature=0.7),
+  "hot": dict(temperature=1.5),
+  "top_k": dict(top_k=5),
+  "top_k_1": dict(top_k=1, temperature=2.0),
+  "top_p": dict(top_p=0.8),
+  "min_p": dict(min_p=0.1, temperature=1.3),
+  "top_k_top_p_min_p": dict(top_k=50, top_p=0.9, min_p=0.05, temperature=0.9),
+  "repetition": dict(repetition_penalty=1.7),
+  "repetition_greedy": dict(repetition_penalty=0.6, temperature=0.0),
+  "presence": dict(presence_penalty=1.5),
+  "frequency": dict(frequency_penalty=-1.2, temperature=0.0),
+  "all_penalties": dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
+                        top_p=0.95),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name):
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  logits = make_logits(rng)
+  prompt, counts = make_state(rng)
+  params = [SamplingParams(**CASES[name])] * B
+  for step in range(3):
+    check_against_reference(logits, params, prompt, counts, steps=[step] * B)
+
+
+def test_mixed_batch_matches_reference():
+  rng = np.random.default_rng(1)
+  logits = make_logits(rng)
+  prompt, counts = make_state(rng)
+  kinds = list(CASES.values()) + [dict(temperature=0.0), dict(logprobs=3)]
+  params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(B - 2)] + [None]
+  for step in range(4):
+    check_against_reference(logits, params, prompt, counts, steps=[step] * len(params))
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9, temperature=1.0), dict(top_k=300),
+                                dict(top_k=400, top_p=0.7), dict(top_k=700, min_p=0.02)])
+def test_bisection_fallback_matches_reference(kw):
+  """Flat logits (a nucleus wider than TOP_K_CAP) and top_k > TOP_K_CAP take the bisection."""
+  assert sampling.TOP_K_CAP < 300
+  rng = np.random.default_rng(2)
+  logits = make_logits(rng, scale=0.5)
+  prompt, counts = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+  params = [SamplingParams(**kw)] * (B // 2) + [SamplingParams(top_k=3)] * (B // 2)
+  check_against_reference(logits, params, prompt, counts)
+
+
+def test_bisection_equals_fast_path():
+  rng = np.random.default_rng(3)
+  z = jnp.asarray(make_logits(rng))
+  z_max = jnp.max(z, -1)
+  k = jnp.asarray(rng.integers(1, sampling.TOP_K_CAP, B), jnp.int32)
+  p = jnp.asarray(rng.uniform(0.05, 1.0, B), jnp.float32)
+  fast = sampling._top_k_top_p(z, z_max, k, p)
+  slow = sampling._bisect_thresholds(z, z_max, k, p, jnp.full((B,), -jnp.inf),
+                                     jnp.zeros((B,), bool))
+  np.testing.assert_array_equal(fast, slow)
+
+
+def test_large_vocab():
+  """The real vocabulary size: fast path, fallback and greedy rows in one batch."""
+  rng = np.random.default_rng(4)
+  b, v = 4, 49152
+  logits = make_logits(rng, b, v)
+  logits[1] *= 0.1  # flat: its nucleus needs the bisection
+  prompt, counts = make_state(rng, b, v)
+  params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.95, top_k=1000),
+            SamplingParams(temperature=0.0, repetition_penalty=1.2),
+            SamplingParams(min_p=0.05, presence_penalty=0.3)]
+  check_against_reference(logits, params, prompt, counts, steps=[5] * b)
+
+
+# ---------------------------------------------------------------------------
+# Determinism, statistics, logprobs, padding, compilation.
+
+
+def test_seed_determinism_across_rows_and_batches():
+  rng = np.random.default_rng(5)
+  row = make_logits(rng, 1, V, scale=1.0)[0]
+  params = SamplingParams(temperature=1.0, top_p=0.95)
+  zero = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+  got = []
+  for position, seed_offset in [(0, 0), (7, 1000), (B - 1, 77)]:
+    logits = make_logits(rng, scale=1.0)
+    logits[position] = row
+    seeds = [seed_offset + i for i in range(B)]
+    seeds[position] = 42
+    steps = [9] * B
+    plist = [SamplingParams(temperature=0.5 + 0.1 * i) for i in range(B)]
+    plist[position] = params
+    out, _, _ = run(logits, plist, *zero, seeds, steps)
+    got.append(int(out.tokens[position]))
+  small, _, _ = run(row[None], [params], np.zeros((1, V), bool), np.zeros((1, V), np.int32),
+                    [42], [9])
+  got.append(int(small.tokens[0]))
+  assert len(set(got)) == 1, got
+  many, _, _ = run(np.repeat(row[None], B, 0), [params] * B, *zero, list(range(B)), [9] * B)
+  assert len(set(np.asarray(many.tokens).tolist())) > B // 2  # different seeds differ
+
+
+def test_seed_layout_is_jax_key():
+  t = SamplingTensors.build([SamplingParams()] * 2, [7, 2**40 + 5], [0, 0], 2)
+  np.testing.assert_array_equal(t.seed[0], jax.random.key_data(jax.random.key(7)))
+  np.testing.assert_array_equal(t.seed[1], [2**8, 5])
+
+
+def _chi_square(tokens, probs, n):
+  observed = np.bincount(tokens, minlength=probs.size)
+  expected = probs * n
+  assert observed[expected == 0].sum() == 0
+  keep = expected > 0
+  stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+  dof = keep.sum() - 1
+  assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.3, top_k=6, top_p=0.9)])
+def test_sampling_frequencies_match_softmax(kw):
+  rng = np.random.default_rng(6)
+  b, v, calls = 512, 16, 8
+  row = (rng.standard_normal(v) * 1.5).astype(np.float32)
+  params = SamplingParams(**kw)
+  probs = _softmax(ref_filtered(row, params, np.zeros(v, bool), np.zeros(v, np.int32)))
+  logits = np.repeat(row[None], b, 0)
+  zero = np.zeros((b, v), bool), np.zeros((b, v), np.int32)
+  tokens = []
+  for c in range(calls):
+    t = SamplingTensors.build([params] * b, [c] * b, list(range(b)), b)
+    tokens.append(np.asarray(_sample(logits, t, *zero).tokens))
+  _chi_square(np.concatenate(tokens), probs, b * calls)
+
+
+def test_logprobs_are_raw_log_softmax_sorted():
+  rng = np.random.default_rng(7)
+  logits = make_logits(rng)
+  prompt, counts = make_state(rng)
+  params = [SamplingParams(temperature=0.6, repetition_penalty=1.5, top_k=20, logprobs=5)] * B
+  out = check_against_reference(logits, params, prompt, counts)
+  lsm = np.stack([ref_log_softmax(r) for r in logits])
+  np.testing.assert_allclose(out.logprob, lsm[np.arange(B), out.tokens], atol=1e-5)
+  assert out.top_ids.shape == (B, MAX_LOGPROBS)
+  want_ids = np.argsort(-lsm, axis=-1, kind="stable")[:, :MAX_LOGPROBS]
+  np.testing.assert_array_equal(out.top_ids, want_ids)
+  np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(lsm, want_ids, -1), atol=1e-5)
+  assert np.all(np.diff(np.asarray(out.top_logprobs), axis=-1) <= 0)
+
+
+def test_no_logprobs_requested_gives_zeros():
+  rng = np.random.default_rng(8)
+  logits = make_logits(rng)
+  zero = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+  out, _, _ = run(logits, [SamplingParams(top_k=4)] * B, *zero)
+  assert not np.any(out.logprob) and not np.any(out.top_ids) and not np.any(out.top_logprobs)
+  only_sampled, _, _ = run(logits, [SamplingParams(logprobs=0)] * 2, *zero)
+  assert np.all(np.asarray(only_sampled.logprob[:2]) < 0)
+
+
+def test_padding_rows_are_harmless():
+  rng = np.random.default_rng(9)
+  logits = make_logits(rng)
+  prompt, counts = make_state(rng)
+  params = [SamplingParams(top_p=0.9, presence_penalty=1.0), SamplingParams(top_k=30)]
+  clean = check_against_reference(logits, params, prompt, counts)
+  noisy = logits.copy()
+  noisy[2:] = np.nan
+  out, _, _ = run(noisy, params, prompt, counts)
+  np.testing.assert_array_equal(out.tokens[:2], clean.tokens[:2])
+  t = SamplingTensors.build(params + [None], [1, 2, 3], [0, 0, 0], B)
+  assert t.temperature[2:].max() == 0 and t.top_k[2:].max() == -1 and t.top_p[2:].min() == 1
+  assert t.repetition_penalty[2:].min() == 1 and t.num_logprobs[2:].max() == -1
+
+
+def test_one_compilation_serves_every_parameter_mix():
+  fn = jax.jit(lambda *args: sample(*args))  # a fresh cache, not shared with `_sample`
+  rng = np.random.default_rng(10)
+  logits = make_logits(rng)
+  prompt, counts = make_state(rng)
+  mixes = [[SamplingParams(temperature=0.0)] * B, [SamplingParams()] * B,
+           [SamplingParams(top_k=3, logprobs=2)] * 3, [SamplingParams(top_p=0.5)] * B,
+           [SamplingParams(top_k=900, min_p=0.1, repetition_penalty=1.1)] * 5, [None] * 2]
+  for i, mix in enumerate(mixes):
+    t = SamplingTensors.build(mix, [i] * len(mix), [i] * len(mix), B)
+    jax.block_until_ready(fn(logits, t, prompt, counts))
+  assert fn._cache_size() == 1
+
+
+def test_build_validates():
+  with pytest.raises(ValueError, match="do not fit"):
+    SamplingTensors.build([None] * 3, [0] * 3, [0] * 3, 2)
+  with pytest.raises(ValueError, match="one seed"):
+    SamplingTensors.build([None] * 2, [0], [0, 0], 2)
+
+
+# ---------------------------------------------------------------------------
+# Per-slot penalty state.
+
+
+def test_penalty_state_updates():
+  s, v = 4, 10
+  mask = jnp.zeros((s, v), bool)
+  counts = jnp.zeros((s, v), jnp.int32)
+  mask = record_prompt(mask, jnp.array([1, 3, s]), jnp.array([[2, 5, -1], [0, 0, 9], [1, 1, 1]]))
+  counts = record_outputs(counts, jnp.array([1, 1, 2, s, 0]), jnp.array([4, 4, 9, 3, -1]))
+  counts = record_outputs(counts, jnp.array([1]), jnp.array([7]))
+  want_mask = np.zeros((s, v), bool)
+  want_mask[1, [2, 5]] = want_mask[3, [0, 9]] = True
+  want_counts = np.zeros((s, v), np.int32)
+  want_counts[1, 4], want_counts[2, 9], want_counts[1, 7] = 2, 1, 1
+  np.testing.assert_array_equal(mask, want_mask)
+  np.testing.assert_array_equal(counts, want_counts)
+  mask, counts = reset_slots(mask, counts, jnp.array([1, s, -1]))
+  want_mask[1] = False
+  want_counts[1] = 0
+  np.testing.assert_array_equal(mask, want_mask)
+  np.testing.assert_array_equal(counts, want_counts)
+
+
+def test_min_p_threshold_in_log_space():
+  z = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
+  thr = filter_thresholds(z, jnp.max(z, -1), jnp.array([-1]), jnp.array([1.0]),
+                          jnp.array([0.29]))
+  np.testing.assert_array_equal(np.asarray(z >= thr[:, None])[0], [1, 1, 1, 0])
