@@ -1,0 +1,17 @@
+"""xlaserve serving: the engine, scheduler, model code and front ends.
+
+The notebook / batch API is `LLM` and `SamplingParams` (see DESIGN.md).
+"""
+
+from serving.types import RequestOutput, SamplingParams, TokenLogprob
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprob"]
+
+
+def __getattr__(name):
+  # LLM pulls in jax and the engine; import it lazily so light modules
+  # (types, protocol models) stay cheap to import.
+  if name == "LLM":
+    from serving.llm import LLM
+    return LLM
+  raise AttributeError(name)

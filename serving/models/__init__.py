@@ -1,0 +1,1 @@
+"""Model code: pure JAX forward functions over a params pytree."""

@@ -1,0 +1,135 @@
+"""Host-side KV page allocator with a hash-chain prefix cache.
+
+Pages are refcounted. A page filled completely with a sequence's tokens is
+*committed* under the hash of its whole token prefix (parent hash + its own
+tokens), so a later request with the same prefix shares it instead of
+recomputing it. Committed pages whose refcount drops to zero stay cached in an
+LRU list and are evicted only when free pages run out.
+
+Page 0 is the reserved dummy page (padding writes) and is never handed out.
+Invariants (checked by `check()` in tests): every page other than 0 is in
+exactly one of {free list, LRU evictable, referenced}; refcounts are >= 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import struct
+
+
+def page_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+  """Hash of a full page given its parent's hash: identifies the whole prefix."""
+  h = hashlib.blake2b(parent or b"", digest_size=16)
+  h.update(struct.pack(f"<{len(tokens)}i", *tokens))
+  return h.digest()
+
+
+@dataclasses.dataclass
+class PrefixStats:
+  queries: int = 0  # prompt tokens looked up
+  hits: int = 0  # prompt tokens found cached
+
+
+class PageAllocator:
+  """Refcounted pages [1, num_pages) plus the prefix cache (see module doc)."""
+
+  def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    if num_pages < 2:
+      raise ValueError(f"num_pages={num_pages} must be at least 2 (page 0 is reserved)")
+    self.num_pages, self.page_size = num_pages, page_size
+    self.enable_prefix_caching = enable_prefix_caching
+    self._free = collections.deque(range(1, num_pages))
+    self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+    self._refs = [0] * num_pages
+    self._hash_of: dict[int, bytes] = {}
+    self._page_of: dict[bytes, int] = {}
+    self.stats = PrefixStats()
+
+  @property
+  def num_usable(self) -> int:
+    return self.num_pages - 1
+
+  @property
+  def num_free(self) -> int:
+    """Pages obtainable now (free + evictable cached pages)."""
+    return len(self._free) + len(self._evictable)
+
+  @property
+  def usage(self) -> float:
+    return 1.0 - self.num_free / self.num_usable
+
+  def refcount(self, page: int) -> int:
+    return self._refs[page]
+
+  def allocate(self, n: int) -> list[int] | None:
+    """n fresh pages with refcount 1, or None (nothing taken) if too few are free."""
+    if n > self.num_free:
+      return None
+    out = []
+    for _ in range(n):
+      if self._free:
+        page = self._free.popleft()
+      else:
+        page, _ = self._evictable.popitem(last=False)  # least recently used
+        del self._page_of[self._hash_of.pop(page)]
+      self._refs[page] = 1
+      out.append(page)
+    return out
+
+  def release(self, pages: list[int]) -> None:
+    """Drops one reference to each page; unreferenced pages become free or evictable."""
+    for page in pages:
+      if self._refs[page] <= 0:
+        raise RuntimeError(f"page {page} released more often than referenced")
+      self._refs[page] -= 1
+      if self._refs[page] == 0:
+        if page in self._hash_of:
+          self._evictable[page] = None
+        else:
+          self._free.append(page)
+
+  def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+    """Longest cached full-page prefix of `tokens` (leaving >= 1 token to compute).
+
+    Returns (pages, their hashes); each returned page gains a reference.
+    """
+    if not self.enable_prefix_caching:
+      return [], []
+    ps = self.page_size
+    max_pages = (len(tokens) - 1) // ps
+    pages, hashes, parent = [], [], None
+    for i in range(max_pages):
+      h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+      page = self._page_of.get(h)
+      if page is None:
+        break
+      if self._refs[page] == 0:
+        del self._evictable[page]
+      self._refs[page] += 1
+      pages.append(page)
+      hashes.append(h)
+      parent = h
+    self.stats.queries += len(tokens)
+    self.stats.hits += len(pages) * ps
+    return pages, hashes
+
+  def commit(self, page: int, h: bytes) -> None:
+    """Registers a full page under its prefix hash (no-op if that prefix is cached)."""
+    if not self.enable_prefix_caching or h in self._page_of or page in self._hash_of:
+      return
+    self._page_of[h] = page
+    self._hash_of[page] = h
+
+  def check(self) -> None:
+    """Asserts the allocator's invariants (for tests)."""
+    free, evict = set(self._free), set(self._evictable)
+    assert len(free) == len(self._free), "duplicate page in the free list"
+    assert not free & evict, "page both free and evictable"
+    for page in range(1, self.num_pages):
+      in_use = self._refs[page] > 0
+      assert self._refs[page] >= 0
+      assert (page in free) + (page in evict) + in_use == 1, f"page {page} state broken"
+    assert 0 not in free and 0 not in evict
+    assert all(self._page_of[h] == p for p, h in self._hash_of.items())

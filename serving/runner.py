@@ -1,0 +1,236 @@
+"""The device side: jitted, pure prefill and decode steps over the paged cache.
+
+Lifecycle:
+  1. `ModelRunner(params, model_cfg, engine_cfg)` puts the weights on the
+     device(s), sizes and allocates the KV page pool and the sampler state.
+  2. `warm_up()` compiles every (bucket) program once — prefill over
+     (tokens, block-table width), decode over (batch rows, width) — and logs
+     how many; the persistent compilation cache makes restarts cheap.
+  3. The engine calls `prefill(PrefillInput)` / `decode(DecodeInput)` with
+     host numpy arrays already padded to a bucket. Each call dispatches
+     asynchronously and returns device arrays (`SampleOutput`); the engine
+     reads them only after dispatching the next step (host/device overlap).
+
+The runner never makes policy: the scheduler decides what runs. Device
+state (`DeviceState`: KV pages, each slot's last sampled token, penalty
+counters) is donated into every step, so it is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving import attention, sampling
+from serving.config import EngineConfig
+from serving.kv_cache import KVCache, create_kv_cache, write_kv
+from serving.model_config import ModelConfig
+from serving.models import llama
+from serving.types import MAX_LOGPROBS
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeviceState:
+  kv: KVCache
+  last_tokens: jax.Array  # [S+1] int32: each slot's latest sampled token (slot S = dummy)
+  prompt_mask: jax.Array  # [S+1, V] bool: token occurs in the slot's prompt
+  output_counts: jax.Array  # [S+1, V] int32: times the slot generated each token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillInput:
+  """One sequence's prefill chunk, padded to a token bucket T and width W."""
+
+  tokens: np.ndarray  # [T] int32
+  positions: np.ndarray  # [T] int32
+  slot_mapping: np.ndarray  # [T] int32 page*page_size+offset; padding -> page 0
+  is_output: np.ndarray  # [T] bool: token was generated (recompute after preemption)
+  num_tokens: np.ndarray  # [] int32 valid rows
+  block_table: np.ndarray  # [1, W] int32
+  kv_len: np.ndarray  # [1] int32 tokens in the cache after this chunk
+  slot: np.ndarray  # [] int32 decode slot of the sequence
+  reset: np.ndarray  # [] bool: first chunk, clear the slot's penalty state
+  sampling: sampling.SamplingTensors  # [1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeInput:
+  """One decode step over B rows (padded) and block-table width W."""
+
+  slots: np.ndarray  # [B] int32 (padding rows -> dummy slot S)
+  positions: np.ndarray  # [B] int32 position of the input token
+  slot_mapping: np.ndarray  # [B] int32
+  block_tables: np.ndarray  # [B, W] int32
+  seq_lens: np.ndarray  # [B] int32 (positions + 1; 0 for padding)
+  sampling: sampling.SamplingTensors  # [B]
+
+
+def _attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta):
+  """Builds the per-layer attention callback for llama.forward."""
+  scale = cfg.head_dim ** -0.5
+
+  def attend(layer, q, k, v, kv):
+    kv = write_kv(kv, layer, k, v, meta["slot_mapping"])
+    tables = meta["block_tables"] + layer * num_pages
+    kw = dict(scale=scale, sliding_window=cfg.sliding_window)
+    if kind == "decode":
+      out = attention.decode_attention(backend, q, kv, tables, meta["seq_lens"], **kw)
+    else:
+      out = attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
+                                       meta["kv_lens"], **kw)
+    return out, kv
+
+  return attend
+
+
+def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
+                 backend: str, act_dtype) -> tuple[DeviceState, jax.Array]:
+  """Pure prefill of one chunk -> (state, logits [1, V] after its last valid row)."""
+  t = inp.tokens.shape[0]
+  meta = dict(slot_mapping=inp.slot_mapping, block_tables=inp.block_table,
+              cu_q_lens=jnp.stack([0, inp.num_tokens]).astype(jnp.int32), kv_lens=inp.kv_len)
+  attend = _attend_fn(backend, cfg, state.kv.num_pages, "prefill", meta)
+  hidden, kv = llama.forward(params, cfg, inp.tokens, inp.positions, state.kv, attend,
+                             act_dtype=act_dtype)
+  last = jax.lax.dynamic_slice_in_dim(hidden, inp.num_tokens - 1, 1)  # [1, D]
+  logits = llama.logits(params, cfg, last)
+  # Penalty state of the slot: cleared on the first chunk, then fed by this chunk.
+  valid = jnp.arange(t) < inp.num_tokens
+  pm = jnp.where(inp.reset, False, state.prompt_mask[inp.slot])
+  oc = jnp.where(inp.reset, 0, state.output_counts[inp.slot])
+  pm = pm.at[inp.tokens].max(valid & ~inp.is_output)
+  oc = oc.at[inp.tokens].add((valid & inp.is_output).astype(jnp.int32))
+  state = dataclasses.replace(state, kv=kv, prompt_mask=state.prompt_mask.at[inp.slot].set(pm),
+                              output_counts=state.output_counts.at[inp.slot].set(oc))
+  return state, logits
+
+
+def decode_step(params, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfig,
+                backend: str, act_dtype) -> tuple[DeviceState, jax.Array]:
+  """Pure decode of one token per row -> (state, logits [B, V]).
+
+  Input tokens come from `state.last_tokens` (sampled by the previous step).
+  """
+  tokens = state.last_tokens[inp.slots]
+  meta = dict(slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
+              seq_lens=inp.seq_lens)
+  attend = _attend_fn(backend, cfg, state.kv.num_pages, "decode", meta)
+  hidden, kv = llama.forward(params, cfg, tokens, inp.positions, state.kv, attend,
+                             act_dtype=act_dtype)
+  return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
+
+
+def sample_step(state: DeviceState, logits: jax.Array, slots: jax.Array,
+                tensors: sampling.SamplingTensors) -> tuple[DeviceState, sampling.SampleOutput]:
+  """Samples one token per row [B] of slots and records it in the slot state.
+
+  Jitted per batch bucket only (not per context width), which keeps the
+  number of compiled sampler programs small.
+  """
+  out = sampling.sample(logits, tensors, state.prompt_mask[slots], state.output_counts[slots],
+                        num_top=MAX_LOGPROBS)
+  state = dataclasses.replace(
+      state, last_tokens=state.last_tokens.at[slots].set(out.tokens),
+      output_counts=state.output_counts.at[slots, out.tokens].add(1))
+  return state, out
+
+
+def resolve_dtypes(engine_cfg: EngineConfig, platform: str) -> tuple[str, str]:
+  """(compute dtype, kv dtype) names after resolving "auto"."""
+  dtype = engine_cfg.dtype
+  if dtype == "auto":
+    dtype = "float32" if platform == "cpu" else "bfloat16"
+  kv = engine_cfg.kv_cache_dtype
+  if kv == "auto":
+    kv = dtype
+  return dtype, kv
+
+
+class ModelRunner:
+  """Holds weights and device state; runs bucketed, jitted steps (see module doc)."""
+
+  def __init__(self, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
+               num_pages: int):
+    self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
+    platform = jax.default_backend()
+    self.dtype_name, self.kv_dtype_name = resolve_dtypes(engine_cfg, platform)
+    self.backend = attention.resolve_backend(engine_cfg.attention_backend, platform)
+    dtype = jnp.dtype(self.dtype_name)
+    self.params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    self.num_pages = num_pages
+    slots, vocab = engine_cfg.max_num_seqs + 1, model_cfg.vocab_size
+    self.state = DeviceState(
+        kv=create_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype_name),
+        last_tokens=jnp.zeros((slots,), jnp.int32),
+        prompt_mask=jnp.zeros((slots, vocab), jnp.bool_),
+        output_counts=jnp.zeros((slots, vocab), jnp.int32))
+    kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype)
+    self._prefill = jax.jit(functools.partial(prefill_step, **kw), donate_argnums=(1,))
+    self._decode = jax.jit(functools.partial(decode_step, **kw), donate_argnums=(1,))
+    self._sample = jax.jit(sample_step, donate_argnums=(0,))
+
+  @property
+  def dummy_slot(self) -> int:
+    return self.engine_cfg.max_num_seqs
+
+  def prefill(self, inp: PrefillInput, sample: bool = True) -> sampling.SampleOutput | None:
+    """Runs a chunk; samples the next token only for a sequence's last chunk."""
+    self.state, logits = self._prefill(self.params, self.state, inp)
+    if not sample:
+      return None
+    self.state, out = self._sample(self.state, logits, inp.slot[None], inp.sampling)
+    return out
+
+  def decode(self, inp: DecodeInput) -> sampling.SampleOutput:
+    self.state, logits = self._decode(self.params, self.state, inp)
+    self.state, out = self._sample(self.state, logits, inp.slots, inp.sampling)
+    return out
+
+  def bucket_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(prefill (tokens, width) pairs, decode (rows, width) pairs) compiled at warm-up."""
+    ec = self.engine_cfg
+    widths = ec.context_page_buckets
+    prefill = [(t, w) for t in ec.prefill_token_buckets for w in widths
+               if w * ec.page_size >= t or w == widths[-1]]
+    decode = [(b, w) for b in ec.decode_batch_buckets for w in widths]
+    return prefill, decode
+
+  def warm_up(self) -> int:
+    """Compiles (or loads from the persistent cache) every bucket; returns the count."""
+    start = time.perf_counter()
+    prefill, decode = self.bucket_shapes()
+    for t, w in prefill:
+      jax.block_until_ready(self.prefill(self.dummy_prefill(t, w)))
+    for b, w in decode:
+      jax.block_until_ready(self.decode(self.dummy_decode(b, w)))
+    n_sample = len(self.engine_cfg.decode_batch_buckets)
+    n = len(prefill) + len(decode) + n_sample
+    log.info("compiled %d programs (%d prefill, %d decode, %d sampler) in %.1fs", n, len(prefill),
+             len(decode), n_sample, time.perf_counter() - start)
+    return n
+
+  def dummy_prefill(self, t: int, w: int) -> PrefillInput:
+    """A padding-only chunk: writes into dummy page 0 and the dummy slot."""
+    z = np.zeros((t,), np.int32)
+    return PrefillInput(tokens=z, positions=z, slot_mapping=z, is_output=np.zeros(t, bool),
+                        num_tokens=np.int32(1), block_table=np.zeros((1, w), np.int32),
+                        kv_len=np.ones((1,), np.int32), slot=np.int32(self.dummy_slot),
+                        reset=np.bool_(True),
+                        sampling=sampling.SamplingTensors.build([], [], [], 1))
+
+  def dummy_decode(self, b: int, w: int) -> DecodeInput:
+    z = np.zeros((b,), np.int32)
+    return DecodeInput(slots=np.full((b,), self.dummy_slot, np.int32), positions=z,
+                       slot_mapping=z, block_tables=np.zeros((b, w), np.int32), seq_lens=z,
+                       sampling=sampling.SamplingTensors.build([], [], [], b))

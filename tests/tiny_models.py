@@ -1,0 +1,89 @@
+"""Tiny random-weight Hugging Face models for tests (built with `transformers`).
+
+`save_tiny_model(family, path)` writes a HF directory — config.json,
+model.safetensors and a byte-level tokenizer.json — that every loader and
+the engine accept; `transformers` is the numerical reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import tokenizers
+import torch
+import transformers
+
+VOCAB = 300  # 256 byte tokens + specials + spare ids
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "llama3": lambda: transformers.LlamaConfig(**{**_COMMON, "rope_theta": 500000.0}, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),
+    "smollm2": lambda: transformers.LlamaConfig(**{**_COMMON, "tie_word_embeddings": True,
+                                                   "num_attention_heads": 6,
+                                                   "num_key_value_heads": 2,
+                                                   "hidden_size": 96}),
+    "mixtral": lambda: transformers.MixtralConfig(**_COMMON, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+}
+
+
+def byte_tokenizer() -> tokenizers.Tokenizer:
+  """A byte-level BPE with no merges: one token per byte, plus <s> and </s>."""
+  alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+  vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                          use_regex=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.add_special_tokens(["<s>", "</s>"])
+  return tok
+
+
+def _byte_of(ch: str) -> int:
+  table = {v: k for k, v in _bytes_to_unicode().items()}
+  return table[ch]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+      range(ord("®"), ord("ÿ") + 1))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTrainedModel:
+  """Writes a tiny random model of `family` to `path`; returns the torch model (f32, eval)."""
+  torch.manual_seed(seed)
+  config = FAMILIES[family]()
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():  # random norms, so RMSNorm weights are exercised too
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.add_(0.1 * torch.randn_like(p))
+  model.save_pretrained(path)
+  byte_tokenizer().save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+               "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"},
+              f)
+  return model
