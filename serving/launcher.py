@@ -1,0 +1,255 @@
+"""`xlaserve` command line (absl): serve | generate | batch | convert | bench.
+
+    xlaserve serve    --model=smollm2-135m-instruct --http_port=8000 --grpc_port=9000
+    xlaserve generate --prompt="Hello" --max_tokens=32
+    xlaserve batch    --input=in.jsonl --output=out.jsonl
+    xlaserve convert  --model=... --output=DIR
+    xlaserve bench    ...            (flags and behaviour owned by serving.bench)
+
+Flags live only here. `main()` turns them into frozen configs (`EngineConfig`,
+`ServeConfig`, `BatchConfig`) that are passed down. Engine options resolve, last
+one wins: EngineConfig defaults < the model preset's `engine` block <
+`--config` preset (configs/<name>.json or a JSON path) < flags given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from absl import app, flags
+
+from serving import config as config_lib
+from serving.config import EngineConfig
+
+FLAGS = flags.FLAGS
+COMMANDS = ("serve", "generate", "batch", "convert", "bench")
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+# Shared.
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Model: preset name, HF dir, .gguf, orbax.")
+flags.DEFINE_string("config", None, "Engine preset: a name in configs/ (e.g. cpu-small) or a path.")
+flags.DEFINE_string("engine_class", "serving.engine:LLMEngine",
+                    "module:Class implementing the LLMEngine API (tests pass a fake).")
+# Engine (names and meaning of EngineConfig's fields; unset -> preset or default).
+flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests run together).")
+flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion, in tokens.")
+flags.DEFINE_integer("page_size", None, "Tokens per KV cache page.")
+flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from the memory fraction).")
+flags.DEFINE_float("kv_cache_memory_fraction", None, "Device memory share for the KV cache.")
+flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget of one prefill step.")
+flags.DEFINE_bool("enable_prefix_caching", None, "Share KV pages of common prompt prefixes.")
+flags.DEFINE_enum("attention_backend", None, config_lib.ATTENTION_BACKENDS, "Attention kernel.")
+flags.DEFINE_enum("dtype", None, config_lib.DTYPES, "Weight / activation dtype.")
+flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
+flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8"], "Weight quantization.")
+flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
+flags.DEFINE_integer("ep", None, "Expert parallel degree.")
+flags.DEFINE_integer("dp", None, "Data parallel replicas.")
+flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
+flags.DEFINE_integer("min_context_bucket", None, "Smallest attention width compiled (tokens).")
+flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
+flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
+flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none.")
+# serve.
+flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 / :: for all).")
+flags.DEFINE_integer("http_port", 8000, "OpenAI-compatible HTTP port (-1 disables).")
+flags.DEFINE_integer("grpc_port", 9000, "gRPC port (-1 disables).")
+flags.DEFINE_string("served_model_name", None, "Model id clients use (default: --model).")
+flags.DEFINE_string("api_key", None, "Require this Bearer key (default: $XLASERVE_API_KEY).")
+flags.DEFINE_string("tls_cert", None, "PEM certificate: serve HTTPS and gRPC over TLS.")
+flags.DEFINE_string("tls_key", None, "PEM private key for --tls_cert.")
+flags.DEFINE_integer("max_queued_requests", 256, "Requests queued beyond max_num_seqs "
+                     "before HTTP 429 / RESOURCE_EXHAUSTED (-1: unlimited).")
+flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024, "Largest HTTP request body.")
+flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, time allowed for in-flight requests.")
+# generate.
+flags.DEFINE_string("prompt", None, "generate: the prompt.")
+flags.DEFINE_bool("chat", False, "generate: treat --prompt as a user message (chat template).")
+flags.DEFINE_integer("max_tokens", 64, "generate: tokens to generate.")
+flags.DEFINE_float("temperature", 0.0, "generate: sampling temperature (0 = greedy).")
+flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling.")
+flags.DEFINE_integer("top_k", -1, "generate: top-k (-1 disables).")
+# batch / convert.
+flags.DEFINE_string("input", None, "batch: input JSONL (OpenAI batch format).")
+flags.DEFINE_string("output", None, "batch: output JSONL; convert: output directory.")
+flags.DEFINE_integer("max_concurrency", None, "batch: requests in flight (default 2 x slots).")
+
+
+def load_engine_preset(name_or_path: str) -> dict[str, Any]:
+  """EngineConfig kwargs from configs/<name>.json or a JSON file path."""
+  path = name_or_path
+  if not os.path.exists(path):
+    path = os.path.join(CONFIGS_DIR, f"{name_or_path.removesuffix('.json')}.json")
+  if not os.path.exists(path):
+    names = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json"))
+    raise app.UsageError(f"--config={name_or_path}: no such preset (configs/: {names})")
+  with open(path, encoding="utf-8") as f:
+    raw = json.load(f)
+  values = raw.get("engine", raw) if "package" in raw else raw
+  known = {f.name for f in dataclasses.fields(EngineConfig)}
+  unknown = sorted(set(values) - known - {"description"})
+  if unknown:
+    raise app.UsageError(f"--config={name_or_path}: unknown engine options {unknown}")
+  return {k: v for k, v in values.items() if k in known}
+
+
+def model_preset_engine_defaults(model: str) -> dict[str, Any]:
+  """The `engine` block of a model preset configs/<model>.json ({} for other models)."""
+  path = os.path.join(CONFIGS_DIR, f"{model}.json")
+  if os.path.sep in model or not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    raw = json.load(f)
+  return dict(raw.get("engine", {})) if "package" in raw else {}
+
+
+def engine_config_from_flags() -> EngineConfig:
+  """EngineConfig from model preset defaults, --config and the flags given."""
+  values = model_preset_engine_defaults(FLAGS.model)
+  if FLAGS.config:
+    values.update(load_engine_preset(FLAGS.config))
+  for f in dataclasses.fields(EngineConfig):
+    if f.name in FLAGS and FLAGS[f.name].value is not None:
+      values[f.name] = FLAGS[f.name].value
+  if "quantization" in values and values["quantization"] == "none":
+    values["quantization"] = None
+  if values.get("prefill_buckets") is not None:
+    values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
+  try:
+    return EngineConfig(**values)
+  except (TypeError, ValueError) as e:
+    raise app.UsageError(f"invalid engine options: {e}") from None
+
+
+def make_engine(config: EngineConfig) -> Any:
+  module_name, _, cls_name = FLAGS.engine_class.partition(":")
+  cls = getattr(importlib.import_module(module_name), cls_name)
+  return cls(FLAGS.model, config)
+
+
+def serve_config_from_flags(config: EngineConfig) -> Any:
+  from serving.api_server import ServeConfig
+
+  queued = None if FLAGS.max_queued_requests < 0 else FLAGS.max_queued_requests
+  try:
+    return ServeConfig(
+        served_model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
+        http_port=FLAGS.http_port, grpc_port=FLAGS.grpc_port,
+        api_key=FLAGS.api_key or os.environ.get("XLASERVE_API_KEY") or None,
+        tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_queued_requests=queued,
+        max_body_bytes=FLAGS.max_body_bytes, drain_timeout_s=FLAGS.drain_timeout_s)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+
+
+def cmd_serve() -> int:
+  from serving.api_server import serve
+
+  config = engine_config_from_flags()
+  serve_cfg = serve_config_from_flags(config)
+  # Until the servers run, SIGTERM has nothing to drain: exit cleanly.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+  engine = make_engine(config)
+
+  def ready(http_port: int | None, grpc_port: int | None) -> None:
+    print(f"xlaserve ready: model={serve_cfg.served_model_name} host={serve_cfg.host} "
+          f"http_port={http_port} grpc_port={grpc_port}", flush=True)
+
+  async def main() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      loop.add_signal_handler(sig, stop.set)
+    await serve(engine, serve_cfg, stop, ready)
+
+  asyncio.run(main())
+  print("xlaserve: drained, exiting", flush=True)
+  return 0
+
+
+def cmd_generate() -> int:
+  from serving.llm import LLM
+  from serving.types import SamplingParams
+
+  if not FLAGS.prompt:
+    raise app.UsageError("generate needs --prompt")
+  llm = LLM(FLAGS.model, **dataclasses.asdict(engine_config_from_flags()))
+  params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
+                          top_p=FLAGS.top_p, top_k=FLAGS.top_k)
+  if FLAGS.chat:
+    out = llm.chat([{"role": "user", "content": FLAGS.prompt}], params)[0]
+  else:
+    out = llm.generate([FLAGS.prompt], params)[0]
+  print(out.text)
+  return 0
+
+
+def cmd_batch() -> int:
+  from serving.batch import BatchConfig, run_batch
+
+  if not FLAGS.input or not FLAGS.output:
+    raise app.UsageError("batch needs --input and --output")
+  config = engine_config_from_flags()
+  batch_cfg = BatchConfig(
+      input_path=FLAGS.input, output_path=FLAGS.output,
+      served_model_name=FLAGS.served_model_name or FLAGS.model,
+      max_concurrency=FLAGS.max_concurrency or 2 * config.max_num_seqs)
+  engine = make_engine(config)
+  summary = asyncio.run(run_batch(engine, batch_cfg))
+  print(json.dumps(summary), flush=True)
+  return 0
+
+
+def cmd_convert() -> int:
+  import checkpoints
+  from checkpoints.orbax_io import save_orbax
+
+  if not FLAGS.output:
+    raise app.UsageError("convert needs --output=DIR")
+  out = save_orbax(checkpoints.load_checkpoint(FLAGS.model), FLAGS.output)
+  print(f"wrote orbax checkpoint {out}", flush=True)
+  return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+  bench = _bench_module()
+  if bench is None:
+    raise app.UsageError("bench is not available: the serving.bench module is not installed")
+  return bench.main(argv) or 0
+
+
+def _bench_module() -> Any:
+  if importlib.util.find_spec("serving.bench") is None:
+    return None
+  return importlib.import_module("serving.bench")
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) < 2 or argv[1] not in COMMANDS:
+    raise app.UsageError(f"usage: xlaserve {{{'|'.join(COMMANDS)}}} [--flags]")
+  command, rest = argv[1], argv[2:]
+  if command == "bench":
+    return cmd_bench(argv[1:])
+  if rest:
+    raise app.UsageError(f"unexpected arguments {rest}")
+  return {"serve": cmd_serve, "generate": cmd_generate, "batch": cmd_batch,
+          "convert": cmd_convert}[command]()
+
+
+def run() -> None:
+  """Console-script entry point (`xlaserve`)."""
+  if len(sys.argv) > 1 and sys.argv[1] == "bench":
+    _bench_module()  # imported before parsing so that its flags exist
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
