@@ -98,6 +98,12 @@ class Metrics:
     self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                          "Time from arrival to the last token.", buckets=E2E_BUCKETS, **kw)
 
+    # Create every labelled series up front so that they are exported (as 0) before traffic.
+    for hist in (self.ttft, self.tpot, self.itl, self.e2e):
+      hist.labels(**labels)
+    for reason in ("stop", "length", "abort", "error"):
+      self.request_success.labels(**labels, finish_reason=reason)
+
   def timer(self) -> RequestTimer:
     return RequestTimer(self)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -74,12 +75,13 @@ class FakeEngine:
   """Echo engine: one token per running request every `step_s` seconds."""
 
   def __init__(self, model: str = "fake", config: EngineConfig | None = None,
-               step_s: float = 0.002, **engine_kwargs):
+               step_s: float | None = None, **engine_kwargs):
     self.model_name = model
     self.config = config or EngineConfig(**engine_kwargs)
     self.tokenizer = ByteTokenizer()
     self.model_config = None
-    self.step_s = step_s
+    # Subprocess tests (launcher --engine_class) slow the fake down through the environment.
+    self.step_s = step_s or float(os.environ.get("XLASERVE_FAKE_STEP_S", "0.002"))
     self._lock = threading.Lock()
     self._waiting: list[_Req] = []
     self._running: list[_Req] = []

@@ -22,7 +22,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Engine kwargs for tests with the real default model (small, fast to warm up).
-REAL_ENGINE_FLAGS = ("--max_num_seqs=8", "--max_model_len=512", "--num_pages=96",
+REAL_ENGINE_FLAGS = ("--max_num_seqs=8", "--max_model_len=512", "--num_pages=128",
                      "--max_num_batched_tokens=128", "--dtype=float32")
 FAKE_ENGINE_FLAGS = ("--engine_class=frontend_fake:FakeEngine", "--model=fake",
                      "--max_num_seqs=4", "--max_model_len=256", "--num_pages=64")

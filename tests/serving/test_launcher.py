@@ -1,0 +1,120 @@
+"""The absl launcher: flag -> config resolution, subcommand errors, graceful drain, TLS."""
+
+import importlib.util
+import json
+import shutil
+import ssl
+import subprocess
+import threading
+
+import grpc
+import httpx
+import pytest
+from absl import app, flags
+from absl.testing import flagsaver
+from frontend_fake import InProcessServer
+from frontend_procs import (
+  FAKE_ENGINE_FLAGS,
+  REPO,
+  ServerProcess,
+  launcher_cmd,
+  subprocess_env,
+)
+
+from serving import launcher
+from serving.proto.xlaserve.v1 import xlaserve_pb2 as pb
+from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(autouse=True)
+def parsed_flags():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(["xlaserve"])
+  with flagsaver.flagsaver():
+    yield
+
+
+def test_engine_options_layering():
+  # Model preset engine block < --config preset < explicit flags.
+  with flagsaver.flagsaver(model="smollm2-135m-instruct"):
+    assert launcher.engine_config_from_flags().max_model_len == 2048  # model preset
+  with flagsaver.flagsaver(model="smollm2-135m-instruct", config="cpu-small", max_num_seqs=3,
+                           enable_prefix_caching=False, quantization="none"):
+    cfg = launcher.engine_config_from_flags()
+  assert (cfg.max_model_len, cfg.num_pages, cfg.max_num_batched_tokens) == (512, 256, 128)
+  assert cfg.max_num_seqs == 3 and cfg.enable_prefix_caching is False
+  assert cfg.quantization is None
+
+
+def test_config_preset_from_path_and_errors(tmp_path):
+  path = tmp_path / "mine.json"
+  path.write_text(json.dumps({"max_num_seqs": 5, "page_size": 32, "max_model_len": 256}))
+  with flagsaver.flagsaver(model="fake", config=str(path)):
+    cfg = launcher.engine_config_from_flags()
+  assert (cfg.max_num_seqs, cfg.page_size) == (5, 32)
+  with flagsaver.flagsaver(config="no-such-preset"), pytest.raises(app.UsageError):
+    launcher.engine_config_from_flags()
+  path.write_text(json.dumps({"max_num_sequences": 5}))
+  with flagsaver.flagsaver(config=str(path)), pytest.raises(app.UsageError, match="unknown"):
+    launcher.engine_config_from_flags()
+  with flagsaver.flagsaver(model="fake", page_size=7), pytest.raises(app.UsageError):
+    launcher.engine_config_from_flags()
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+  return subprocess.run(launcher_cmd(*args), env=subprocess_env(), cwd=REPO, text=True,
+                        capture_output=True, timeout=timeout)
+
+
+def test_usage_errors():
+  r = _run("frobnicate")
+  assert r.returncode != 0 and "usage: xlaserve" in r.stderr
+  r = _run("batch", *FAKE_ENGINE_FLAGS)
+  assert r.returncode != 0 and "--input" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("serving.bench") is not None,
+                    reason="serving.bench exists")
+def test_bench_without_module_is_a_clear_error():
+  r = _run("bench")
+  assert r.returncode != 0 and "serving.bench" in r.stderr
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0():
+  srv = ServerProcess(*FAKE_ENGINE_FLAGS, env=subprocess_env(XLASERVE_FAKE_STEP_S="0.02"))
+  try:
+    body = {"model": "fake", "prompt": "ab", "max_tokens": 60, "stream": True}  # ~1.2 s
+    lines: list[str] = []
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{srv.http}/v1/completions",
+                                                 json=body) as r:
+      it = r.iter_lines()
+      lines.append(next(it))
+      srv.proc.send_signal(15)  # SIGTERM while the stream is in flight
+      rest = threading.Thread(target=lambda: lines.extend(it))
+      rest.start()
+      rest.join(30)
+    assert srv.proc.wait(30) == 0, srv.output()
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == ("ab" * 30)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+    assert "drained" in srv.output()
+  finally:
+    srv.kill()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_on_http_and_grpc(tmp_path):
+  cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                  "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                  "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+  with InProcessServer(tls_cert=str(cert), tls_key=str(key)) as s:
+    url = s.http.replace("http://", "https://")
+    r = httpx.post(f"{url}/v1/completions", verify=ssl.create_default_context(cafile=str(cert)),
+                   json={"model": "fake", "prompt": "ab", "max_tokens": 2})
+    assert r.json()["choices"][0]["text"] == "ab"
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    with grpc.secure_channel(s.grpc, creds) as ch:
+      r = pb_grpc.GenerationStub(ch).Tokenize(pb.TokenizeRequest(text="ab"))
+      assert list(r.token_ids) == [97, 98]

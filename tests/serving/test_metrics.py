@@ -1,0 +1,93 @@
+"""Prometheus metrics: names, per-server registries, latency math, counters vs. a known load."""
+
+import httpx
+import pytest
+from frontend_fake import FakeEngine, FakeStats, InProcessServer
+from frontend_procs import metric_value
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving import metrics as metrics_lib
+from serving.metrics import Metrics
+
+REQUIRED = [
+    "xlaserve_num_requests_running", "xlaserve_num_requests_waiting",
+    "xlaserve_kv_cache_usage_perc", "xlaserve_num_preemptions_total",
+    "xlaserve_prompt_tokens_total", "xlaserve_generation_tokens_total",
+    "xlaserve_prefix_cache_queries_total", "xlaserve_prefix_cache_hits_total",
+    "xlaserve_request_success_total", "xlaserve_time_to_first_token_seconds",
+    "xlaserve_time_per_output_token_seconds", "xlaserve_inter_token_latency_seconds",
+    "xlaserve_e2e_request_latency_seconds",
+]
+
+
+def _samples(text: str) -> dict[str, float]:
+  out = {}
+  for family in text_string_to_metric_families(text):
+    for s in family.samples:
+      out[s.name] = out.get(s.name, 0.0) + s.value
+  return out
+
+
+def test_engine_stats_read_at_scrape_time():
+  stats = FakeStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_pages_total=8,
+                    num_pages_free=6, num_preemptions_total=1, prompt_tokens_total=40,
+                    generation_tokens_total=12, prefix_cache_queries_total=32,
+                    prefix_cache_hits_total=16)
+  m = Metrics(lambda: stats, model_name="m")
+  m.timer().on_finish("stop")
+  body, content_type = m.render()
+  assert content_type.startswith("text/plain")
+  samples = _samples(body.decode())
+  for name in REQUIRED:
+    assert any(k == name or k.startswith(name + "_") for k in samples), name
+  assert samples["xlaserve_num_requests_running"] == 3
+  assert samples["xlaserve_kv_cache_usage_perc"] == 0.25
+  assert samples["xlaserve_prefix_cache_hits_total"] == 16
+  stats.generation_tokens_total = 20  # read live at the next scrape
+  assert _samples(m.render()[0].decode())["xlaserve_generation_tokens_total"] == 20
+
+
+def test_registries_are_per_server():
+  a, b = Metrics(model_name="a"), Metrics(model_name="b")  # no duplicate-name error
+  a.timer().on_finish("length")
+  assert _samples(a.render()[0].decode())["xlaserve_request_success_total"] == 1
+  assert _samples(b.render()[0].decode()).get("xlaserve_request_success_total", 0) == 0
+
+
+def test_request_timer_math(monkeypatch):
+  clock = iter([0.0, 0.5, 0.7, 1.0, 1.0])  # arrival, 1st delta, 2nd, 3rd (2 tokens), finish
+  monkeypatch.setattr(metrics_lib.time, "perf_counter", lambda: next(clock))
+  m = Metrics(model_name="t")
+  t = m.timer()
+  t.on_tokens(1)
+  t.on_tokens(1)
+  t.on_tokens(2)
+  t.on_finish("length")
+  s = _samples(m.render()[0].decode())
+  assert s["xlaserve_time_to_first_token_seconds_sum"] == pytest.approx(0.5)
+  assert s["xlaserve_inter_token_latency_seconds_count"] == 3  # 4 tokens -> 3 gaps
+  assert s["xlaserve_inter_token_latency_seconds_sum"] == pytest.approx(0.5)
+  assert s["xlaserve_time_per_output_token_seconds_sum"] == pytest.approx(0.5 / 3)
+  assert s["xlaserve_e2e_request_latency_seconds_sum"] == pytest.approx(1.0)
+
+
+def test_counters_match_a_known_load():
+  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64)
+  with InProcessServer(engine) as s, httpx.Client(base_url=s.http, timeout=20) as c:
+    prompts = ["abc", "de", "fghij"]
+    for i, p in enumerate(prompts):
+      assert c.post("/v1/completions", json={"model": "fake", "prompt": p,
+                                             "max_tokens": i + 2}).status_code == 200
+    c.post("/v1/completions", json={"model": "fake", "prompt": "abc", "max_tokens": 9,
+                                    "stop": ["c"]})
+    assert c.post("/v1/completions", json={"model": "fake", "prompt": ""}).status_code == 400
+    url = s.http
+    assert metric_value(url, "xlaserve_request_success_total", finish_reason="length") == 3
+    assert metric_value(url, "xlaserve_request_success_total", finish_reason="stop") == 1
+    assert metric_value(url, "xlaserve_prompt_tokens_total") == 3 + 2 + 5 + 3
+    assert metric_value(url, "xlaserve_generation_tokens_total") == 2 + 3 + 4 + 3
+    assert metric_value(url, "xlaserve_e2e_request_latency_seconds_count") == 4
+    assert metric_value(url, "xlaserve_time_to_first_token_seconds_count") == 4
+    assert metric_value(url, "xlaserve_inter_token_latency_seconds_count") == 1 + 2 + 3 + 2
+    assert metric_value(url, "xlaserve_num_requests_running") == 0
+    assert metric_value(url, "xlaserve_kv_cache_usage_perc") == 0
