@@ -20,7 +20,13 @@ import functools
 
 import jax
 
-from kernels_pallas.paged_attention import validation
+from kernels_pallas.paged_attention import (
+  decode_gpu,
+  decode_tpu,
+  ragged_gpu,
+  ragged_tpu,
+  validation,
+)
 from kernels_pallas.paged_attention.reference import (
   ref_paged_decode_attention,
   ref_ragged_paged_attention,
@@ -36,6 +42,8 @@ __all__ = [
 ]
 
 _STATIC = ("scale", "sliding_window", "soft_cap", "impl", "interpret", "block_sizes")
+_DECODE = {"tpu": decode_tpu.paged_decode_attention, "gpu": decode_gpu.paged_decode_attention}
+_RAGGED = {"tpu": ragged_tpu.ragged_paged_attention, "gpu": ragged_gpu.ragged_paged_attention}
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -67,12 +75,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
   if impl == "ref":
     return ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs)
-  if impl == "tpu":
-    from kernels_pallas.paged_attention import decode_tpu as mod
-  else:
-    from kernels_pallas.paged_attention import decode_gpu as mod
-  return mod.paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
-                                    interpret=interpret, block_sizes=block_sizes)
+  return _DECODE[impl](q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
+                       interpret=interpret, block_sizes=block_sizes)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -105,9 +109,5 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   if impl == "ref":
     return ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
                                       **kwargs)
-  if impl == "tpu":
-    from kernels_pallas.paged_attention import ragged_tpu as mod
-  else:
-    from kernels_pallas.paged_attention import ragged_gpu as mod
-  return mod.ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
-                                    **kwargs, interpret=interpret, block_sizes=block_sizes)
+  return _RAGGED[impl](q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, **kwargs,
+                       interpret=interpret, block_sizes=block_sizes)

@@ -1,0 +1,55 @@
+"""Small pieces shared by the paged-attention kernels (traced inside kernels).
+
+The visible key range of a query row set is ``[first_key, last_key]`` where
+``last_key`` is the newest query position and ``first_key`` is 0 or, with a
+sliding window ``w``, ``oldest query position - w + 1``. Kernels only visit page
+blocks that intersect it and clamp every block-table read to the sequence's
+own pages, so entries past a sequence's last page are never touched.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# Finite "minus infinity": keeps exp(NEG - m) == 0 without inf - inf NaNs.
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def kv_heads_per_block(num_kv_heads: int, head_dim: int) -> int:
+  """Smallest divisor d of K with d * H lanes a multiple of 128 (else K).
+
+  TPU blocks must span a multiple of 128 lanes or the whole last dimension;
+  pages are viewed as ``[P, page_size, K * H]`` so a block of d kv heads is a
+  lane slice.
+  """
+  for d in range(1, num_kv_heads + 1):
+    if num_kv_heads % d == 0 and (d * head_dim) % 128 == 0:
+      return d
+  return num_kv_heads
+
+
+def first_visible_key(oldest_q_pos, sliding_window):
+  """Position of the oldest key any query in the set may see."""
+  if sliding_window is None:
+    return jnp.zeros_like(oldest_q_pos)
+  return jnp.maximum(oldest_q_pos - sliding_window + 1, 0)
+
+
+def block_range(first_key, last_key, *, keys_per_block: int):
+  """Inclusive page-block range [first, last] covering keys [first_key, last_key]."""
+  return first_key // keys_per_block, last_key // keys_per_block
+
+
+def cap_logits(logits, soft_cap):
+  """``soft_cap * tanh(logits / soft_cap)``, or the logits unchanged."""
+  if soft_cap is None:
+    return logits
+  return soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def key_mask(key_pos, q_pos, kv_len, sliding_window):
+  """Broadcasting visibility of keys at ``key_pos`` to queries at ``q_pos``."""
+  mask = (key_pos <= q_pos) & (key_pos < kv_len)
+  if sliding_window is not None:
+    mask &= key_pos > q_pos - sliding_window
+  return mask

@@ -1,0 +1,168 @@
+"""Paged decode attention on TPU (Pallas Mosaic TPU).
+
+Grid ``(batch, kv-head blocks, page blocks)``; the last axis is the online
+softmax reduction. Block tables and lengths are scalar-prefetched into SMEM
+and drive the K/V BlockSpec index maps, so each step DMAs exactly
+``pages_per_block`` of the sequence's own pages into VMEM (one input per page
+slot, all views of the same pool). Page blocks outside the visible range map
+to the nearest visible block (the pipeline then skips the copy, since the
+block index does not change) and skip their compute. All G query heads of a
+kv head share each K/V tile: q is viewed as ``[B, K, G, H]``.
+
+Pages are viewed as ``[P, page_size, K * H]`` (a free reshape) so a block of
+``hb`` kv heads is a lane slice of ``hb * H`` lanes (a multiple of 128, or all
+heads); see ``common.kv_heads_per_block``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas.paged_attention import common, tuning
+
+
+def _decode_kernel(
+  # Scalar prefetch (SMEM).
+  tables_ref,  # [B * W] int32, flattened block tables
+  lens_ref,  # [B] int32
+  # Inputs (VMEM blocks).
+  q_ref,  # [hb, G, H]
+  *refs,  # ppb K page blocks [page_size, hb * H], ppb V page blocks, then outputs and scratch:
+  # o_ref [hb, G, H]; m_ref, l_ref [hb, G, 1] f32; acc_ref [hb, G, H] f32
+  pages_per_block: int,
+  scale: float,
+  sliding_window: int | None,
+  soft_cap: float | None,
+):
+  del tables_ref
+  k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block : 2 * pages_per_block]
+  o_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_block :]
+  b, blk, num_blocks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
+  heads, _, head_dim = q_ref.shape
+  page_size = k_refs[0].shape[0]
+  keys_per_block = pages_per_block * page_size
+  seq_len = lens_ref[b]
+  q_pos = seq_len - 1
+  first_blk, last_blk = common.block_range(
+    common.first_visible_key(q_pos, sliding_window), q_pos, keys_per_block=keys_per_block)
+
+  @pl.when(blk == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, common.NEG, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when((seq_len > 0) & (blk >= first_blk) & (blk <= last_blk))
+  def _compute():
+    for h in range(heads):
+      q = q_ref[h]  # [G, H]
+      lanes = pl.ds(h * head_dim, head_dim)
+      logits, masks, values = [], [], []
+      for j in range(pages_per_block):
+        base = blk * keys_per_block + j * page_size
+        k = k_refs[j][:, lanes]  # [page_size, H]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+        s = common.cap_logits(s, soft_cap)  # [G, page_size]
+        key_pos = base + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+        mask = common.key_mask(key_pos, q_pos, seq_len, sliding_window)
+        logits.append(jnp.where(mask, s, common.NEG))
+        masks.append(mask)
+        row_pos = base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+        row_ok = common.key_mask(row_pos, q_pos, seq_len, sliding_window)
+        values.append(jnp.where(row_ok, v_refs[j][:, lanes], 0))  # [page_size, H]
+      m_prev = m_ref[h]  # [G, 1]
+      m_blk = functools.reduce(jnp.maximum, [s.max(axis=1, keepdims=True) for s in logits])
+      m_new = jnp.maximum(m_prev, m_blk)
+      alpha = jnp.exp(m_prev - m_new)
+      l_new = alpha * l_ref[h]
+      acc = alpha * acc_ref[h]
+      for s, mask, v in zip(logits, masks, values, strict=True):
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        l_new += p.sum(axis=1, keepdims=True)
+        acc += jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      m_ref[h] = m_new
+      l_ref[h] = l_new
+      acc_ref[h] = acc
+
+  @pl.when(blk == num_blocks - 1)
+  def _finish():
+    l = l_ref[...]
+    o_ref[...] = jnp.where(l > 0, acc_ref[...] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _page_index_map(pages_per_block, page_size, pages_per_seq, sliding_window, slot):
+  """Index map of page slot ``slot``: (b, h, blk, tables, lens) -> page block index."""
+  keys_per_block = pages_per_block * page_size
+
+  def index_map(b, h, blk, tables_ref, lens_ref):
+    seq_len = lens_ref[b]
+    q_pos = seq_len - 1
+    first_blk, last_blk = common.block_range(
+      common.first_visible_key(q_pos, sliding_window), q_pos, keys_per_block=keys_per_block)
+    blk = jnp.clip(blk, first_blk, jnp.maximum(last_blk, first_blk))
+    last_page = jnp.maximum((seq_len + page_size - 1) // page_size - 1, 0)
+    page = jnp.minimum(blk * pages_per_block + slot, last_page)
+    page_id = jnp.where(seq_len > 0, tables_ref[b * pages_per_seq + page], 0)
+    return page_id, 0, h
+
+  return index_map
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
+                           sliding_window=None, soft_cap=None, interpret=False,
+                           block_sizes: tuning.BlockSizes | None = None):
+  """TPU paged decode attention; contract of ``kernels_pallas.paged_decode_attention``.
+
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype);
+  block_tables [B, W] int32; seq_lens [B] int32 -> [B, N, H] in q's dtype.
+  """
+  batch, num_q_heads, head_dim = q.shape
+  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_seq = block_tables.shape[1]
+  sizes = block_sizes or tuning.lookup("tpu", "decode", page_size, pages_per_seq)
+  ppb = min(sizes.pages_per_block, pages_per_seq)
+  num_blocks = pl.cdiv(pages_per_seq, ppb)
+  hb = common.kv_heads_per_block(num_kv_heads, head_dim)
+
+  # [P, page_size, K, H] -> [P, page_size, K * H]
+  k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
+  v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
+  # [B, N, H] -> [B, K, G, H]
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+
+  page_specs = [
+    pl.BlockSpec((None, page_size, hb * head_dim),
+                 _page_index_map(ppb, page_size, pages_per_seq, sliding_window, j))
+    for j in range(ppb)
+  ]
+  q_spec = pl.BlockSpec((None, hb, group, head_dim), lambda b, h, blk, *_: (b, h, 0, 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=2,
+    grid=(batch, num_kv_heads // hb, num_blocks),
+    in_specs=[q_spec, *page_specs, *page_specs],
+    out_specs=q_spec,
+    scratch_shapes=[
+      pltpu.VMEM((hb, group, 1), jnp.float32),
+      pltpu.VMEM((hb, group, 1), jnp.float32),
+      pltpu.VMEM((hb, group, head_dim), jnp.float32),
+    ],
+  )
+  kernel = functools.partial(_decode_kernel, pages_per_block=ppb, scale=scale,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
+  out = pl.pallas_call(
+    kernel,
+    grid_spec=grid_spec,
+    out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "arbitrary")),
+    interpret=interpret,
+  )(block_tables.reshape(-1), seq_lens, q4, *([k_flat] * ppb), *([v_flat] * ppb))
+  # [B, K, G, H] -> [B, N, H]
+  return out.reshape(batch, num_q_heads, head_dim)

@@ -1,0 +1,203 @@
+"""Ragged paged attention on TPU (Pallas Mosaic TPU).
+
+Grid ``(kv-head blocks, tiles, page blocks)``. A tile is one (aligned query
+block, sequence) pair from ``tiles.ragged_tiles``; the last axis is the online
+softmax over the tile's visible page blocks. Block tables, ``cu_q_lens``,
+``kv_lens`` and the tile schedule are scalar-prefetched into SMEM and drive
+every index map: the q/out block of step ``(h, t, kv)`` is
+``(tile_qblock[t], h)`` and page slot ``j`` reads the sequence's own page
+``kv * pages_per_block + j`` (clamped into the visible range, so skipped steps
+repeat the previous block index and the pipeline issues no copy).
+
+q and out are viewed as ``[T, N * H]`` (a free reshape), pages as
+``[P, page_size, K * H]``; a block holds ``hb`` kv heads and their ``hb * G``
+query heads as lane slices. All G query heads of a kv head reuse each K/V
+tile. Consecutive tiles of one query block keep the output block resident:
+the first zeroes it, each merges its own rows with a row mask.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas.paged_attention import common, tiles, tuning
+
+
+def _ragged_kernel(
+  # Scalar prefetch (SMEM).
+  tables_ref,  # [S * W] int32, flattened block tables
+  cu_ref,  # [S + 1] int32
+  kv_lens_ref,  # [S] int32
+  tile_seq_ref,  # [num_tiles] int32
+  tile_qblock_ref,  # [num_tiles] int32
+  tile_first_ref,  # [num_tiles] int32
+  # Inputs (VMEM blocks).
+  q_ref,  # [bq, hb * G * H]
+  *refs,  # ppb K page blocks [page_size, hb * H], ppb V page blocks, then outputs and scratch:
+  # o_ref [bq, hb * G * H]; m_ref, l_ref [hb * G, bq, 1] f32; acc_ref [hb * G, bq, H] f32
+  pages_per_block: int,
+  group: int,
+  num_seqs: int,
+  scale: float,
+  sliding_window: int | None,
+  soft_cap: float | None,
+):
+  del tables_ref
+  ppb = pages_per_block
+  k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
+  o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb :]
+  t, kv_blk, num_kv_blocks = pl.program_id(1), pl.program_id(2), pl.num_programs(2)
+  q_block = q_ref.shape[0]
+  page_size = k_refs[0].shape[0]
+  head_dim = acc_ref.shape[-1]
+  kv_heads = acc_ref.shape[0] // group
+  keys_per_block = ppb * page_size
+  bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref, q_block=q_block,
+                         num_seqs=num_seqs, keys_per_block=keys_per_block,
+                         sliding_window=sliding_window)
+  rows = bd["row0"] + jax.lax.broadcasted_iota(jnp.int32, (q_block, 1), 0)
+  row_in = (rows >= bd["lo"]) & (rows < bd["hi"])
+  q_pos = rows + bd["q_shift"]  # [bq, 1]
+  kv_len = bd["kv_len"]
+
+  @pl.when(kv_blk == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, common.NEG, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(tile_first_ref[t] == 1)
+    def _zero_block():
+      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+  @pl.when(bd["valid"] & (kv_blk >= bd["first_blk"]) & (kv_blk <= bd["last_blk"]))
+  def _compute():
+    masks, v_ok = [], []
+    for j in range(ppb):
+      base = kv_blk * keys_per_block + j * page_size
+      key_pos = base + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+      masks.append(common.key_mask(key_pos, q_pos, kv_len, sliding_window) & row_in)
+      v_ok.append(base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < kv_len)
+    for h in range(kv_heads):
+      kv_lanes = pl.ds(h * head_dim, head_dim)
+      keys = [k_refs[j][:, kv_lanes] for j in range(ppb)]  # [page_size, H] each
+      values = [jnp.where(v_ok[j], v_refs[j][:, kv_lanes], 0) for j in range(ppb)]
+      for g in range(group):
+        idx = h * group + g
+        q = q_ref[:, pl.ds(idx * head_dim, head_dim)]  # [bq, H]
+        logits = []
+        for k, mask in zip(keys, masks, strict=True):
+          s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32) * scale
+          logits.append(jnp.where(mask, common.cap_logits(s, soft_cap), common.NEG))
+        m_prev = m_ref[idx]  # [bq, 1]
+        m_blk = functools.reduce(jnp.maximum, [s.max(axis=1, keepdims=True) for s in logits])
+        m_new = jnp.maximum(m_prev, m_blk)
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_ref[idx]
+        acc = alpha * acc_ref[idx]
+        for s, mask, v in zip(logits, masks, values, strict=True):
+          p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+          l_new += p.sum(axis=1, keepdims=True)
+          acc += jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        m_ref[idx] = m_new
+        l_ref[idx] = l_new
+        acc_ref[idx] = acc
+
+  @pl.when(bd["valid"] & (kv_blk == num_kv_blocks - 1))
+  def _finish():
+    for idx in range(kv_heads * group):
+      lanes = pl.ds(idx * head_dim, head_dim)
+      l = l_ref[idx]
+      out = jnp.where(l > 0, acc_ref[idx] / jnp.where(l > 0, l, 1.0), 0.0)
+      o_ref[:, lanes] = jnp.where(row_in, out.astype(o_ref.dtype), o_ref[:, lanes])
+
+
+def _page_index_map(slot, *, pages_per_block, page_size, pages_per_seq, q_block, num_seqs,
+                    sliding_window):
+  """Index map of K/V page slot ``slot`` for grid step (h, t, kv)."""
+
+  def index_map(h, t, kv_blk, tables_ref, cu_ref, kv_lens_ref, tile_seq_ref, tile_qblock_ref,
+                tile_first_ref):
+    del tile_first_ref
+    bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref,
+                           q_block=q_block, num_seqs=num_seqs,
+                           keys_per_block=pages_per_block * page_size,
+                           sliding_window=sliding_window)
+    kv_blk = jnp.clip(kv_blk, bd["first_blk"], jnp.maximum(bd["last_blk"], bd["first_blk"]))
+    last_page = jnp.maximum((bd["kv_len"] + page_size - 1) // page_size - 1, 0)
+    page = jnp.minimum(kv_blk * pages_per_block + slot, last_page)
+    use = bd["valid"] & (bd["kv_len"] > 0)
+    return jnp.where(use, tables_ref[bd["seq"] * pages_per_seq + page], 0), 0, h
+
+  return index_map
+
+
+def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
+                           sliding_window=None, soft_cap=None, interpret=False,
+                           block_sizes: tuning.BlockSizes | None = None):
+  """TPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
+
+  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype);
+  block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32 ->
+  [T, N, H] in q's dtype. ``block_sizes.q_block`` must be a multiple of 8.
+  """
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  num_seqs, pages_per_seq = block_tables.shape
+  sizes = block_sizes or tuning.lookup("tpu", "ragged", page_size, pages_per_seq)
+  ppb = min(sizes.pages_per_block, pages_per_seq)
+  q_block = sizes.q_block
+  if q_block < 8 or q_block % 8:
+    raise ValueError(f"TPU ragged attention needs q_block a multiple of 8, got {q_block}")
+  num_q_blocks = pl.cdiv(num_tokens, q_block)
+  hb = common.kv_heads_per_block(num_kv_heads, head_dim)
+  schedule = tiles.ragged_tiles(cu_q_lens, num_tokens, q_block)
+
+  # [T, N, H] -> [T_pad, N * H]
+  q2 = q.reshape(num_tokens, num_q_heads * head_dim)
+  q2 = jnp.pad(q2, ((0, num_q_blocks * q_block - num_tokens), (0, 0)))
+  # [P, page_size, K, H] -> [P, page_size, K * H]
+  k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
+  v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
+
+  index_kw = dict(pages_per_block=ppb, page_size=page_size, pages_per_seq=pages_per_seq,
+                  q_block=q_block, num_seqs=num_seqs, sliding_window=sliding_window)
+  page_specs = [
+    pl.BlockSpec((None, page_size, hb * head_dim), _page_index_map(j, **index_kw))
+    for j in range(ppb)
+  ]
+  q_spec = pl.BlockSpec((q_block, hb * group * head_dim),
+                        lambda h, t, kv, tab, cu, kvl, tseq, tqb, tfirst: (tqb[t], h))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=6,
+    grid=(num_kv_heads // hb, schedule.seq.shape[0], pl.cdiv(pages_per_seq, ppb)),
+    in_specs=[q_spec, *page_specs, *page_specs],
+    out_specs=q_spec,
+    scratch_shapes=[
+      pltpu.VMEM((hb * group, q_block, 1), jnp.float32),
+      pltpu.VMEM((hb * group, q_block, 1), jnp.float32),
+      pltpu.VMEM((hb * group, q_block, head_dim), jnp.float32),
+    ],
+  )
+  kernel = functools.partial(_ragged_kernel, pages_per_block=ppb, group=group,
+                             num_seqs=num_seqs, scale=scale, sliding_window=sliding_window,
+                             soft_cap=soft_cap)
+  out = pl.pallas_call(
+    kernel,
+    grid_spec=grid_spec,
+    out_shape=jax.ShapeDtypeStruct(q2.shape, q.dtype),
+    # Tiles of one query block must run in order on one core (resident output).
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+    interpret=interpret,
+  )(block_tables.reshape(-1), cu_q_lens, kv_lens, schedule.seq, schedule.q_block,
+    schedule.first, q2, *([k_flat] * ppb), *([v_flat] * ppb))
+  # [T_pad, N * H] -> [T, N, H]
+  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
