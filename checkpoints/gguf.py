@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp): metadata -> HF-style config, tensors -> params.
 
-1. `read_gguf(path)` opens the file with `gguf.GGUFReader` (memory-mapped).
+1. `read_gguf(path)` opens the file with `Any` (memory-mapped).
 2. `gguf_hf_config(reader)` turns `{arch}.*` metadata into a HF config dict
    (architectures llama, incl. Mixtral-style MoE, qwen2, qwen3, qwen3moe).
 3. `load_gguf_params(reader, cfg)` dequantizes each tensor to float with
@@ -24,6 +24,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from checkpoints.gguf_reader import GGUFFile, metadata_value
 from checkpoints.layout import Params, ParamsBuilder
 from serving.model_config import ModelConfig
 
@@ -75,16 +76,15 @@ class RawTensor:
     return gguf.GGML_QUANT_SIZES[self.ggml_type][1]
 
 
-def read_gguf(path: str) -> gguf.GGUFReader:
-  return gguf.GGUFReader(path)
+def read_gguf(path: str) -> GGUFFile:
+  """Parses the header and memory-maps the tensors (see `checkpoints.gguf_reader`)."""
+  return GGUFFile(path)
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-  f = reader.fields.get(key)
-  return default if f is None else f.contents()
+field = metadata_value
 
 
-def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+def gguf_hf_config(reader: Any) -> dict[str, Any]:
   """A HF-style config dict from GGUF metadata; unsupported files raise ValueError."""
   arch = field(reader, "general.architecture")
   if arch not in ARCHITECTURES:
@@ -105,10 +105,10 @@ def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
   head_dim = g("attention.key_length") or (g("rope.dimension_count") if arch == "llama" else None)
   experts = g("expert_count", 0) or 0
   model_type = "mixtral" if arch == "llama" and experts else ARCHITECTURES[arch]
-  tokens = reader.fields.get("tokenizer.ggml.tokens")
+  tokens = field(reader, "tokenizer.ggml.tokens")
   cfg = {
       "model_type": model_type,
-      "vocab_size": g("vocab_size") or (len(tokens.data) if tokens is not None else None),
+      "vocab_size": g("vocab_size") or (len(tokens) if tokens else None),
       "hidden_size": hidden,
       "intermediate_size": g("feed_forward_length", 0),
       "num_hidden_layers": g("block_count"),
@@ -153,7 +153,7 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
   return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig,
+def load_gguf_params(reader: Any, cfg: ModelConfig,
                      dtype: Any = np.float32) -> Params:
   """Dequantizes every tensor into the params tree (one tensor in flight)."""
   builder = ParamsBuilder(cfg, dtype)
@@ -172,7 +172,7 @@ def load_gguf_params(reader: gguf.GGUFReader, cfg: ModelConfig,
   return builder.finish()
 
 
-def raw_tensor(reader: gguf.GGUFReader, name: str, unpermute: bool = True) -> RawTensor:
+def raw_tensor(reader: Any, name: str, unpermute: bool = True) -> RawTensor:
   """The quantized blocks of tensor `name`; llama Q/K rows un-permuted by default."""
   t = next((t for t in reader.tensors if t.name == name), None)
   if t is None:

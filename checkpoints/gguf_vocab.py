@@ -27,6 +27,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from checkpoints.gguf_reader import metadata_value
+
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
@@ -72,12 +74,12 @@ _KEYS = {
 
 
 def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:
-  """The tokenizer fields of a `gguf.GGUFReader`, under short names (see `_KEYS`)."""
+  """Tokenizer fields of a GGUF reader (ours or gguf's), under short names (`_KEYS`)."""
   meta = {}
   for key, name in _KEYS.items():
-    field = reader.fields.get(key)
-    if field is not None:
-      meta[name] = field.contents()
+    value = metadata_value(reader, key)
+    if value is not None:
+      meta[name] = value
   if "tokens" not in meta:
     raise ValueError("GGUF file has no tokenizer.ggml.tokens: cannot build its tokenizer")
   return meta

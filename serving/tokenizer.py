@@ -102,7 +102,10 @@ class Tokenizer:
 
   @classmethod
   def from_gguf_metadata(cls, reader: Any, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
-    """Builds the tokenizer a GGUF file describes (`reader`: a `gguf.GGUFReader`)."""
+    """Builds the tokenizer a GGUF file describes.
+
+    `reader`: a `checkpoints.gguf_reader.GGUFFile` or a `gguf.GGUFReader`.
+    """
     from checkpoints import gguf_vocab  # lazy: checkpoints imports this module
     meta = gguf_vocab.read_tokenizer_metadata(reader)
     backend = gguf_vocab.build_backend(meta)

@@ -1,0 +1,134 @@
+"""A fast, minimal GGUF (v2/v3, little-endian) reader.
+
+`gguf.GGUFReader` builds a numpy view per metadata item, which takes seconds
+on a vocabulary of 50k strings plus 50k merges. This reader parses the header
+with `struct` (tens of milliseconds) and memory-maps the tensor data. It keeps
+the attribute names of `gguf.GGUFReader` tensors (`name`, `tensor_type`,
+`shape` in ggml order, `data` as the reader would return it), so
+`gguf.quants.dequantize(t.data, t.tensor_type)` works on its tensors.
+
+`metadata_value(reader, key)` reads a value from either reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import struct
+from typing import Any
+
+import gguf
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+          6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+# Plain (non-block) tensor types and their numpy element types.
+_PLAIN = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
+          gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+          gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+          gguf.GGMLQuantizationType.I64: np.int64}
+
+
+@dataclasses.dataclass
+class TensorInfo:
+  """One tensor: `shape` in ggml order (fastest axis first), `data` mapped lazily."""
+
+  name: str
+  shape: tuple[int, ...]
+  tensor_type: gguf.GGMLQuantizationType
+  offset: int  # absolute byte offset in the file
+  n_bytes: int
+  _mm: np.ndarray = dataclasses.field(repr=False)
+
+  @property
+  def data(self) -> np.ndarray:
+    """Like `gguf.ReaderTensor.data`: typed for plain types, uint8 rows of blocks otherwise."""
+    raw = self._mm[self.offset:self.offset + self.n_bytes]
+    rows = tuple(reversed(self.shape))
+    if self.tensor_type in _PLAIN:
+      return raw.view(_PLAIN[self.tensor_type]).reshape(rows)
+    return raw.reshape((*rows[:-1], -1))
+
+
+class GGUFFile:
+  """Parsed header (`fields`: key -> python value) and tensor infos of a GGUF file."""
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, "rb") as f:
+      self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    self._pos = 0
+    if self._take(4) != GGUF_MAGIC:
+      raise ValueError(f"{path} is not a GGUF file (bad magic)")
+    self.version = self._scalar("<I")
+    if self.version not in (2, 3):
+      raise ValueError(f"unsupported GGUF version {self.version} in {path} (supported: 2, 3)")
+    n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+    self.fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+      key = self._string()
+      self.fields[key] = self._value(self._scalar("<I"))
+    infos = [self._tensor_info() for _ in range(n_tensors)]
+    align = int(self.fields.get("general.alignment", 32))
+    data_start = -(-self._pos // align) * align
+    self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+    self.tensors = [self._make_tensor(name, dims, ttype, data_start + off)
+                    for name, dims, ttype, off in infos]
+    self._buf.close()
+
+  def _make_tensor(self, name, dims, ttype, offset) -> TensorInfo:
+    try:
+      qtype = gguf.GGMLQuantizationType(ttype)
+    except ValueError:
+      raise ValueError(f"unsupported GGUF tensor type id {ttype} for tensor {name!r}") from None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_elems = int(np.prod(dims)) if dims else 1
+    return TensorInfo(name=name, shape=tuple(dims), tensor_type=qtype, offset=offset,
+                      n_bytes=n_elems // block * type_size, _mm=self._mm)
+
+  def _take(self, n: int) -> bytes:
+    if self._pos + n > len(self._buf):
+      raise ValueError(f"truncated GGUF file {self.path}")
+    out = self._buf[self._pos:self._pos + n]
+    self._pos += n
+    return out
+
+  def _scalar(self, fmt: str) -> Any:
+    (value,) = struct.unpack_from(fmt, self._buf, self._pos)
+    self._pos += struct.calcsize(fmt)
+    return value
+
+  def _string(self) -> str:
+    return self._take(self._scalar("<Q")).decode("utf-8", errors="replace")
+
+  def _value(self, vtype: int) -> Any:
+    if vtype == _STRING:
+      return self._string()
+    if vtype == _ARRAY:
+      item_type, count = self._scalar("<I"), self._scalar("<Q")
+      if item_type in _NUMPY:
+        dt = np.dtype(_NUMPY[item_type]).newbyteorder("<")
+        return np.frombuffer(self._take(count * dt.itemsize), dtype=dt).tolist()
+      return [self._value(item_type) for _ in range(count)]
+    if vtype not in _SCALARS:
+      raise ValueError(f"unsupported GGUF metadata value type {vtype} in {self.path}")
+    return self._scalar(_SCALARS[vtype])
+
+  def _tensor_info(self) -> tuple[str, list[int], int, int]:
+    name = self._string()
+    n_dims = self._scalar("<I")
+    dims = [self._scalar("<Q") for _ in range(n_dims)]
+    return name, dims, self._scalar("<I"), self._scalar("<Q")
+
+
+def metadata_value(reader: Any, key: str, default: Any = None) -> Any:
+  """`key` from a `GGUFFile` or a `gguf.GGUFReader` (default when absent)."""
+  value = reader.fields.get(key)
+  if value is None:
+    return default
+  return value.contents() if isinstance(value, gguf.ReaderField) else value
+
