@@ -13,14 +13,7 @@ import numpy as np
 import pytest
 
 from serving import sampling
-from serving.sampling import (
-  SamplingTensors,
-  filter_thresholds,
-  record_outputs,
-  record_prompt,
-  reset_slots,
-  sample,
-)
+from serving.sampling import SamplingTensors, filter_thresholds, sample
 from serving.types import MAX_LOGPROBS, SamplingParams
 
 B, V = 16, 1000  # the shape most tests share, so `_sample` compiles once
@@ -181,15 +174,19 @@ def test_mixed_batch_matches_reference():
     check_against_reference(logits, params, prompt, counts, steps=[step] * len(params))
 
 
+@pytest.mark.parametrize("n_wide", [1, 3, 11])
 @pytest.mark.parametrize("kw", [dict(top_p=0.9, temperature=1.0), dict(top_k=300),
                                 dict(top_k=400, top_p=0.7), dict(top_k=700, min_p=0.02)])
-def test_bisection_fallback_matches_reference(kw):
-  """Flat logits (a nucleus wider than TOP_K_CAP) and top_k > TOP_K_CAP take the bisection."""
-  assert sampling.TOP_K_CAP < 300
+def test_bisection_fallback_matches_reference(kw, n_wide):
+  """Flat logits (a nucleus wider than TOP_K_CAP) and top_k > TOP_K_CAP take the bisection,
+  for a few rows (one chunk), several chunks, and most of the batch."""
+  assert sampling.TOP_K_CAP < 300 and sampling._BISECT_CHUNK < 11
   rng = np.random.default_rng(2)
   logits = make_logits(rng, scale=0.5)
   prompt, counts = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
-  params = [SamplingParams(**kw)] * (B // 2) + [SamplingParams(top_k=3)] * (B // 2)
+  params = [SamplingParams(top_k=3, top_p=0.9)] * B
+  for i in rng.permutation(B)[:n_wide]:
+    params[i] = SamplingParams(**kw)
   check_against_reference(logits, params, prompt, counts)
 
 
@@ -199,9 +196,9 @@ def test_bisection_equals_fast_path():
   z_max = jnp.max(z, -1)
   k = jnp.asarray(rng.integers(1, sampling.TOP_K_CAP, B), jnp.int32)
   p = jnp.asarray(rng.uniform(0.05, 1.0, B), jnp.float32)
-  fast = sampling._top_k_top_p(z, z_max, k, p)
-  slow = sampling._bisect_thresholds(z, z_max, k, p, jnp.full((B,), -jnp.inf),
-                                     jnp.zeros((B,), bool))
+  fast = jax.jit(sampling._top_k_top_p)(z, z_max, k, p)
+  slow = jax.jit(sampling._bisect_thresholds)(z, z_max, k, p, jnp.full((B,), -jnp.inf),
+                                              jnp.zeros((B,), bool))
   np.testing.assert_array_equal(fast, slow)
 
 
@@ -238,9 +235,10 @@ def test_seed_determinism_across_rows_and_batches():
     plist[position] = params
     out, _, _ = run(logits, plist, *zero, seeds, steps)
     got.append(int(out.tokens[position]))
-  small, _, _ = run(row[None], [params], np.zeros((1, V), bool), np.zeros((1, V), np.int32),
-                    [42], [9])
-  got.append(int(small.tokens[0]))
+  small = np.concatenate([make_logits(rng, 7, V), row[None]])
+  out, _, _ = run(small, [None] * 7 + [params], np.zeros((8, V), bool), np.zeros((8, V), np.int32),
+                  [0] * 7 + [42], [9] * 8)
+  got.append(int(out.tokens[7]))
   assert len(set(got)) == 1, got
   many, _, _ = run(np.repeat(row[None], B, 0), [params] * B, *zero, list(range(B)), [9] * B)
   assert len(set(np.asarray(many.tokens).tolist())) > B // 2  # different seeds differ
@@ -264,18 +262,20 @@ def _chi_square(tokens, probs, n):
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampling_frequencies_match_softmax(kw):
+  """Chi-square of 4096 seeded draws against the reference distribution (16 live tokens)."""
   rng = np.random.default_rng(6)
-  b, v, calls = 512, 16, 8
-  row = (rng.standard_normal(v) * 1.5).astype(np.float32)
+  calls = 256
+  row = np.full(V, -np.inf, np.float32)
+  row[rng.choice(V, 16, replace=False)] = rng.standard_normal(16) * 1.5
   params = SamplingParams(**kw)
-  probs = _softmax(ref_filtered(row, params, np.zeros(v, bool), np.zeros(v, np.int32)))
-  logits = np.repeat(row[None], b, 0)
-  zero = np.zeros((b, v), bool), np.zeros((b, v), np.int32)
+  probs = _softmax(ref_filtered(row, params, np.zeros(V, bool), np.zeros(V, np.int32)))
+  logits = np.repeat(row[None], B, 0)
+  zero = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
   tokens = []
   for c in range(calls):
-    t = SamplingTensors.build([params] * b, [c] * b, list(range(b)), b)
-    tokens.append(np.asarray(_sample(logits, t, *zero).tokens))
-  _chi_square(np.concatenate(tokens), probs, b * calls)
+    t = SamplingTensors.build([params] * B, list(range(B)), [c] * B, B)
+    tokens.append(_sample(logits, t, *zero).tokens)
+  _chi_square(np.concatenate(jax.device_get(tokens)), probs, B * calls)
 
 
 def test_logprobs_are_raw_log_softmax_sorted():
@@ -319,17 +319,31 @@ def test_padding_rows_are_harmless():
 
 
 def test_one_compilation_serves_every_parameter_mix():
-  fn = jax.jit(lambda *args: sample(*args))  # a fresh cache, not shared with `_sample`
   rng = np.random.default_rng(10)
   logits = make_logits(rng)
   prompt, counts = make_state(rng)
   mixes = [[SamplingParams(temperature=0.0)] * B, [SamplingParams()] * B,
            [SamplingParams(top_k=3, logprobs=2)] * 3, [SamplingParams(top_p=0.5)] * B,
-           [SamplingParams(top_k=900, min_p=0.1, repetition_penalty=1.1)] * 5, [None] * 2]
+           [SamplingParams(top_k=900, min_p=0.1, repetition_penalty=1.1)] * 5, [None] * 2,
+           [SamplingParams(top_p=0.99, temperature=3.0, frequency_penalty=1.0)] * B]
+  sizes = []
   for i, mix in enumerate(mixes):
     t = SamplingTensors.build(mix, [i] * len(mix), [i] * len(mix), B)
-    jax.block_until_ready(fn(logits, t, prompt, counts))
-  assert fn._cache_size() == 1
+    jax.block_until_ready(_sample(logits, t, prompt, counts))
+    sizes.append(_sample._cache_size())
+  assert sizes == sizes[:1] * len(mixes), sizes  # the first call may compile; no other does
+
+
+def test_top_n_two_level_equals_lax_top_k():
+  rng = np.random.default_rng(11)
+  x = make_logits(rng, 3, 49152)
+  x[0, :40000] = -np.inf
+  x[1, 5:9] = x[1].max()  # ties at the top
+  for n in (20, sampling.TOP_K_CAP):
+    vals, ids = jax.jit(sampling._top_n, static_argnums=1)(x, n)
+    want, _ = jax.lax.top_k(x, n)
+    np.testing.assert_array_equal(vals, want)
+    np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), want)
 
 
 def test_build_validates():
@@ -344,6 +358,8 @@ def test_build_validates():
 
 
 def test_penalty_state_updates():
+  record_prompt, record_outputs, reset_slots = map(
+      jax.jit, (sampling.record_prompt, sampling.record_outputs, sampling.reset_slots))
   s, v = 4, 10
   mask = jnp.zeros((s, v), bool)
   counts = jnp.zeros((s, v), jnp.int32)
@@ -365,6 +381,6 @@ def test_penalty_state_updates():
 
 def test_min_p_threshold_in_log_space():
   z = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
-  thr = filter_thresholds(z, jnp.max(z, -1), jnp.array([-1]), jnp.array([1.0]),
-                          jnp.array([0.29]))
+  thr = jax.jit(filter_thresholds)(z, jnp.max(z, -1), jnp.array([-1]), jnp.array([1.0]),
+                                   jnp.array([0.29]))
   np.testing.assert_array_equal(np.asarray(z >= thr[:, None])[0], [1, 1, 1, 0])
