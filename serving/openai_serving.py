@@ -14,6 +14,7 @@ One request becomes `len(prompts) * n` engine requests ("choices"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -198,8 +199,9 @@ class OpenAIServing:
   async def run(self, job: Job) -> dict[str, Any]:
     """Runs a prepared job to completion and returns the response body."""
     streams = self.submit(job)
-    async for _ in self.merge(job, streams):
-      pass
+    async with contextlib.aclosing(self.merge(job, streams)) as deltas:
+      async for _ in deltas:
+        pass
     for c in job.choices:
       if c.finish_reason == "error":
         raise APIError(500, f"generation failed: {c.error}", type="server_error")
@@ -220,36 +222,42 @@ class OpenAIServing:
     """Yields the streaming chunk objects of an admitted job."""
     obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
     head = {"id": job.id, "object": obj, "created": job.created, "model": job.model}
-    async for choice, out in self.merge(job, streams):
-      if out.finish_reason == "error":
-        yield {"error": APIError(500, f"generation failed: {out.error}",
-                                 type="server_error").body()["error"]}
-        continue
-      if job.kind == "chat":
-        delta: dict[str, Any] = {"content": out.text}
-        if not choice.sent_role:
-          delta["role"], choice.sent_role = "assistant", True
-        c = {"index": choice.index, "delta": delta,
-             "logprobs": self._chat_logprobs(out.logprobs, job)}
-      else:
-        c = {"index": choice.index, "text": out.text,
-             "logprobs": self._completion_logprobs(out.logprobs, job)}
-      c["finish_reason"] = out.finish_reason
-      chunk = {**head, "choices": [c]}
-      if include_usage:
-        chunk["usage"] = job.usage() if continuous_usage else None
-      yield chunk
+    async with contextlib.aclosing(self.merge(job, streams)) as deltas:
+      async for choice, out in deltas:
+        yield self._chunk(job, head, choice, out, include_usage, continuous_usage)
     if include_usage:
       yield {**head, "choices": [], "usage": job.usage()}
+
+  def _chunk(self, job: Job, head: dict[str, Any], choice: Choice, out: RequestOutput,
+             include_usage: bool, continuous_usage: bool) -> dict[str, Any]:
+    if out.finish_reason == "error":
+      return {"error": APIError(500, f"generation failed: {out.error}",
+                                type="server_error").body()["error"]}
+    if job.kind == "chat":
+      delta: dict[str, Any] = {"content": out.text}
+      if not choice.sent_role:
+        delta["role"], choice.sent_role = "assistant", True
+      c = {"index": choice.index, "delta": delta,
+           "logprobs": self._chat_logprobs(out.logprobs, job)}
+    else:
+      offset = len(choice.text) - len(out.text)
+      c = {"index": choice.index, "text": out.text,
+           "logprobs": self._completion_logprobs(out.logprobs, job, offset)}
+    c["finish_reason"] = out.finish_reason
+    chunk = {**head, "choices": [c]}
+    if include_usage:
+      chunk["usage"] = job.usage() if continuous_usage else None
+    return chunk
 
   def _token_str(self, token_id: int) -> str:
     return self.tokenizer.decode([token_id])
 
-  def _completion_logprobs(self, lps: list[Any] | None, job: Job) -> dict[str, Any] | None:
+  def _completion_logprobs(self, lps: list[Any] | None, job: Job,
+                           offset: int = 0) -> dict[str, Any] | None:
     if job.num_logprobs is None:
       return None
     tokens = [self._token_str(lp.token_id) for lp in lps or []]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for t in tokens:
       offsets.append(pos)
       pos += len(t)

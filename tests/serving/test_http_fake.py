@@ -293,3 +293,12 @@ def test_non_stream_disconnect_aborts(srv):
   with pytest.raises(httpx.ReadTimeout):
     httpx.post(f"{srv.http}/v1/completions", json=body, timeout=0.3)
   assert wait_for(lambda: _idle(srv.engine), 1.0)
+
+
+def test_stream_logprobs_offsets_are_cumulative(client):
+  body = {"model": "fake", "prompt": "abc", "max_tokens": 3, "stream": True, "logprobs": 1}
+  with client.stream("POST", "/v1/completions", json=body) as r:
+    chunks = _sse(list(r.iter_lines()))
+  lps = [c["choices"][0]["logprobs"] for c in chunks]
+  assert [lp["text_offset"] for lp in lps] == [[0], [1], [2]]
+  assert [lp["tokens"] for lp in lps] == [["a"], ["b"], ["c"]]
