@@ -46,6 +46,14 @@ _DECODE = {"tpu": decode_tpu.paged_decode_attention, "gpu": decode_gpu.paged_dec
 _RAGGED = {"tpu": ragged_tpu.ragged_paged_attention, "gpu": ragged_gpu.ragged_paged_attention}
 
 
+def _check_platform(impl: str, interpret: bool) -> None:
+  """A compiled kernel needs its own platform; say so instead of failing in lowering."""
+  backend = jax.default_backend()
+  if impl != "ref" and not interpret and backend != impl:
+    raise ValueError(f"{impl=} needs a {impl.upper()} backend (default backend is {backend!r}); "
+                     "use impl='ref' or interpret=True")
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
                            sliding_window=None, soft_cap=None, impl="ref", interpret=False,
@@ -55,7 +63,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   Args:
     q: [B, N, H] float32 or bfloat16; the query of each sequence, at position
       ``seq_lens[b] - 1``.
-    k_pages, v_pages: [P, page_size, K, H], q's dtype; N must be a multiple of K.
+    k_pages, v_pages: [P, page_size, K, H] float32 or bfloat16 (both alike, may
+      differ from q's: q is cast to it for the dots); N must be a multiple of K.
     block_tables: [B, W] int32 page ids; entries past a sequence's
       ``cdiv(seq_lens[b], page_size)`` pages are never read.
     seq_lens: [B] int32 number of valid keys (including the query's own);
@@ -72,6 +81,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   """
   validation.check_decode(q, k_pages, v_pages, block_tables, seq_lens)
   validation.check_options(scale, sliding_window, soft_cap, impl)
+  _check_platform(impl, interpret)
   kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
   if impl == "ref":
     return ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs)
@@ -89,8 +99,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
     q: [T, N, H] float32 or bfloat16; queries of S sequences, flattened.
       Sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``; rows at or past
       ``cu_q_lens[S]`` are padding (output zeros).
-    k_pages, v_pages: [P, page_size, K, H], q's dtype. The new tokens' K/V
-      are already written into the pages.
+    k_pages, v_pages: [P, page_size, K, H] float32 or bfloat16 (as in
+      ``paged_decode_attention``). The new tokens' K/V are already written.
     block_tables: [S, W] int32 page ids; entries past a sequence's
       ``cdiv(kv_lens[s], page_size)`` pages are never read.
     cu_q_lens: [S+1] int32 cumulative query counts, ``cu_q_lens[0] == 0``,
@@ -105,6 +115,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   """
   validation.check_ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
   validation.check_options(scale, sliding_window, soft_cap, impl)
+  _check_platform(impl, interpret)
   kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
   if impl == "ref":
     return ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,

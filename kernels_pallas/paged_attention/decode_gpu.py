@@ -93,7 +93,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
                            block_sizes: tuning.BlockSizes | None = None):
   """GPU paged decode attention; contract of ``kernels_pallas.paged_decode_attention``.
 
-  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype; page_size
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (page_size
   and H powers of two); block_tables [B, W] int32; seq_lens [B] int32 ->
   [B, N, H] in q's dtype.
   """
@@ -110,7 +110,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   padded_width = pl.cdiv(pages_per_seq, ppb) * ppb
   tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - pages_per_seq)))
   # [B, N, H] -> [B, K, Gp, H]
-  q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(k_pages.dtype)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
 
   q_spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h: (b, h, 0, 0))

@@ -119,7 +119,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
                            block_sizes: tuning.BlockSizes | None = None):
   """TPU paged decode attention; contract of ``kernels_pallas.paged_decode_attention``.
 
-  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype);
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16;
   block_tables [B, W] int32; seq_lens [B] int32 -> [B, N, H] in q's dtype.
   """
   batch, num_q_heads, head_dim = q.shape
@@ -135,7 +135,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
   v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
   # [B, N, H] -> [B, K, G, H]
-  q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(k_pages.dtype)
 
   page_specs = [
     pl.BlockSpec((None, page_size, hb * head_dim),

@@ -103,8 +103,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
                            block_sizes: tuning.BlockSizes | None = None):
   """GPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
 
-  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype;
-  page_size and H powers of two); block_tables [S, W] int32; cu_q_lens [S+1]
+  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16
+  (page_size and H powers of two); block_tables [S, W] int32; cu_q_lens [S+1]
   int32; kv_lens [S] int32 -> [T, N, H] in q's dtype. ``block_sizes.q_block``
   counts stacked rows (tokens * padded G), a power of two.
   """
@@ -126,7 +126,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - pages_per_seq)))
   schedule = tiles.ragged_tiles(cu_q_lens, num_tokens, q_block)
   # [T, N, H] -> [T_pad, K, Gp, H]
-  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(k_pages.dtype)
   q4 = jnp.pad(q4, ((0, num_q_blocks * q_block - num_tokens), (0, 0), (0, group_pad - group),
                     (0, 0)))
 

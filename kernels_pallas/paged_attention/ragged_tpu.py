@@ -143,7 +143,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
                            block_sizes: tuning.BlockSizes | None = None):
   """TPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
 
-  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype);
+  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16;
   block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32 ->
   [T, N, H] in q's dtype. ``block_sizes.q_block`` must be a multiple of 8.
   """
@@ -161,7 +161,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   schedule = tiles.ragged_tiles(cu_q_lens, num_tokens, q_block)
 
   # [T, N, H] -> [T_pad, N * H]
-  q2 = q.reshape(num_tokens, num_q_heads * head_dim)
+  q2 = q.reshape(num_tokens, num_q_heads * head_dim).astype(k_pages.dtype)
   q2 = jnp.pad(q2, ((0, num_q_blocks * q_block - num_tokens), (0, 0)))
   # [P, page_size, K, H] -> [P, page_size, K * H]
   k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)

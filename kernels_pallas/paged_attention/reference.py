@@ -67,7 +67,7 @@ def ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, s
                                sliding_window=None, soft_cap=None):
   """Reference paged decode attention; same contract as ``paged_decode_attention``.
 
-  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (q's dtype);
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16;
   block_tables [B, W] int32; seq_lens [B] int32. Returns [B, N, H] in q's dtype.
   """
   page_size = k_pages.shape[1]

@@ -56,20 +56,22 @@ def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq
 
 
 def make_decode_inputs(seed, seq_lens, *, page_size, num_kv_heads, group, head_dim, dtype,
-                       pages_per_seq=None, spare_pages=2, poison=True) -> PagedInputs:
-  """Random decode inputs: q [B, K*group, H] and a poisoned page pool."""
+                       kv_dtype=None, pages_per_seq=None, spare_pages=2,
+                       poison=True) -> PagedInputs:
+  """Random decode inputs: q [B, K*group, H] and a poisoned page pool (``kv_dtype``)."""
   rng = np.random.default_rng(seed)
   if pages_per_seq is None:
     pages_per_seq = max(1, max(-(-n // page_size) for n in seq_lens) + 1)
   k, v, tables = _page_pool(
     rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-    pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=dtype, poison=poison)
+    pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=kv_dtype or dtype,
+    poison=poison)
   q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
   return PagedInputs(jnp.asarray(q, dtype), k, v, tables, jnp.asarray(seq_lens, jnp.int32))
 
 
 def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_heads, group,
-                       head_dim, dtype, pages_per_seq=None, spare_pages=2,
+                       head_dim, dtype, kv_dtype=None, pages_per_seq=None, spare_pages=2,
                        poison=True) -> PagedInputs:
   """Random ragged inputs: q [num_tokens, K*group, H]; rows past sum(q_lens) are padding."""
   if any(ql > kl for ql, kl in zip(q_lens, kv_lens, strict=True)):
@@ -81,7 +83,8 @@ def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_h
     pages_per_seq = max(1, max(-(-n // page_size) for n in kv_lens) + 1)
   k, v, tables = _page_pool(
     rng, kv_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-    pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=dtype, poison=poison)
+    pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=kv_dtype or dtype,
+    poison=poison)
   q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
   if poison:
     q[sum(q_lens):] = np.nan

@@ -19,11 +19,11 @@ def _check_pages(q, k_pages, v_pages) -> tuple[int, int, int, int]:
     raise ValueError(f"k_pages must be [pages, page_size, kv_heads, head_dim], got {k_pages.shape}")
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
-  if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
-    raise TypeError(f"q dtype must be float32 or bfloat16, got {q.dtype}")
-  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if x.dtype != q.dtype:
-      raise TypeError(f"{name} dtype {x.dtype} must match q dtype {q.dtype}")
+  for name, x in (("q", q), ("k_pages", k_pages)):
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+      raise TypeError(f"{name} dtype must be float32 or bfloat16, got {x.dtype}")
+  if v_pages.dtype != k_pages.dtype:
+    raise TypeError(f"v_pages dtype {v_pages.dtype} must match k_pages dtype {k_pages.dtype}")
   num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
   num_q_heads = q.shape[-2]
   if q.shape[-1] != head_dim:

@@ -145,3 +145,30 @@ def test_ragged_kernel_matches_reference(impl, case):
   out = kernel(*args)
   assert out.shape == inputs.q.shape and out.dtype == inputs.q.dtype
   _check(out, ragged_paged_attention(*args, **opts), case.dtype)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_f32_queries_on_bf16_pages(impl):
+  """The engine may keep activations in f32 and the KV cache in bf16."""
+  interpret = _mode(impl)
+  inputs = testing.make_ragged_inputs(7, (9, 1), (9, 20), num_tokens=16, page_size=16,
+                                      num_kv_heads=1, group=4, head_dim=64, dtype=F32,
+                                      kv_dtype=BF16)
+  args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.cu_q_lens,
+          inputs.lens)
+  sizes = BlockSizes(pages_per_block=1, q_block=8)
+  rag = jax.jit(functools.partial(ragged_paged_attention, scale=0.125, impl=impl,
+                                  interpret=interpret, block_sizes=sizes),
+                compiler_options=_FAST_COMPILE if interpret else None)
+  out = rag(*args)
+  assert out.dtype == F32
+  _check(out, ragged_paged_attention(*args, scale=0.125), BF16)
+  # Decode rows: the last query of each sequence.
+  dec = jax.jit(functools.partial(paged_decode_attention, scale=0.125, impl=impl,
+                                  interpret=interpret, block_sizes=sizes),
+                compiler_options=_FAST_COMPILE if interpret else None)
+  rows = inputs.cu_q_lens[1:] - 1
+  out = dec(inputs.q[rows], inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.lens)
+  assert out.dtype == F32
+  _check(out, paged_decode_attention(inputs.q[rows], inputs.k_pages, inputs.v_pages,
+                                     inputs.block_tables, inputs.lens, scale=0.125), BF16)

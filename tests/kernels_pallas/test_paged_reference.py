@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,7 +158,8 @@ def _decode_args(**overrides):
     (dict(q=jnp.zeros((2, 4, 16))), ValueError, "head_dim"),
     (dict(q=jnp.zeros((2, 3, 8))), ValueError, "multiple of kv heads"),
     (dict(q=jnp.zeros((2, 4, 8), jnp.float16)), TypeError, "float32 or bfloat16"),
-    (dict(k_pages=jnp.zeros((5, 4, 2, 8), jnp.bfloat16)), TypeError, "k_pages dtype"),
+    (dict(k_pages=jnp.zeros((5, 4, 2, 8), jnp.float16)), TypeError, "k_pages dtype"),
+    (dict(v_pages=jnp.zeros((5, 4, 2, 8), jnp.bfloat16)), TypeError, "v_pages dtype"),
     (dict(v_pages=jnp.zeros((9, 4, 2, 4))), ValueError, "v_pages shape"),
     (dict(block_tables=jnp.zeros((2, 2), jnp.float32)), TypeError, "block_tables"),
     (dict(block_tables=jnp.zeros((3, 2), jnp.int32)), ValueError, "block_tables"),
@@ -191,3 +193,9 @@ def test_ragged_validation():
   with pytest.raises(ValueError, match="cu_q_lens"):
     ragged_paged_attention(inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables,
                            jnp.array([0, 1, 2], jnp.int32), inputs.lens, scale=1.0)
+
+
+def test_compiled_kernel_off_its_platform_is_a_clear_error():
+  other = "gpu" if jax.default_backend() == "tpu" else "tpu"
+  with pytest.raises(ValueError, match="backend"):
+    paged_decode_attention(**_decode_args(), scale=1.0, impl=other)
