@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Device check for the Pallas paged-attention kernels on a CUDA machine.
+#
+# 1. Runs tests/kernels_pallas with JAX on the GPU: the GPU (Triton) kernels
+#    compiled (not interpreted) against the references; TPU cases skip.
+# 2. Runs benchmarks/kernel_bench.py: decode (Llama-3-8B-like: 32 q heads,
+#    8 kv heads, head dim 128, bf16, batch 64, context 2048) for ref and gpu,
+#    and a ragged prefill (8 x 2048 tokens) for the gpu kernel.
+# Writes everything and a summary to $OUT (default ./device_check_out).
+# Needs a jax with CUDA support (jax[cuda12]) in the active environment.
+# Budget: < 8 minutes (tests <= 300 s, each benchmark <= 120 s).
+#
+#   bash benchmarks/device_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-device_check_out}"
+mkdir -p "$out"
+summary="$out/summary.txt"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+
+{
+  echo "# xlaserve kernel device check, $(date -u +%FT%TZ)"
+  git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4
+} > "$summary"
+
+if ! python -c "import jax; assert jax.default_backend() == 'gpu', jax.default_backend(); \
+print('jax', jax.__version__, jax.devices())" >> "$summary" 2>&1; then
+  echo "FAIL: jax does not see a CUDA GPU (install jax[cuda12])" | tee -a "$summary"
+  exit 2
+fi
+
+status=0
+timeout 300 python -m pytest tests/kernels_pallas -q -rs \
+  --junitxml="$out/kernel_tests.xml" > "$out/kernel_tests.txt" 2>&1 || status=1
+{
+  echo "## kernel tests (GPU kernels compiled; exit status in the last line)"
+  grep -E "passed|failed|error|SKIPPED" "$out/kernel_tests.txt" | tail -20
+} >> "$summary"
+
+bench() {  # name, then kernel_bench.py arguments
+  local name="$1"; shift
+  if ! timeout 120 python benchmarks/kernel_bench.py --output "$out/$name.json" "$@" \
+      > "$out/$name.txt" 2>&1; then
+    status=1
+  fi
+  { echo "## $name"; tail -5 "$out/$name.txt"; } >> "$summary"
+}
+bench bench_decode --op decode --impls ref,gpu --reps 20
+bench bench_prefill --op ragged --impls gpu --batch 8 --context 2048 --reps 5
+
+echo "exit status $status" >> "$summary"
+cat "$summary"
+exit "$status"
