@@ -173,15 +173,17 @@ def _penalise(x: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
   return x - t.presence_penalty[:, None] * in_output.astype(jnp.float32)
 
 
-def _random_tokens(penalised: jax.Array, t: SamplingTensors, greedy: jax.Array) -> jax.Array:
-  """Tokens of a batch with at least one random row; greedy rows keep `greedy`."""
+def _random_tokens(x: jax.Array, t: SamplingTensors, greedy: jax.Array) -> jax.Array:
+  """Tokens of a batch with at least one random row; greedy rows keep `greedy`.
+
+  x are the penalised logits [B, V]. The scaled logits x / temperature are
+  recomputed inside each pass (fused) rather than stored.
+  """
   is_random = t.temperature > 0
   temperature = jnp.where(is_random, t.temperature, 1.0)
-  z = penalised / temperature[:, None]  # [B, V]
-  z_max = jnp.max(z, axis=-1)  # [B]
-  thr = filter_thresholds(z, z_max, t.top_k, t.top_p, t.min_p)
+  thr, z_max = filter_thresholds(x, temperature, t.top_k, t.top_p, t.min_p)
   u = jax.vmap(_row_uniform)(t.seed, t.step)  # [B]
-  drawn = _draw(z, z_max, thr, u)
+  drawn = _draw(x, temperature, z_max, thr, u)
   return jnp.where(is_random, drawn, greedy)
 
 
@@ -191,24 +193,29 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
   return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
 
 
-def filter_thresholds(z: jax.Array, z_max: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                      min_p: jax.Array) -> jax.Array:
-  """Per-row threshold [B] f32: the row keeps the tokens with `z >= thr`.
+def filter_thresholds(x: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                      top_p: jax.Array, min_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(thr, z_max), each [B] f32: the row keeps the tokens with `z >= thr`.
 
-  z are temperature-scaled logits [B, V] and z_max their row max. Top-k keeps
-  the k largest (ties at the k-th value kept), top-p the smallest prefix of
-  the top-k renormalised distribution, sorted descending, whose mass before
-  each kept token is < p, and min-p the tokens whose probability is at least
-  `min_p` times the largest.
+  z = x / temperature[:, None] are the scaled logits ([B, V], temperature > 0)
+  and z_max their row max. Top-k keeps the k largest (ties at the k-th value
+  kept); top-p the smallest prefix, sorted descending, of the top-k
+  renormalised distribution such that the mass before each kept token is
+  < p; min-p the tokens whose probability is at least `min_p` times the
+  largest.
   """
-  v = z.shape[-1]
+  v = x.shape[-1]
   need_k = (top_k > 0) & (top_k < v)
   need_p = top_p < 1
-  neg_inf = jnp.full(z.shape[:1], -jnp.inf, jnp.float32)
-  thr = jax.lax.cond(jnp.any(need_k | need_p), _top_k_top_p, lambda *a: neg_inf,
-                     z, z_max, jnp.where(need_k, top_k, v), jnp.where(need_p, top_p, 1.0))
+  z_max = jnp.max(x / temperature[:, None], axis=-1)
+  neg_inf = jnp.full(x.shape[:1], -jnp.inf, jnp.float32)
+  thr = jax.lax.cond(
+      jnp.any(need_k | need_p),
+      lambda: _top_k_top_p(x / temperature[:, None], z_max, jnp.where(need_k, top_k, v),
+                           jnp.where(need_p, top_p, 1.0)),
+      lambda: neg_inf)
   thr_min_p = jnp.where(min_p > 0, z_max + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
-  return jnp.maximum(thr, thr_min_p)
+  return jnp.maximum(thr, thr_min_p), z_max
 
 
 def _top_k_top_p(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
@@ -303,21 +310,28 @@ def _from_order_key(key: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _draw(z: jax.Array, z_max: jax.Array, thr: jax.Array, u: jax.Array) -> jax.Array:
+def _draw(x: jax.Array, temperature: jax.Array, z_max: jax.Array, thr: jax.Array,
+          u: jax.Array) -> jax.Array:
   """Inverse-CDF draw, in vocabulary order, from softmax(z) restricted to z >= thr.
 
-  Two levels (blocks of _BLOCK tokens, then within the block) keep it O(V).
-  The chosen token always has positive probability, whatever the rounding.
+  z = x / temperature[:, None]. Two levels (blocks of _BLOCK tokens, then
+  within the chosen block) keep it one fused pass over [B, V]. The chosen
+  token always has positive probability, whatever the rounding.
   """
-  b, v = z.shape
-  probs = jnp.where(z >= thr[:, None], jnp.exp(z - z_max[:, None]), 0.0)
-  blocks = _blocked(probs, 0.0)  # [B, nb, _BLOCK]
-  block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
+  b, v = x.shape
+  scale = temperature[:, None, None]
+  blocks = _blocked(x, -jnp.inf)  # [B, nb, _BLOCK]
+
+  def probs(xb):  # [B, n, _BLOCK] logits -> unnormalised kept probabilities
+    z = xb / scale
+    return jnp.where(z >= thr[:, None, None], jnp.exp(z - z_max[:, None, None]), 0.0)
+
+  block_mass = jnp.sum(probs(blocks), axis=-1)  # [B, nb]
   block_cdf = jnp.cumsum(block_mass, axis=-1)
   target = u * block_cdf[:, -1]  # [B]
   blk = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), _last_positive(block_mass))
   before = jnp.where(blk > 0, _take(block_cdf, jnp.maximum(blk - 1, 0)), 0.0)
-  inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]  # [B, _BLOCK]
+  inner = probs(jnp.take_along_axis(blocks, blk[:, None, None], axis=1))[:, 0]  # [B, _BLOCK]
   inner_cdf = before[:, None] + jnp.cumsum(inner, axis=-1)
   pos = jnp.minimum(jnp.sum(inner_cdf <= target[:, None], axis=-1), _last_positive(inner))
   return jnp.minimum(blk * _BLOCK + pos, v - 1).astype(jnp.int32)
