@@ -61,6 +61,14 @@ def test_config_preset_from_path_and_errors(tmp_path):
     launcher.engine_config_from_flags()
 
 
+def test_flagfile(tmp_path):
+  path = tmp_path / "serve.flags"
+  path.write_text("--config=cpu-small\n--max_num_seqs=2\n--model=fake\n")
+  flags.FLAGS(["xlaserve", f"--flagfile={path}"])
+  cfg = launcher.engine_config_from_flags()
+  assert (cfg.max_num_seqs, cfg.max_model_len) == (2, 512)
+
+
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
   return subprocess.run(launcher_cmd(*args), env=subprocess_env(), cwd=REPO, text=True,
                         capture_output=True, timeout=timeout)
@@ -118,3 +126,30 @@ def test_tls_on_http_and_grpc(tmp_path):
     with grpc.secure_channel(s.grpc, creds) as ch:
       r = pb_grpc.GenerationStub(ch).Tokenize(pb.TokenizeRequest(text="ab"))
       assert list(r.token_ids) == [97, 98]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  tiny_models = pytest.importorskip("tiny_models")
+  path = tmp_path_factory.mktemp("tiny") / "llama"
+  tiny_models.save_tiny_model("llama", str(path))
+  return path
+
+
+TINY_ENGINE_FLAGS = ("--max_num_seqs=2", "--max_model_len=128", "--num_pages=32",
+                     "--max_num_batched_tokens=32", "--dtype=float32")
+
+
+def test_convert_then_generate(tiny_model, tmp_path):
+  import numpy as np
+
+  checkpoints = pytest.importorskip("checkpoints")
+  out = tmp_path / "orbax"
+  r = _run("convert", f"--model={tiny_model}", f"--output={out}", timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  a, b = checkpoints.load_checkpoint(str(tiny_model)), checkpoints.load_checkpoint(str(out))
+  np.testing.assert_array_equal(np.asarray(a.params["embed"]), np.asarray(b.params["embed"]))
+  r = _run("generate", f"--model={out}", "--prompt=hello", "--max_tokens=4", *TINY_ENGINE_FLAGS,
+           timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.endswith("\n")  # the completion (random weights: any text)
