@@ -3,7 +3,8 @@
 Layout of a directory written by `save_orbax`:
 
   MARKER_FILE (xlaserve_checkpoint.json)  format tag, version, ModelConfig, dtype
-  params/                                  `ocp.StandardCheckpointer` tree
+  params/                                  orbax PyTree checkpoint (OCDBT, no zstd),
+                                           restored with `ocp.StandardCheckpointer`
   tokenizer/                               tokenizer.json + tokenizer_config.json
 
 Loading needs no dequantization or transposes, and `load_orbax` can restore
@@ -42,8 +43,12 @@ def save_orbax(loaded: LoadedModel, out_dir: str) -> str:
   if os.path.exists(marker):
     os.remove(marker)  # an interrupted save must not look complete
   leaves = _leaves(loaded.params)
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(out_dir, "params"), loaded.params, force=True)
+  # The PyTree handler under StandardCheckpointer, with zstd off: on a 135M
+  # model this saves ~4x and restores ~2x faster (decompression is CPU-bound).
+  handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+  with ocp.Checkpointer(handler) as ckptr:
+    ckptr.save(os.path.join(out_dir, "params"), args=ocp.args.PyTreeSave(loaded.params),
+               force=True)
   if loaded.tokenizer is not None:
     loaded.tokenizer.save(os.path.join(out_dir, "tokenizer"))
   meta = {"format": FORMAT, "version": VERSION, "config": config_to_dict(loaded.config),
