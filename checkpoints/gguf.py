@@ -140,8 +140,43 @@ def check_tensor_type(t: Any) -> None:
 def dequantize_tensor(t: Any) -> np.ndarray:
   """A reader tensor as float32 (numpy, logical shape: rows first)."""
   check_tensor_type(t)
-  out = gguf.quants.dequantize(t.data, t.tensor_type)
-  return out.reshape(tuple(int(d) for d in reversed(t.shape)))
+  shape = tuple(int(d) for d in reversed(t.shape))
+  fast = _FAST_DEQUANT.get(t.tensor_type)
+  out = fast(np.asarray(t.data)) if fast else gguf.quants.dequantize(t.data, t.tensor_type)
+  return out.reshape(shape)
+
+
+def _blocks(data: np.ndarray, type_size: int) -> np.ndarray:
+  return data.reshape(-1, type_size)
+
+
+def _f16_col(blocks: np.ndarray, at: int) -> np.ndarray:
+  return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+  # Low nibbles are elements 0..15 of a block, high nibbles 16..31.
+  return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _dequant_q8_0(data: np.ndarray) -> np.ndarray:
+  b = _blocks(data, 34)
+  return _f16_col(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)
+
+
+def _dequant_q4_0(data: np.ndarray) -> np.ndarray:
+  b = _blocks(data, 18)
+  return _f16_col(b, 0) * (_nibbles(b[:, 2:]) - 8.0)
+
+
+def _dequant_q4_1(data: np.ndarray) -> np.ndarray:
+  b = _blocks(data, 20)
+  return _f16_col(b, 0) * _nibbles(b[:, 4:]) + _f16_col(b, 2)
+
+
+# Whole-tensor vectorized decoders for the common block types (gguf-py's work
+# in groups of rows and is several times slower); others use gguf.quants.
+_FAST_DEQUANT = {Q.Q8_0: _dequant_q8_0, Q.Q4_0: _dequant_q4_0, Q.Q4_1: _dequant_q4_1}
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

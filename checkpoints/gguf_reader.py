@@ -75,10 +75,10 @@ class GGUFFile:
     infos = [self._tensor_info() for _ in range(n_tensors)]
     align = int(self.fields.get("general.alignment", 32))
     data_start = -(-self._pos // align) * align
-    self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+    # A plain read-only ndarray over the mapping (np.memmap slices are slow to make).
+    self._mm = np.frombuffer(self._buf, dtype=np.uint8)
     self.tensors = [self._make_tensor(name, dims, ttype, data_start + off)
                     for name, dims, ttype, off in infos]
-    self._buf.close()
 
   def _make_tensor(self, name, dims, ttype, offset) -> TensorInfo:
     try:
