@@ -152,7 +152,7 @@ def test_f32_queries_on_bf16_pages(impl):
   """The engine may keep activations in f32 and the KV cache in bf16."""
   interpret = _mode(impl)
   inputs = testing.make_ragged_inputs(7, (9, 1), (9, 20), num_tokens=16, page_size=16,
-                                      num_kv_heads=1, group=4, head_dim=64, dtype=F32,
+                                      num_kv_heads=1, group=2, head_dim=64, dtype=F32,
                                       kv_dtype=BF16)
   args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.cu_q_lens,
           inputs.lens)

@@ -7,13 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import (
-  paged_decode_attention,
-  ragged_paged_attention,
-  ref_paged_decode_attention,
-  ref_ragged_paged_attention,
-)
-from kernels_pallas.paged_attention import testing
+from kernels_pallas import paged_decode_attention, ragged_paged_attention
+from kernels_pallas.paged_attention import reference, testing
+
+# Jitted once per shape: eager op-by-op dispatch would dominate these tests.
+_OPTIONS = ("scale", "sliding_window", "soft_cap")
+ref_paged_decode_attention = jax.jit(reference.ref_paged_decode_attention,
+                                     static_argnames=_OPTIONS)
+ref_ragged_paged_attention = jax.jit(reference.ref_ragged_paged_attention,
+                                     static_argnames=_OPTIONS)
 
 
 def _hand_pool():
