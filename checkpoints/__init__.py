@@ -23,7 +23,7 @@ import numpy as np
 from checkpoints import gguf as gguf_io
 from checkpoints import hf, presets
 from checkpoints.layout import LoadedModel, ParamsBuilder, param_shapes, resolve_dtype
-from checkpoints.orbax_io import is_orbax_dir, load_orbax, save_orbax
+from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax, save_orbax
 from serving.model_config import ModelConfig
 from serving.tokenizer import Tokenizer
 
@@ -39,20 +39,30 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_checkpoint(model: str, dtype: Any = np.float32) -> LoadedModel:
-  """Loads a preset, orbax dir, HF dir or GGUF file (see module docstring)."""
-  resolve_dtype(dtype)
+  """Loads a preset, orbax dir, HF dir or GGUF file (see module docstring).
+
+  `dtype`: float32 or bfloat16 (numpy/ml_dtypes type or name), or "auto": the
+  stored dtype for orbax, bfloat16 for a HF dir whose config says so, else
+  float32 (GGUF dequantizes to float32).
+  """
+  auto = isinstance(dtype, str) and dtype == "auto"
+  if not auto:
+    resolve_dtype(dtype)
   path = resolve_model_path(model)
   if os.path.isdir(path) and is_orbax_dir(path):
-    return load_orbax(path, dtype=dtype)
+    return load_orbax(path, dtype=None if auto else dtype)
   if os.path.isdir(path):
     if not hf.is_hf_dir(path):
-      raise ValueError(f"unsupported model directory {path}: no config.json "
-                       f"(HF) and no {presets.__name__} marker")
+      raise ValueError(f"unsupported model directory {path}: no config.json (HF) and no "
+                       f"{MARKER_FILE} (orbax)")
+    if auto:
+      raw, _ = hf.load_hf_config(path)
+      dtype = "bfloat16" if "bfloat16" in (raw.get("dtype"), raw.get("torch_dtype")) else "float32"
     return load_hf_dir(path, dtype)
   if os.path.isfile(path):
     if not path.endswith(".gguf"):
       raise ValueError(f"unsupported checkpoint file {path}: expected a .gguf file")
-    return load_gguf(path, dtype)
+    return load_gguf(path, np.float32 if auto else dtype)
   raise FileNotFoundError(f"{model!r} is not a preset ({presets.list_presets()}), "
                           "a directory or a .gguf file")
 

@@ -196,18 +196,34 @@ class IncrementalDetokenizer:
   incomplete UTF-8 character split across tokens) is held back until the
   next token completes it. Only the tokens since the previous-but-one
   emission are decoded, so the cost per token is O(1) amortized. The
-  concatenation of all deltas plus `flush()` equals `decode(all_ids)`.
+  concatenation of all deltas plus `flush()` equals `decode(pushed_ids)`.
+
+  `prompt_ids` (optional): the last few prompt tokens become decode context,
+  so a sentencepiece first token keeps its leading space (" Hello", as the
+  text reads after the prompt) instead of being decoded as text start.
   """
 
-  def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+  PROMPT_CONTEXT = 5
+
+  def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+               prompt_ids: Sequence[int] = ()):
     self._tok = tokenizer
     self._skip = skip_special_tokens
-    self.token_ids: list[int] = []
+    context = list(prompt_ids[len(prompt_ids) - self.PROMPT_CONTEXT:] if prompt_ids else [])
+    while context and tokenizer.decode(context, skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+      context.pop()  # the context must end on a whole character
+    self._ids: list[int] = context
+    self._num_context = len(context)
     self._prefix_offset = 0
-    self._read_offset = 0
+    self._read_offset = len(context)
+
+  @property
+  def token_ids(self) -> list[int]:
+    """The ids pushed so far (without prompt context)."""
+    return self._ids[self._num_context:]
 
   def push(self, token_ids: Sequence[int]) -> str:
-    self.token_ids.extend(token_ids)
+    self._ids.extend(token_ids)
     return self._advance(final=False)
 
   def flush(self) -> str:
@@ -215,7 +231,7 @@ class IncrementalDetokenizer:
     return self._advance(final=True)
 
   def _advance(self, final: bool) -> str:
-    ids, p, r = self.token_ids, self._prefix_offset, self._read_offset
+    ids, p, r = self._ids, self._prefix_offset, self._read_offset
     if r == len(ids):
       return ""
     prefix_text = self._tok.decode(ids[p:r], self._skip)

@@ -66,6 +66,15 @@ def test_bfloat16(tmp_path):
   np.testing.assert_array_equal(loaded.params["layers"]["wq"], want)
 
 
+def test_auto_dtype_follows_config(tmp_path):
+  import torch
+  model = tiny_model("llama")
+  model.to(torch.bfloat16).save_pretrained(tmp_path)
+  loaded = load_checkpoint(str(tmp_path), dtype="auto")
+  assert loaded.params["embed"].dtype == ml_dtypes.bfloat16
+  assert load_checkpoint(str(tmp_path)).params["embed"].dtype == np.float32
+
+
 def test_tokenizer_from_dir(tmp_path, smollm):
   model = tiny_model("llama", vocab_size=smollm.config.vocab_size)
   model.save_pretrained(tmp_path)

@@ -90,6 +90,29 @@ def test_window_stays_small(tok):
   assert max(seen) <= 8
 
 
+def test_prompt_context(tok):
+  prompt, gen = tok.encode("User said: hello"), tok.encode(" world 😀 안녕")
+  detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+  text = "".join(detok.push([i]) for i in gen) + detok.flush()
+  assert text == tok.decode(gen) and detok.token_ids == gen
+
+
+def test_prompt_context_keeps_sentencepiece_leading_space():
+  from checkpoints.gguf_vocab import build_backend
+  pieces = ["▁", "h", "i", "▁hi", "t", "e", "▁the"]
+  meta = {"model": "llama", "tokens": ["<unk>", "<s>", "</s>", *pieces],
+          "token_type": [2, 3, 3] + [1] * len(pieces),
+          "scores": [0.0] * 3 + [-float(i) for i in range(len(pieces))],
+          "bos_token_id": 1, "eos_token_id": 2}
+  sp = Tokenizer(build_backend(meta), special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+  prompt, gen = sp.encode("hi"), sp.encode(" the hi")
+  assert sp.decode(gen) == "the hi"  # decoded alone, the first space is stripped
+  detok = IncrementalDetokenizer(sp, prompt_ids=prompt)
+  assert "".join(detok.push([i]) for i in gen) + detok.flush() == " the hi"
+  plain = IncrementalDetokenizer(sp)
+  assert "".join(plain.push([i]) for i in gen) + plain.flush() == "the hi"
+
+
 def test_special_ids(tok):
   assert tok.bos_token_id == 1 and tok.eos_token_id == 2
   assert tok.eos_token_ids == {0, 2}
