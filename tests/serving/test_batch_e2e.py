@@ -34,6 +34,7 @@ def _lines(path) -> list[str]:
   return path.read_text().splitlines() if path.exists() else []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not real_model_available(), reason="real engine or model not available")
 def test_batch_killed_halfway_then_resumed(tmp_path):
   inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
