@@ -225,6 +225,20 @@ def raw_tensor(reader: Any, name: str, unpermute: bool = True) -> RawTensor:
   return RawTensor(name=name, ggml_type=t.tensor_type, shape=shape, data=data)
 
 
+def gguf_tensor_name(key: str, layer: int | None = None) -> str:
+  """The GGUF tensor holding params leaf `key` (of `layer`), e.g. ("wq", 0) -> blk.0.attn_q.weight.
+
+  Raw blocks are stored [out, in] (HF layout), the transpose of the params leaf.
+  """
+  if layer is None:
+    names = [n for n, (k, _) in _TOP.items() if k == key]
+  else:
+    names = [f"blk.{layer}.{n}" for n, (k, _) in _BLOCK.items() if k == key]
+  if not names:
+    raise KeyError(f"no GGUF tensor for params key {key!r}")
+  return names[0]
+
+
 def _route(name: str, cfg: ModelConfig) -> tuple[str | None, int | None, bool]:
   """(params key, layer, transpose) for a GGUF tensor name."""
   if name in _TOP:

@@ -252,7 +252,9 @@ def test_real_qk_unpermute_matches_transformers(smollm, smollm_path, transformer
                                                 proj):
   want = transformers_qk[f"model.layers.{layer}.self_attn.{proj}_proj.weight"]  # [out, in]
   np.testing.assert_array_equal(smollm.params["layers"][f"w{proj}"][layer], want.T)
-  raw = gguf_io.raw_tensor(GGUFFile(smollm_path), f"blk.{layer}.attn_{proj}.weight")
+  name = gguf_io.gguf_tensor_name(f"w{proj}", layer)
+  assert name == f"blk.{layer}.attn_{proj}.weight"
+  raw = gguf_io.raw_tensor(GGUFFile(smollm_path), name)
   from_raw = gguf.quants.dequantize(raw.data, raw.ggml_type)
   np.testing.assert_array_equal(from_raw, want)
 

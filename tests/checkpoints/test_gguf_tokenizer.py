@@ -138,3 +138,6 @@ def test_sentencepiece_vocab(tmp_path):
   assert ours.add_bos_token and ours.encode("the", add_special_tokens=True)[0] == 1
   assert ours.eos_token_ids == {2}
   assert json.loads(ours.backend.to_str())["model"]["byte_fallback"]
+  # gguf-py's own reader works as the metadata source too.
+  via_gguf_py = Tokenizer.from_gguf_metadata(gguf.GGUFReader(str(path)))
+  assert all(via_gguf_py.encode(t) == ours.encode(t) for t in texts)
