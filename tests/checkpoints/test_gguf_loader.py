@@ -107,7 +107,7 @@ def quant_file(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("q") / "quant.gguf")
   w = gguf.GGUFWriter(path, "llama")
   stored = {}
-  for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1):
+  for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
     stored[qtype] = gguf.quants.quantize(x, qtype)
     w.add_tensor(f"t.{qtype.name}", stored[qtype], raw_dtype=qtype)
   for qtype in (Q.Q4_K, Q.Q6_K):
@@ -150,6 +150,14 @@ def test_float_types(quant_file, qtype):
   else:
     want = stored[qtype].astype(np.float32)
   np.testing.assert_array_equal(got, want.reshape(ROWS, COLS))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
+def test_five_bit_round_trip(quant_file, qtype):
+  path, x, _ = quant_file
+  got = gguf_io.dequantize_tensor(_tensor(GGUFFile(path), f"t.{qtype.name}"))
+  assert got.shape == x.shape
+  np.testing.assert_allclose(got, x, atol=np.abs(x).max() / 12)
 
 
 def test_unsupported_quant_type(quant_file):
