@@ -92,9 +92,6 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
                      f"(supported: {sorted(ARCHITECTURES)})")
   g = lambda key, default=None: field(reader, f"{arch}.{key}", default)
   names = {t.name for t in reader.tensors}
-  if "rope_freqs.weight" in names:
-    raise ValueError("unsupported GGUF tensor rope_freqs.weight (llama3-style rope scaling "
-                     "baked into frequency factors)")
   scaling = g("rope.scaling.type")
   if scaling not in (None, "none"):
     raise ValueError(f"unsupported GGUF rope scaling {arch}.rope.scaling.type={scaling!r}")
@@ -126,6 +123,10 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     cfg.update(num_local_experts=experts, num_experts_per_tok=g("expert_used_count"),
                moe_intermediate_size=g("expert_feed_forward_length") or cfg["intermediate_size"],
                norm_topk_prob=bool(g("expert_weights_norm", True)))
+  freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+  if freqs is not None:
+    cfg["rope_scaling"] = rope_scaling_from_factors(dequantize_tensor(freqs), cfg["head_dim"],
+                                                    cfg["rope_theta"])
   if arch == "qwen2":
     cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
   return cfg
@@ -239,8 +240,51 @@ def gguf_tensor_name(key: str, layer: int | None = None) -> str:
   return names[0]
 
 
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position_embeddings: int
+                        ) -> np.ndarray:
+  """Per-frequency divisors of Llama-3 rope scaling (what llama.cpp stores as rope_freqs)."""
+  freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  wavelen = 2 * np.pi / freqs
+  orig = original_max_position_embeddings
+  smooth = (orig / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  mid = 1.0 / ((1 - smooth) / factor + smooth)
+  return np.where(wavelen < orig / high_freq_factor, 1.0,
+                  np.where(wavelen > orig / low_freq_factor, factor, mid))
+
+
+def rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
+  """Recovers Llama-3 `rope_scaling` from a GGUF `rope_freqs` tensor.
+
+  The factor is the largest divisor; low/high frequency factors are Llama 3's
+  (1, 4); the original context comes from a smoothly scaled frequency (or the
+  usual 8192). The recovered parameters must reproduce every stored factor.
+  """
+  factors = np.asarray(factors, np.float64).reshape(-1)
+  factor = float(factors.max())
+  if factor <= 1.0 + 1e-6:
+    return None
+  low, high = 1.0, 4.0
+  wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+  mid = (factors > 1 + 1e-6) & (factors < factor - 1e-6)
+  candidates = [round(float(w * (s * (high - low) + low))) for w, s in
+                zip(wavelen[mid][:1], smooth[mid][:1], strict=True)] + [8192]
+  for orig in candidates:
+    scaling = dict(rope_type="llama3", factor=factor, low_freq_factor=low,
+                   high_freq_factor=high, original_max_position_embeddings=orig)
+    want = llama3_rope_factors(head_dim, theta, **{k: v for k, v in scaling.items()
+                                                  if k != "rope_type"})
+    if want.shape == factors.shape and np.allclose(want, factors, rtol=1e-4, atol=1e-5):
+      return scaling
+  raise ValueError("unsupported GGUF rope_freqs.weight: the factors are not Llama-3 rope "
+                   "scaling with low/high frequency factors (1, 4)")
+
+
 def _route(name: str, cfg: ModelConfig) -> tuple[str | None, int | None, bool]:
   """(params key, layer, transpose) for a GGUF tensor name."""
+  if name == "rope_freqs.weight":  # folded into config.rope_scaling
+    return None, None, False
   if name in _TOP:
     key, transpose = _TOP[name]
     if key == "lm_head" and cfg.tie_word_embeddings:

@@ -95,6 +95,28 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(w.shape))
 
 
+def llama_cpp_rope_factors(cfg) -> np.ndarray:
+  """llama.cpp's convert_hf_to_gguf `rope_freqs` for Llama-3 rope scaling (its loop, verbatim)."""
+  import math
+  rp = cfg.rope_parameters
+  base, dim = rp["rope_theta"], cfg.head_dim
+  freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+  factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+  old_context_len = rp["original_max_position_embeddings"]
+  low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+  rope_factors = []
+  for freq in freqs:
+    wavelen = 2 * math.pi / freq
+    if wavelen < high_freq_wavelen:
+      rope_factors.append(1)
+    elif wavelen > low_freq_wavelen:
+      rope_factors.append(factor)
+    else:
+      smooth = (old_context_len / wavelen - low) / (high - low)
+      rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+  return torch.tensor(rope_factors, dtype=torch.float32).numpy()
+
+
 def byte_vocab() -> tuple[list[str], list[int], list[str]]:
   """A 261-token byte-level vocabulary: 256 bytes, 3 control tokens, 2 merges."""
   tokens = list(bytes_to_unicode().values()) + SPECIALS + ["Ġt", "he"]
@@ -123,6 +145,8 @@ def gguf_from_model(model: transformers.PreTrainedModel, path: str, arch: str) -
   add_tokenizer(w)
   w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
   w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+  if (cfg.rope_parameters or {}).get("rope_type") == "llama3":
+    w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg))
   if not cfg.tie_word_embeddings:
     w.add_tensor("output.weight", sd["lm_head.weight"])
   for i in range(cfg.num_hidden_layers):

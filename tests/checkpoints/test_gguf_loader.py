@@ -16,6 +16,7 @@ from ckpt_testutil import (
 from checkpoints import gguf as gguf_io
 from checkpoints import load_checkpoint
 from checkpoints.gguf_reader import GGUFFile, metadata_value
+from serving.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 6, 512
@@ -192,6 +193,21 @@ def test_model_round_trip(tmp_path, model_type, arch):
   assert loaded.config.num_kv_heads == 2 and loaded.config.vocab_size == 261
   assert_params_equal(loaded.params, expected_params(model))
   assert loaded.tokenizer.decode(loaded.tokenizer.encode(" the")) == " the"
+
+
+@pytest.mark.parametrize("orig,factor", [(64, 8.0), (8192, 32.0)])
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path, orig, factor):
+  """Llama 3.x GGUFs carry rope scaling as a rope_freqs tensor; we recover the config."""
+  rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": orig}
+  model = tiny_model("llama", head_dim=128 if orig == 8192 else 16, rope_parameters=rope)
+  path = str(tmp_path / "l3.gguf")
+  gguf_from_model(model, path, "llama")
+  loaded = load_checkpoint(path)
+  want = ModelConfig.from_hf_config(model.config.to_dict()).rope_scaling
+  assert want is not None and loaded.config.rope_scaling == want
+  assert_params_equal(loaded.params, expected_params(model))
 
 
 def test_unsupported_architecture(tmp_path):
