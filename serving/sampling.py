@@ -45,9 +45,11 @@ TOP_K_CAP = 256
 # Block width of the two-level argmax and inverse-CDF draw.
 _BLOCK = 128
 # Rows a bisection pass handles at once.
-_BISECT_CHUNK = 8
-# Iterations of the float-order bisection: int32 keys span 2**32 values.
+_BISECT_CHUNK = 4
+# Key-midpoint halvings that pin any row's threshold: int32 keys span 2**32 values.
 _BISECT_STEPS = 32
+# The threshold search reads out a row's interval once it holds this many tokens.
+_SEARCH_TAIL = 32
 
 
 @jax.tree_util.register_dataclass
@@ -264,38 +266,99 @@ def _bisect_rows(z, z_max, k, p, thr_k, k_fits, fits, fast):
 
 def _bisect_thresholds(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array,
                        thr_k_fast: jax.Array, k_fits: jax.Array) -> jax.Array:
-  """Exact top-k / top-p thresholds by bisection over the float order of z.
+  """Exact top-k / top-p thresholds [B] by a search over the float order of z.
 
-  Each step is one masked reduction over [B, V]: no sort. `thr_k_fast` is
-  used for rows whose top-k fitted the fast path (`k_fits`).
+  No sort: each search step is one masked reduction over [B, V]; once a row's
+  interval holds at most `_SEARCH_TAIL` tokens they are read out with a
+  small top-n and finished exactly. `thr_k_fast` serves rows whose top-k
+  fitted the fast path (`k_fits`).
   """
   keys = _order_key(z)  # [B, V] i32, monotone in z
-  lo0 = jnp.min(jnp.where(z > -jnp.inf, keys, jnp.iinfo(jnp.int32).max), axis=-1)
+  finite = z > -jnp.inf
+  lo0 = jnp.min(jnp.where(finite, keys, jnp.iinfo(jnp.int32).max), axis=-1)
   hi0 = jnp.max(keys, axis=-1)
+  n_finite = jnp.sum(finite, axis=-1, dtype=jnp.int32)
 
-  def k_step(_, lo_hi):  # largest key tau with count(keys >= tau) >= k
-    lo, hi = lo_hi
-    mid = (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)  # ceil((lo + hi) / 2) without overflow
-    ok = jnp.sum(keys >= mid[:, None], axis=-1) >= k
-    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+  def top_k_threshold():  # the k-th largest: largest tau with count(keys >= tau) >= k
+    def split(mid):
+      n_ge = jnp.sum(keys >= mid[:, None], axis=-1, dtype=jnp.int32)
+      return n_ge >= k, n_ge, None
 
-  def bisect_k():
-    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, k_step, (lo0, hi0))
-    return jnp.where(k_fits, thr_k_fast, _from_order_key(lo))
+    lo, hi, n_gt_hi, _ = _search(keys, z, jnp.where(k_fits, hi0, lo0), hi0, n_finite, split,
+                                 upper=True)
+    cand = _interval_top(keys, z, lo, hi)
+    tau = _take(cand, jnp.clip(k - n_gt_hi - 1, 0, _SEARCH_TAIL - 1))
+    return jnp.where(k_fits, thr_k_fast, jnp.where(lo == hi, _from_order_key(lo), tau))
 
-  thr_k = jax.lax.cond(jnp.all(k_fits), lambda: thr_k_fast, bisect_k)
+  thr_k = jax.lax.cond(jnp.all(k_fits), lambda: thr_k_fast, top_k_threshold)
   e = jnp.where(z >= thr_k[:, None], jnp.exp(z - z_max[:, None]), 0.0)
-  q = e / jnp.sum(e, axis=-1, keepdims=True)
+  total = jnp.sum(e, axis=-1)
+  q = e / total[:, None]
 
-  def p_step(_, lo_hi):  # smallest key tau with mass(keys > tau) < p
-    lo, hi = lo_hi
-    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2)
-    ok = jnp.sum(jnp.where(keys > mid[:, None], q, 0.0), axis=-1) < p
-    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+  def split(mid):  # smallest tau with mass(keys > tau) < p
+    above = keys > mid[:, None]
+    mass = jnp.sum(jnp.where(above, q, 0.0), axis=-1)
+    return mass < p, jnp.sum(above, axis=-1, dtype=jnp.int32), mass
 
-  _, hi = jax.lax.fori_loop(0, _BISECT_STEPS, p_step, (lo0, hi0))
-  thr_p = jnp.where(p < 1, _from_order_key(hi), -jnp.inf)
-  return jnp.maximum(thr_k, thr_p)
+  lo, hi, _, mass_gt_hi = _search(keys, z, jnp.where(p < 1, lo0, hi0), hi0, n_finite, split,
+                                  upper=False)
+  cand = _interval_top(keys, z, lo, hi)  # [B, tail] descending
+  q_cand = jnp.where(cand >= thr_k[:, None], jnp.exp(cand - z_max[:, None]), 0.0) / total[:, None]
+  mass_before = mass_gt_hi[:, None] + jnp.cumsum(q_cand, axis=-1) - q_cand
+  n_keep = jnp.sum((mass_before < p[:, None]) & (cand > -jnp.inf), axis=-1)
+  tau = jnp.where(n_keep > 0, _take(cand, jnp.maximum(n_keep - 1, 0)), _from_order_key(hi))
+  thr_p = jnp.where(lo == hi, _from_order_key(hi), tau)
+  return jnp.maximum(thr_k, jnp.where(p < 1, thr_p, -jnp.inf))
+
+
+def _search(keys, z, lo, hi, n_ge_lo, split, *, upper: bool):
+  """Shrinks [lo, hi] (int32 order keys, [B]) around a threshold tau.
+
+  `split(mid) -> (go_down, n, mass)`: go_down says tau lies at or below mid
+  (`upper`: tau >= mid, the interval becomes [mid, hi]; else tau <= mid, it
+  becomes [lo, mid]); n counts the keys >= mid (`upper`) or > mid, and mass
+  is carried for the `> hi` side. Stops per row when lo == hi or at most
+  `_SEARCH_TAIL` keys remain in [lo, hi]; steps alternate between the value
+  midpoint (fast on smooth data) and the key midpoint (at most 32 halvings).
+  Returns (lo, hi, count(keys > hi), mass above hi).
+  """
+  b = keys.shape[0]
+  state = (jnp.int32(0), lo, hi, n_ge_lo, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32))
+
+  def active(lo, hi, n_ge_lo, n_gt_hi):
+    return (lo < hi) & (n_ge_lo - n_gt_hi > _SEARCH_TAIL)
+
+  def cond(state):
+    i, lo, hi, n_ge_lo, n_gt_hi, _ = state
+    return (i < 2 * _BISECT_STEPS) & jnp.any(active(lo, hi, n_ge_lo, n_gt_hi))
+
+  def body(state):
+    i, lo, hi, n_ge_lo, n_gt_hi, mass_gt_hi = state
+    up = int(upper)
+    key_mid = (lo >> 1) + (hi >> 1) + (((lo | hi) if upper else (lo & hi)) & 1)
+    lo_v, hi_v = _from_order_key(lo), _from_order_key(hi)
+    value_mid = jnp.clip(_order_key(lo_v + (hi_v - lo_v) * 0.5), lo + up, hi - 1 + up)
+    mid = jnp.where(i % 2 == 1, value_mid, key_mid)
+    go, n, mass = split(mid)
+    go &= active(lo, hi, n_ge_lo, n_gt_hi)
+    stay = ~go & active(lo, hi, n_ge_lo, n_gt_hi)
+    if upper:  # go: tau >= mid; else tau <= mid - 1 (n counts keys >= mid = keys > mid - 1)
+      return (i + 1, jnp.where(go, mid, lo), jnp.where(stay, mid - 1, hi),
+              jnp.where(go, n, n_ge_lo), jnp.where(stay, n, n_gt_hi), mass_gt_hi)
+    # go: tau <= mid; else tau >= mid + 1 (n counts keys > mid = keys >= mid + 1)
+    return (i + 1, jnp.where(stay, mid + 1, lo), jnp.where(go, mid, hi),
+            jnp.where(stay, n, n_ge_lo), jnp.where(go, n, n_gt_hi),
+            jnp.where(go, mass, mass_gt_hi))
+
+  _, lo, hi, _, n_gt_hi, mass_gt_hi = jax.lax.while_loop(cond, body, state)
+  return lo, hi, n_gt_hi, mass_gt_hi
+
+
+def _interval_top(keys: jax.Array, z: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """The `_SEARCH_TAIL` largest z with key in [lo, hi] per row, descending (-inf pads)."""
+  inside = (keys >= lo[:, None]) & (keys <= hi[:, None])
+  vals, _ = _top_n(jnp.where(inside, z, -jnp.inf), _SEARCH_TAIL)
+  return vals
 
 
 def _order_key(x: jax.Array) -> jax.Array:
