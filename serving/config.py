@@ -2,7 +2,7 @@
 
 The field names are the launcher's flag names and the keyword arguments of
 `LLM(...)`. Shapes compiled by the runner (decode batch buckets, prefill token
-buckets, context-width buckets) are all derived here, so the set of compiled
+buckets, the block-table width) are all derived here, so the set of compiled
 programs is a pure function of this config.
 """
 
@@ -59,7 +59,8 @@ class EngineConfig:
   ep: int = 1
   dp: int = 1
   prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
-  min_context_bucket: int = 128  # smallest attention width (tokens) compiled
+  attention_block_tokens: int = 128  # keys per step of the XLA attention loop
+  unroll_layers: bool | None = None  # None: unrolled on CPU, scanned on TPU/GPU
   compilation_cache: bool = True
   compilation_cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
   seed: int = 0
@@ -86,6 +87,9 @@ class EngineConfig:
       raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
     if self.quantization not in QUANTIZATIONS:
       raise ValueError(f"quantization={self.quantization!r} not in {QUANTIZATIONS}")
+    if self.attention_block_tokens % self.page_size:
+      raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
+                       f"{self.attention_block_tokens}")
     if self.prefill_buckets is not None:
       object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
       if self.prefill_buckets[-1] > self.max_num_batched_tokens:
@@ -109,7 +113,7 @@ class EngineConfig:
     return pow2_buckets(1, self.max_num_seqs)
 
   @property
-  def context_page_buckets(self) -> tuple[int, ...]:
-    """Block-table widths (pages) attention is compiled for."""
-    lo = max(1, min(self.min_context_bucket // self.page_size, self.max_pages_per_seq))
-    return pow2_buckets(lo, self.max_pages_per_seq)
+  def block_table_width(self) -> int:
+    """Pages per block table: max_model_len, rounded up to whole attention blocks."""
+    per_block = self.attention_block_tokens // self.page_size
+    return -(-self.max_pages_per_seq // per_block) * per_block

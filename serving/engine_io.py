@@ -18,12 +18,6 @@ from serving.sampling import SamplingTensors
 from serving.scheduler import PrefillChunk, Sequence
 
 
-def _width(num_pages: int, config: EngineConfig, min_tokens: int = 0) -> int:
-  need = max(num_pages, -(-min_tokens // config.page_size), 1)
-  widths = config.context_page_buckets
-  return widths[-1] if need >= widths[-1] else bucket_for(need, widths)
-
-
 def _slots_of(seq: Sequence, positions: np.ndarray, page_size: int) -> np.ndarray:
   pages = np.asarray(seq.pages, np.int32)
   return pages[positions // page_size] * page_size + positions % page_size
@@ -42,7 +36,7 @@ def build_prefill_input(chunk: PrefillChunk, runner: ModelRunner) -> PrefillInpu
   is_output = np.zeros((t,), bool)
   is_output[:n] = positions[:n] >= len(seq.prompt_ids)
   used = -(-chunk.end // config.page_size)
-  table = np.zeros((1, _width(used, config, t)), np.int32)
+  table = np.zeros((1, config.block_table_width), np.int32)
   table[0, :used] = seq.pages[:used]
   step = seq.num_generated - 1 if chunk.sample else 0
   return PrefillInput(
@@ -55,7 +49,7 @@ def build_prefill_input(chunk: PrefillChunk, runner: ModelRunner) -> PrefillInpu
 def build_decode_input(seqs: list[Sequence], runner: ModelRunner) -> DecodeInput:
   config = runner.engine_cfg
   b = bucket_for(len(seqs), config.decode_batch_buckets)
-  width = _width(max(len(s.pages) for s in seqs), config)
+  width = config.block_table_width
   slots = np.full((b,), runner.dummy_slot, np.int32)
   positions = np.zeros((b,), np.int32)
   slot_mapping = np.zeros((b,), np.int32)

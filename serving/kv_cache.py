@@ -71,9 +71,10 @@ def write_kv(kv: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
 
   `slot_mapping` [T] int32 is per-layer; padding tokens point into page 0.
   """
-  lp, ps, nk, h = kv.k.shape
-  idx = layer * kv.num_pages * ps + slot_mapping  # [T]
-  # [L*P, ps, K, H] -> [L*P*ps, K, H]
-  k = kv.k.reshape(lp * ps, nk, h).at[idx].set(_to_storage(k_new, kv)).reshape(kv.k.shape)
-  v = kv.v.reshape(lp * ps, nk, h).at[idx].set(_to_storage(v_new, kv)).reshape(kv.v.shape)
+  ps = kv.k.shape[1]
+  page = layer * kv.num_pages + slot_mapping // ps  # [T]
+  off = slot_mapping % ps
+  # Index the 4-D pool directly: reshaping it would make XLA copy the cache.
+  k = kv.k.at[page, off].set(_to_storage(k_new, kv))
+  v = kv.v.at[page, off].set(_to_storage(v_new, kv))
   return dataclasses.replace(kv, k=k, v=v)

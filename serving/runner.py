@@ -3,9 +3,9 @@
 Lifecycle:
   1. `ModelRunner(params, model_cfg, engine_cfg)` puts the weights on the
      device(s), sizes and allocates the KV page pool and the sampler state.
-  2. `warm_up()` compiles every (bucket) program once — prefill over
-     (tokens, block-table width), decode over (batch rows, width) — and logs
-     how many; the persistent compilation cache makes restarts cheap.
+  2. `warm_up()` compiles every (bucket) program once — prefill per token
+     bucket, decode and sampling per batch bucket — and logs how many; the
+     persistent compilation cache makes restarts cheap.
   3. The engine calls `prefill(PrefillInput)` / `decode(DecodeInput)` with
      host numpy arrays already padded to a bucket. Each call dispatches
      asynchronously and returns device arrays (`SampleOutput`); the engine
@@ -76,7 +76,7 @@ class DecodeInput:
   sampling: sampling.SamplingTensors  # [B]
 
 
-def _attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta):
+def _attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int):
   """Builds the per-layer attention callback for llama.forward."""
   scale = cfg.head_dim ** -0.5
 
@@ -84,23 +84,23 @@ def _attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta):
     kv = write_kv(kv, layer, k, v, meta["slot_mapping"])
     tables = meta["block_tables"] + layer * num_pages
     kw = dict(scale=scale, sliding_window=cfg.sliding_window)
+    if backend == "xla":
+      kw["block_tokens"] = block_tokens
     if kind == "decode":
-      out = attention.decode_attention(backend, q, kv, tables, meta["seq_lens"], **kw)
-    else:
-      out = attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
-                                       meta["kv_lens"], **kw)
-    return out, kv
+      return attention.decode_attention(backend, q, kv, tables, meta["seq_lens"], **kw)
+    return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
+                                      meta["kv_lens"], **kw)
 
   return attend
 
 
 def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
-                 backend: str, act_dtype) -> tuple[DeviceState, jax.Array]:
+                 backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
   """Pure prefill of one chunk -> (state, logits [1, V] after its last valid row)."""
   t = inp.tokens.shape[0]
   meta = dict(slot_mapping=inp.slot_mapping, block_tables=inp.block_table,
               cu_q_lens=jnp.stack([0, inp.num_tokens]).astype(jnp.int32), kv_lens=inp.kv_len)
-  attend = _attend_fn(backend, cfg, state.kv.num_pages, "prefill", meta)
+  attend = _attend_fn(backend, cfg, state.kv.num_pages, "prefill", meta, block_tokens)
   hidden, kv = llama.forward(params, cfg, inp.tokens, inp.positions, state.kv, attend,
                              act_dtype=act_dtype)
   last = jax.lax.dynamic_slice_in_dim(hidden, inp.num_tokens - 1, 1)  # [1, D]
@@ -117,7 +117,7 @@ def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelCon
 
 
 def decode_step(params, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfig,
-                backend: str, act_dtype) -> tuple[DeviceState, jax.Array]:
+                backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
   """Pure decode of one token per row -> (state, logits [B, V]).
 
   Input tokens come from `state.last_tokens` (sampled by the previous step).
@@ -125,7 +125,7 @@ def decode_step(params, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfi
   tokens = state.last_tokens[inp.slots]
   meta = dict(slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
               seq_lens=inp.seq_lens)
-  attend = _attend_fn(backend, cfg, state.kv.num_pages, "decode", meta)
+  attend = _attend_fn(backend, cfg, state.kv.num_pages, "decode", meta, block_tokens)
   hidden, kv = llama.forward(params, cfg, tokens, inp.positions, state.kv, attend,
                              act_dtype=act_dtype)
   return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
@@ -167,6 +167,9 @@ class ModelRunner:
     self.dtype_name, self.kv_dtype_name = resolve_dtypes(engine_cfg, platform)
     self.backend = attention.resolve_backend(engine_cfg.attention_backend, platform)
     dtype = jnp.dtype(self.dtype_name)
+    unroll = engine_cfg.unroll_layers
+    if unroll if unroll is not None else platform == "cpu":
+      params = llama.unstack_layers(params)
     self.params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
     self.num_pages = num_pages
     slots, vocab = engine_cfg.max_num_seqs + 1, model_cfg.vocab_size
@@ -175,7 +178,8 @@ class ModelRunner:
         last_tokens=jnp.zeros((slots,), jnp.int32),
         prompt_mask=jnp.zeros((slots, vocab), jnp.bool_),
         output_counts=jnp.zeros((slots, vocab), jnp.int32))
-    kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype)
+    kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
+              block_tokens=engine_cfg.attention_block_tokens)
     self._prefill = jax.jit(functools.partial(prefill_step, **kw), donate_argnums=(1,))
     self._decode = jax.jit(functools.partial(decode_step, **kw), donate_argnums=(1,))
     self._sample = jax.jit(sample_step, donate_argnums=(0,))
@@ -197,40 +201,35 @@ class ModelRunner:
     self.state, out = self._sample(self.state, logits, inp.slots, inp.sampling)
     return out
 
-  def bucket_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(prefill (tokens, width) pairs, decode (rows, width) pairs) compiled at warm-up."""
-    ec = self.engine_cfg
-    widths = ec.context_page_buckets
-    prefill = [(t, w) for t in ec.prefill_token_buckets for w in widths
-               if w * ec.page_size >= t or w == widths[-1]]
-    decode = [(b, w) for b in ec.decode_batch_buckets for w in widths]
-    return prefill, decode
-
   def warm_up(self) -> int:
-    """Compiles (or loads from the persistent cache) every bucket; returns the count."""
+    """Compiles (or loads from the persistent cache) every bucket; returns the count.
+
+    Programs: one prefill per token bucket, one decode and one sampler per
+    batch bucket (+ the single-row sampler prefill uses).
+    """
     start = time.perf_counter()
-    prefill, decode = self.bucket_shapes()
-    for t, w in prefill:
-      jax.block_until_ready(self.prefill(self.dummy_prefill(t, w)))
-    for b, w in decode:
-      jax.block_until_ready(self.decode(self.dummy_decode(b, w)))
-    n_sample = len(self.engine_cfg.decode_batch_buckets)
-    n = len(prefill) + len(decode) + n_sample
-    log.info("compiled %d programs (%d prefill, %d decode, %d sampler) in %.1fs", n, len(prefill),
-             len(decode), n_sample, time.perf_counter() - start)
+    ec = self.engine_cfg
+    for t in ec.prefill_token_buckets:
+      jax.block_until_ready(self.prefill(self.dummy_prefill(t)))
+    for b in ec.decode_batch_buckets:
+      jax.block_until_ready(self.decode(self.dummy_decode(b)))
+    n_prefill, n_decode = len(ec.prefill_token_buckets), len(ec.decode_batch_buckets)
+    n = n_prefill + 2 * n_decode + (1 not in ec.decode_batch_buckets)
+    log.info("compiled %d programs (%d prefill, %d decode, %d sampler) in %.1fs", n, n_prefill,
+             n_decode, n - n_prefill - n_decode, time.perf_counter() - start)
     return n
 
-  def dummy_prefill(self, t: int, w: int) -> PrefillInput:
+  def dummy_prefill(self, t: int) -> PrefillInput:
     """A padding-only chunk: writes into dummy page 0 and the dummy slot."""
-    z = np.zeros((t,), np.int32)
+    z, w = np.zeros((t,), np.int32), self.engine_cfg.block_table_width
     return PrefillInput(tokens=z, positions=z, slot_mapping=z, is_output=np.zeros(t, bool),
                         num_tokens=np.int32(1), block_table=np.zeros((1, w), np.int32),
                         kv_len=np.ones((1,), np.int32), slot=np.int32(self.dummy_slot),
                         reset=np.bool_(True),
                         sampling=sampling.SamplingTensors.build([], [], [], 1))
 
-  def dummy_decode(self, b: int, w: int) -> DecodeInput:
-    z = np.zeros((b,), np.int32)
+  def dummy_decode(self, b: int) -> DecodeInput:
+    z, w = np.zeros((b,), np.int32), self.engine_cfg.block_table_width
     return DecodeInput(slots=np.full((b,), self.dummy_slot, np.int32), positions=z,
                        slot_mapping=z, block_tables=np.zeros((b, w), np.int32), seq_lens=z,
                        sampling=sampling.SamplingTensors.build([], [], [], b))

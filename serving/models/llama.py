@@ -8,7 +8,9 @@ params layout is documented in docs/structure.md.
 Dimension letters: T tokens, D model dim, N query heads, K kv heads,
 G query heads per kv head, H head dim, F mlp dim, E experts, V vocab.
 
-The layer stack is one `lax.scan`; attention is a callback
+The layer stack is a `lax.scan` over stacked weights, or a Python loop over
+per-layer weights (`unstack_layers`; faster on XLA:CPU, slower to compile).
+Attention is a callback
 `attend(layer, q[T,N,H], k[T,K,H], v[T,K,H], kv) -> (out[T,N,H], kv)` that
 owns the KV cache write and the paged read, so the same forward serves
 prefill chunks and decode batches.
@@ -159,9 +161,23 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
     return (h, kv), None
 
-  layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (params["layers"], layers))
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    # Unrolled over per-layer arrays: fastest on XLA:CPU (no per-layer weight copies).
+    for i, lp in enumerate(layers):
+      (x, kv), _ = layer_fn((x, kv), (lp, jnp.int32(i)))
+  else:
+    # One scanned layer over stacked [L, ...] weights: fast to compile.
+    ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layers, ids))
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+
+
+def unstack_layers(params: Params) -> Params:
+  """Stacked `layers` {name: [L, ...]} -> a list of per-layer dicts (unrolled forward)."""
+  layers = params["layers"]
+  n = len(next(iter(layers.values())))
+  return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
