@@ -7,7 +7,8 @@ mix of parameters in a batch (no recompiles after warm-up).
 Pipeline of `sample` (vLLM order):
   1. penalties on the raw logits: repetition (prompt and output tokens),
      frequency and presence (output tokens only);
-  2. greedy rows (temperature 0) take the argmax of the penalised logits;
+  2. greedy rows (temperature < MIN_TEMPERATURE, as vLLM) take the argmax of
+     the penalised logits;
   3. random rows divide by their temperature, then keep the tokens that pass
      top-k, then top-p (over the top-k renormalised distribution), then min-p;
   4. a draw by inverse CDF with one uniform per row from the key
@@ -40,6 +41,8 @@ import numpy as np
 
 from serving.types import MAX_LOGPROBS, SamplingParams
 
+# Rows with a lower temperature are greedy (vLLM's _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
 # Width of the `lax.top_k` fast path for top-k / top-p thresholds.
 TOP_K_CAP = 256
 # Block width of the two-level argmax and inverse-CDF draw.
@@ -57,7 +60,7 @@ _SEARCH_TAIL = 32
 class SamplingTensors:
   """Per-row sampling parameters of a batch; every field is a `[B]` (or `[B, 2]`) array.
 
-  Neutral values disable a stage: temperature 0 is greedy, top_k <= 0, top_p 1,
+  Neutral values disable a stage: temperature 0 (< MIN_TEMPERATURE) is greedy, top_k <= 0, top_p 1,
   min_p 0, repetition_penalty 1, presence/frequency penalty 0, num_logprobs -1
   (no logprobs wanted; 0 wants the sampled token's logprob only).
   """
@@ -135,8 +138,8 @@ def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
 
   def tokens_of(x):  # [B, V] -> [B]; conds return [B] arrays only, never [B, V] copies
     greedy = _argmax(x)
-    return jax.lax.cond(jnp.any(t.temperature > 0), _random_tokens, lambda x, t, g: g,
-                        x, t, greedy)
+    return jax.lax.cond(jnp.any(t.temperature >= MIN_TEMPERATURE), _random_tokens,
+                        lambda x, t, g: g, x, t, greedy)
 
   tokens = jax.lax.cond(
       jnp.any(_penalised_rows(t)),
@@ -181,7 +184,7 @@ def _random_tokens(x: jax.Array, t: SamplingTensors, greedy: jax.Array) -> jax.A
   x are the penalised logits [B, V]. The scaled logits x / temperature are
   recomputed inside each pass (fused) rather than stored.
   """
-  is_random = t.temperature > 0
+  is_random = t.temperature >= MIN_TEMPERATURE
   temperature = jnp.where(is_random, t.temperature, 1.0)
   thr, z_max = filter_thresholds(x, temperature, t.top_k, t.top_p, t.min_p)
   u = jax.vmap(_row_uniform)(t.seed, t.step)  # [B]
@@ -258,7 +261,8 @@ def _bisect_rows(z, z_max, k, p, thr_k, k_fits, fits, fast):
   def body(i, thr):
     rows = jax.lax.dynamic_slice_in_dim(order, i * chunk, chunk)
     sub = _bisect_thresholds(z[rows], z_max[rows], k[rows], p[rows], thr_k[rows], k_fits[rows])
-    return thr.at[rows].set(sub)
+    # Rows that fit keep the fast result: a row's threshold never depends on its neighbours.
+    return thr.at[rows].set(jnp.where(fits[rows], fast[rows], sub))
 
   n_slow = jnp.sum(~fits)
   return jax.lax.fori_loop(0, (n_slow + chunk - 1) // chunk, body, fast)

@@ -62,7 +62,7 @@ def uniform(seed, step):
 
 
 def ref_token(x, p, prompt, counts, seed, step):
-  if p is None or p.temperature == 0:
+  if p is None or p.temperature < 1e-5:  # vLLM's _SAMPLING_EPS
     base = p or SamplingParams(temperature=0.0)
     return int(np.argmax(ref_penalise(x, base, prompt, counts)))
   cdf = np.cumsum(_softmax(ref_filtered(x, p, prompt, counts)))
@@ -147,6 +147,7 @@ CASES = {
   "top_k_top_p_min_p": dict(top_k=50, top_p=0.9, min_p=0.05, temperature=0.9),
   "repetition": dict(repetition_penalty=1.7),
   "repetition_greedy": dict(repetition_penalty=0.6, temperature=0.0),
+  "tiny_temperature_is_greedy": dict(temperature=1e-6, top_p=0.5),
   "presence": dict(presence_penalty=1.5),
   "frequency": dict(frequency_penalty=-1.2, temperature=0.0),
   "all_penalties": dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
@@ -242,6 +243,20 @@ def test_seed_determinism_across_rows_and_batches():
   assert len(set(got)) == 1, got
   many, _, _ = run(np.repeat(row[None], B, 0), [params] * B, *zero, list(range(B)), [9] * B)
   assert len(set(np.asarray(many.tokens).tolist())) > B // 2  # different seeds differ
+
+
+def test_row_threshold_ignores_neighbours():
+  """A row that fits the fast path samples the same whether or not neighbours need the search."""
+  rng = np.random.default_rng(12)
+  logits = make_logits(rng)  # peaked: a top_p=0.9 nucleus fits TOP_K_CAP
+  prompt, counts = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+  params = [SamplingParams(top_p=0.9)] * B
+  seeds, steps = list(range(B)), list(range(B))
+  alone, _, _ = run(logits, params, prompt, counts, seeds, steps)
+  wide = logits.copy()
+  wide[B - 1] *= 0.05  # its nucleus does not fit: the search runs on a chunk with rows 0..2
+  mixed, _, _ = run(wide, params, prompt, counts, seeds, steps)
+  np.testing.assert_array_equal(alone.tokens[:B - 1], mixed.tokens[:B - 1])
 
 
 def test_seed_layout_is_jax_key():
