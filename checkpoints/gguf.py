@@ -24,7 +24,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from checkpoints.gguf_reader import GGUFFile, metadata_value
+from checkpoints.gguf_reader import GGUFFile, metadata_value, open_gguf
 from checkpoints.layout import Params, ParamsBuilder
 from serving.model_config import ModelConfig
 
@@ -77,8 +77,8 @@ class RawTensor:
 
 
 def read_gguf(path: str) -> GGUFFile:
-  """Parses the header and memory-maps the tensors (see `checkpoints.gguf_reader`)."""
-  return GGUFFile(path)
+  """Parses the header and memory-maps the tensors (split models: all splits)."""
+  return open_gguf(path)
 
 
 field = metadata_value

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+import re
 import struct
 from typing import Any
 
@@ -26,6 +27,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_SPLIT_RE = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 # Plain (non-block) tensor types and their numpy element types.
 _PLAIN = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
           gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
@@ -123,6 +125,29 @@ class GGUFFile:
     n_dims = self._scalar("<I")
     dims = [self._scalar("<Q") for _ in range(n_dims)]
     return name, dims, self._scalar("<I"), self._scalar("<Q")
+
+
+def open_gguf(path: str) -> GGUFFile:
+  """Opens a GGUF file; for a split model (`name-00001-of-00003.gguf`, llama.cpp's
+  gguf-split) the tensors of every split are gathered into the first's list.
+  """
+  first = GGUFFile(path)
+  count = int(first.fields.get("split.count", 1))
+  if count <= 1:
+    return first
+  m = _SPLIT_RE.fullmatch(path)
+  if m is None:
+    raise ValueError(f"{path} is one of {count} splits but its name does not end in "
+                     "-NNNNN-of-NNNNN.gguf")
+  paths = [f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+  merged = first if paths[0] == path else GGUFFile(paths[0])
+  for other in paths[1:]:
+    merged.tensors.extend(GGUFFile(other).tensors)
+  want = merged.fields.get("split.tensors.count")
+  if want is not None and int(want) != len(merged.tensors):
+    raise ValueError(f"split GGUF {paths[0]}: found {len(merged.tensors)} tensors, "
+                     f"the header says {want}")
+  return merged
 
 
 def metadata_value(reader: Any, key: str, default: Any = None) -> Any:

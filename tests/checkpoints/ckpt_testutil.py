@@ -136,11 +136,12 @@ def add_tokenizer(w: gguf.GGUFWriter, pre: str = "gpt-2") -> None:
   w.add_add_bos_token(False)
 
 
-def gguf_from_model(model: transformers.PreTrainedModel, path: str, arch: str) -> None:
+def gguf_from_model(model: transformers.PreTrainedModel, path: str, arch: str,
+                    split_max_tensors: int = 0) -> None:
   """Writes `model` as an F32 GGUF the way llama.cpp's converter lays it out."""
   cfg = model.config
   sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-  w = gguf.GGUFWriter(path, arch)
+  w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
   _add_arch_metadata(w, arch, cfg)
   add_tokenizer(w)
   w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])

@@ -195,6 +195,15 @@ def test_model_round_trip(tmp_path, model_type, arch):
   assert loaded.tokenizer.decode(loaded.tokenizer.encode(" the")) == " the"
 
 
+def test_split_gguf(tmp_path):
+  model = tiny_model("qwen3", seed=4)
+  gguf_from_model(model, str(tmp_path / "m.gguf"), "qwen3", split_max_tensors=7)
+  splits = sorted(p.name for p in tmp_path.iterdir())
+  assert len(splits) > 2 and splits[0] == f"m-00001-of-{len(splits):05d}.gguf"
+  for name in (splits[0], splits[-1]):
+    assert_params_equal(load_checkpoint(str(tmp_path / name)).params, expected_params(model))
+
+
 @pytest.mark.parametrize("orig,factor", [(64, 8.0), (8192, 32.0)])
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path, orig, factor):
   """Llama 3.x GGUFs carry rope scaling as a rope_freqs tensor; we recover the config."""
