@@ -123,14 +123,19 @@ class SampleOutput(NamedTuple):
 
 
 def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
-           output_counts: jax.Array, *, num_top: int = MAX_LOGPROBS) -> SampleOutput:
+           output_counts: jax.Array, *, rows: jax.Array | None = None,
+           num_top: int = MAX_LOGPROBS) -> SampleOutput:
   """Samples one token per row; pure and jit-able (`num_top` static).
 
   Args:
     logits: [B, V] float logits of the next token.
     t: per-row parameters (`SamplingTensors.build`).
-    prompt_mask: [B, V] bool, token appears in the row's prompt.
-    output_counts: [B, V] int, times the token was generated so far.
+    prompt_mask: [B, V] bool, token appears in the row's prompt; or [S, V]
+      per-slot state when `rows` is given.
+    output_counts: [B, V] int, times the token was generated so far; or [S, V].
+    rows: optional [B] i32 slot of each row into [S, V] state. The gather then
+      happens only when some row has a penalty, which saves two [B, V] copies
+      a step otherwise.
     num_top: width of `top_ids` / `top_logprobs` (static).
   Returns:
     SampleOutput with tokens [B] i32, logprob [B], top_ids / top_logprobs [B, num_top].
@@ -142,10 +147,13 @@ def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
     return jax.lax.cond(jnp.any(t.temperature >= MIN_TEMPERATURE), _random_tokens,
                         lambda x, t, g: g, x, t, greedy)
 
-  tokens = jax.lax.cond(
-      jnp.any(_penalised_rows(t)),
-      lambda: tokens_of(_penalise(raw, t, prompt_mask, output_counts)),
-      lambda: tokens_of(raw))
+  def penalised():
+    if rows is None:
+      return _penalise(raw, t, prompt_mask, output_counts)
+    return _penalise(raw, t, prompt_mask[rows], output_counts[rows])
+
+  tokens = jax.lax.cond(jnp.any(_penalised_rows(t)), lambda: tokens_of(penalised()),
+                        lambda: tokens_of(raw))
   logprob, top_ids, top_logprobs = _logprobs(raw, tokens, t.num_logprobs, num_top)
   return SampleOutput(tokens, logprob, top_ids, top_logprobs)
 

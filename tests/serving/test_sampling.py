@@ -259,6 +259,19 @@ def test_row_threshold_ignores_neighbours():
   np.testing.assert_array_equal(alone.tokens[:B - 1], mixed.tokens[:B - 1])
 
 
+def test_rows_gather_slot_state():
+  rng = np.random.default_rng(13)
+  logits = make_logits(rng)
+  slot_prompt, slot_counts = make_state(rng, 2 * B)
+  rows = rng.permutation(2 * B)[:B].astype(np.int32)
+  params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, top_k=10)] * B
+  t = SamplingTensors.build(params, list(range(B)), [0] * B, B)
+  direct = _sample(logits, t, slot_prompt[rows], slot_counts[rows])
+  gathered = jax.jit(lambda *a, rows: sample(*a, rows=rows))(logits, t, slot_prompt,
+                                                             slot_counts, rows=rows)
+  np.testing.assert_array_equal(direct.tokens, gathered.tokens)
+
+
 def test_seed_layout_is_jax_key():
   t = SamplingTensors.build([SamplingParams()] * 2, [7, 2**40 + 5], [0, 0], 2)
   np.testing.assert_array_equal(t.seed[0], jax.random.key_data(jax.random.key(7)))
