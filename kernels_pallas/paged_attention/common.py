@@ -9,6 +9,7 @@ own pages, so entries past a sequence's last page are never touched.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 # Finite "minus infinity": keeps exp(NEG - m) == 0 without inf - inf NaNs.
@@ -35,9 +36,33 @@ def first_visible_key(oldest_q_pos, sliding_window):
   return jnp.maximum(oldest_q_pos - sliding_window + 1, 0)
 
 
+def div(x, divisor: int):
+  """``x // divisor`` for non-negative int32 ``x``.
+
+  Truncating division equals floor division here and lowers to one op
+  (floor division of signed ints needs a sign fix-up, which Mosaic lowers
+  per TPU generation).
+  """
+  if isinstance(x, int):
+    return x // divisor
+  return jax.lax.div(x, jnp.asarray(divisor, x.dtype))
+
+
+def num_pages(num_keys, page_size: int):
+  """Pages holding ``num_keys`` keys (non-negative int32)."""
+  return div(num_keys + page_size - 1, page_size)
+
+
 def block_range(first_key, last_key, *, keys_per_block: int):
-  """Inclusive page-block range [first, last] covering keys [first_key, last_key]."""
-  return first_key // keys_per_block, last_key // keys_per_block
+  """Inclusive page-block range [first, last] covering keys [first_key, last_key] (>= 0)."""
+  return div(first_key, keys_per_block), div(last_key, keys_per_block)
+
+
+def decode_block_range(seq_len, sliding_window, *, keys_per_block: int):
+  """Visible page blocks [first, last] of a decode query at ``seq_len - 1``."""
+  q_pos = jnp.maximum(seq_len - 1, 0)
+  return block_range(first_visible_key(q_pos, sliding_window), q_pos,
+                     keys_per_block=keys_per_block)
 
 
 def cap_logits(logits, soft_cap):

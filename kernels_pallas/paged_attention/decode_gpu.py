@@ -47,9 +47,9 @@ def _decode_kernel(
   block_k = pages_per_block * page_size
   seq_len = lens_ref[b]
   q_pos = seq_len - 1
-  last_page = jnp.maximum((seq_len + page_size - 1) // page_size - 1, 0)
-  first_blk, last_blk = common.block_range(
-    common.first_visible_key(q_pos, sliding_window), q_pos, keys_per_block=block_k)
+  last_page = jnp.maximum(common.num_pages(seq_len, page_size) - 1, 0)
+  first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
+                                                  keys_per_block=block_k)
   q = q_ref[...]
 
   def body(blk, carry):

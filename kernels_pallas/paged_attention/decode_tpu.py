@@ -48,8 +48,8 @@ def _decode_kernel(
   keys_per_block = pages_per_block * page_size
   seq_len = lens_ref[b]
   q_pos = seq_len - 1
-  first_blk, last_blk = common.block_range(
-    common.first_visible_key(q_pos, sliding_window), q_pos, keys_per_block=keys_per_block)
+  first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
+                                                  keys_per_block=keys_per_block)
 
   @pl.when(blk == 0)
   def _init():
@@ -102,11 +102,10 @@ def _page_index_map(pages_per_block, page_size, pages_per_seq, sliding_window, s
 
   def index_map(b, h, blk, tables_ref, lens_ref):
     seq_len = lens_ref[b]
-    q_pos = seq_len - 1
-    first_blk, last_blk = common.block_range(
-      common.first_visible_key(q_pos, sliding_window), q_pos, keys_per_block=keys_per_block)
+    first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
+                                                    keys_per_block=keys_per_block)
     blk = jnp.clip(blk, first_blk, jnp.maximum(last_blk, first_blk))
-    last_page = jnp.maximum((seq_len + page_size - 1) // page_size - 1, 0)
+    last_page = jnp.maximum(common.num_pages(seq_len, page_size) - 1, 0)
     page = jnp.minimum(blk * pages_per_block + slot, last_page)
     page_id = jnp.where(seq_len > 0, tables_ref[b * pages_per_seq + page], 0)
     return page_id, 0, h

@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.paged_attention import common
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -79,4 +81,5 @@ def tile_bounds(t, tile_seq, tile_qblock, cu_q_lens, kv_lens, *, q_block: int, n
     first_key = jnp.maximum(lo + q_shift - sliding_window + 1, 0)
   last_key = jnp.maximum(hi - 1 + q_shift, 0)
   return dict(seq=seq, valid=valid, row0=row0, lo=lo, hi=hi, q_shift=q_shift, kv_len=kv_len,
-              first_blk=first_key // keys_per_block, last_blk=last_key // keys_per_block)
+              first_blk=common.div(first_key, keys_per_block),
+              last_blk=common.div(last_key, keys_per_block))

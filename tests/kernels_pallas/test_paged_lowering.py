@@ -1,0 +1,63 @@
+"""Cross-platform lowering of the kernels: Mosaic TPU and Triton, without the device.
+
+``jit(...).trace(...).lower(lowering_platforms=(...,))`` runs the Pallas
+Mosaic-TPU and Triton lowerings on a CPU-only machine. That catches what
+interpret mode cannot: primitives without a TPU/Triton lowering rule, TPU
+block-shape rules (last two block dims), Triton's power-of-two tensor sizes.
+The device compilers (Mosaic layout passes in libtpu, Triton to PTX) still
+need the device: ``benchmarks/device_check.sh``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import BlockSizes
+from kernels_pallas.paged_attention import (
+  decode_gpu,
+  decode_tpu,
+  ragged_gpu,
+  ragged_tpu,
+  testing,
+)
+
+KERNELS = {
+  ("tpu", "decode"): decode_tpu.paged_decode_attention,
+  ("tpu", "ragged"): ragged_tpu.ragged_paged_attention,
+  ("cuda", "decode"): decode_gpu.paged_decode_attention,
+  ("cuda", "ragged"): ragged_gpu.ragged_paged_attention,
+}
+# (kv heads, group, head dim, dtype, window, cap)
+CONFIGS = [
+  (2, 4, 128, jnp.bfloat16, None, None),
+  (2, 3, 64, jnp.float32, 8, 2.0),
+  (8, 1, 128, jnp.bfloat16, None, 30.0),
+  (1, 8, 64, jnp.bfloat16, 16, None),
+]
+
+
+def _lower(platform, op, config):
+  kv_heads, group, head_dim, dtype, window, cap = config
+  common = dict(page_size=16, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                dtype=dtype, poison=False)
+  if op == "decode":
+    x = testing.make_decode_inputs(0, [33, 16, 0], **common)
+    args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.lens)
+  else:
+    x = testing.make_ragged_inputs(0, [5, 1, 16], [37, 16, 16], num_tokens=32, **common)
+    args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)
+  sizes = BlockSizes(pages_per_block=2, q_block=16)
+  fn = functools.partial(KERNELS[platform, op], scale=head_dim**-0.5, sliding_window=window,
+                         soft_cap=cap, block_sizes=sizes)
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_kernel_lowers(platform, op, config):
+  text = _lower(platform, op, config)
+  target = "tpu_custom_call" if platform == "tpu" else "triton"
+  assert target in text
