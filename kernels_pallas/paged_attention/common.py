@@ -16,13 +16,20 @@ import jax.numpy as jnp
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def kv_heads_per_block(num_kv_heads: int, head_dim: int) -> int:
-  """Smallest divisor d of K with d * H lanes a multiple of 128 (else K).
+def kv_heads_per_block(num_kv_heads: int, head_dim: int, requested: int = 0) -> int:
+  """KV heads per TPU block: ``requested``, or the smallest lane-aligned choice.
 
   TPU blocks must span a multiple of 128 lanes or the whole last dimension;
   pages are viewed as ``[P, page_size, K * H]`` so a block of d kv heads is a
-  lane slice.
+  lane slice. With ``requested == 0`` this is the smallest divisor d of K with
+  ``d * H % 128 == 0``, else K. ``requested == K`` makes every page copy one
+  contiguous ``[page_size, K * H]`` DMA.
   """
+  if requested:
+    if num_kv_heads % requested or (requested * head_dim % 128 and requested != num_kv_heads):
+      raise ValueError(f"kv_heads_per_block={requested} must divide {num_kv_heads=} and span "
+                       f"a multiple of 128 lanes (head_dim={head_dim}) or all heads")
+    return requested
   for d in range(1, num_kv_heads + 1):
     if num_kv_heads % d == 0 and (d * head_dim) % 128 == 0:
       return d

@@ -128,7 +128,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   sizes = block_sizes or tuning.lookup("tpu", "decode", page_size, pages_per_seq)
   ppb = min(sizes.pages_per_block, pages_per_seq)
   num_blocks = pl.cdiv(pages_per_seq, ppb)
-  hb = common.kv_heads_per_block(num_kv_heads, head_dim)
+  hb = common.kv_heads_per_block(num_kv_heads, head_dim, sizes.kv_heads_per_block)
 
   # [P, page_size, K, H] -> [P, page_size, K * H]
   k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)

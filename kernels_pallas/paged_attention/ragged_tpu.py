@@ -157,7 +157,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   if q_block < 8 or q_block % 8:
     raise ValueError(f"TPU ragged attention needs q_block a multiple of 8, got {q_block}")
   num_q_blocks = pl.cdiv(num_tokens, q_block)
-  hb = common.kv_heads_per_block(num_kv_heads, head_dim)
+  hb = common.kv_heads_per_block(num_kv_heads, head_dim, sizes.kv_heads_per_block)
   schedule = tiles.ragged_tiles(cu_q_lens, num_tokens, q_block)
 
   # [T, N, H] -> [T_pad, N * H]

@@ -20,19 +20,22 @@ class BlockSizes:
   pages_per_block: KV pages gathered per kernel step (keys per step =
     pages_per_block * page_size).
   q_block: query tokens per tile (ragged kernels only).
+  kv_heads_per_block: TPU only; 0 picks the smallest lane-aligned block (see
+    ``common.kv_heads_per_block``), K fetches whole pages contiguously.
   num_warps, num_stages: Triton launch parameters (GPU kernels only).
   """
 
   pages_per_block: int
   q_block: int = 0
+  kv_heads_per_block: int = 0
   num_warps: int = 4
   num_stages: int = 2
 
   def __post_init__(self):
     if self.pages_per_block < 1:
       raise ValueError(f"{self.pages_per_block=} must be >= 1")
-    if self.q_block < 0:
-      raise ValueError(f"{self.q_block=} must be >= 0")
+    if self.q_block < 0 or self.kv_heads_per_block < 0:
+      raise ValueError(f"{self.q_block=} and {self.kv_heads_per_block=} must be >= 0")
 
 
 # (impl, op) -> {page_size: BlockSizes}. All untuned (no device run yet).

@@ -172,3 +172,21 @@ def test_f32_queries_on_bf16_pages(impl):
   assert out.dtype == F32
   _check(out, paged_decode_attention(inputs.q[rows], inputs.k_pages, inputs.v_pages,
                                      inputs.block_tables, inputs.lens, scale=0.125), BF16)
+
+
+def test_tpu_whole_page_blocks():
+  """kv_heads_per_block = K: each page slot is one contiguous [page_size, K * H] copy."""
+  interpret = _mode("tpu")
+  inputs = testing.make_ragged_inputs(3, (6, 1), (21, 40), num_tokens=8, page_size=16,
+                                      num_kv_heads=2, group=2, head_dim=128, dtype=BF16)
+  args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.cu_q_lens,
+          inputs.lens)
+  sizes = BlockSizes(pages_per_block=2, q_block=8, kv_heads_per_block=2)
+  kernel = jax.jit(functools.partial(ragged_paged_attention, scale=0.1, impl="tpu",
+                                     interpret=interpret, block_sizes=sizes),
+                   compiler_options=_FAST_COMPILE if interpret else None)
+  _check(kernel(*args), ragged_paged_attention(*args, scale=0.1), BF16)
+  with pytest.raises(ValueError, match="kv_heads_per_block"):
+    ragged_paged_attention(*args, scale=0.1, impl="tpu", interpret=True,
+                           block_sizes=BlockSizes(pages_per_block=2, q_block=8,
+                                                  kv_heads_per_block=3))

@@ -29,17 +29,18 @@ KERNELS = {
   ("cuda", "decode"): decode_gpu.paged_decode_attention,
   ("cuda", "ragged"): ragged_gpu.ragged_paged_attention,
 }
-# (kv heads, group, head dim, dtype, window, cap)
+# (kv heads, group, head dim, dtype, window, cap, TPU kv heads per block)
 CONFIGS = [
-  (2, 4, 128, jnp.bfloat16, None, None),
-  (2, 3, 64, jnp.float32, 8, 2.0),
-  (8, 1, 128, jnp.bfloat16, None, 30.0),
-  (1, 8, 64, jnp.bfloat16, 16, None),
+  (2, 4, 128, jnp.bfloat16, None, None, 0),
+  (2, 3, 64, jnp.float32, 8, 2.0, 0),
+  (8, 1, 128, jnp.bfloat16, None, 30.0, 0),
+  (1, 8, 64, jnp.bfloat16, 16, None, 0),
+  (4, 2, 128, jnp.bfloat16, None, None, 4),
 ]
 
 
 def _lower(platform, op, config):
-  kv_heads, group, head_dim, dtype, window, cap = config
+  kv_heads, group, head_dim, dtype, window, cap, heads_per_block = config
   common = dict(page_size=16, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
                 dtype=dtype, poison=False)
   if op == "decode":
@@ -48,7 +49,7 @@ def _lower(platform, op, config):
   else:
     x = testing.make_ragged_inputs(0, [5, 1, 16], [37, 16, 16], num_tokens=32, **common)
     args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)
-  sizes = BlockSizes(pages_per_block=2, q_block=16)
+  sizes = BlockSizes(pages_per_block=2, q_block=16, kv_heads_per_block=heads_per_block)
   fn = functools.partial(KERNELS[platform, op], scale=head_dim**-0.5, sliding_window=window,
                          soft_cap=cap, block_sizes=sizes)
   return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
