@@ -175,6 +175,33 @@ def test_mixed_batch_matches_reference():
     check_against_reference(logits, params, prompt, counts, steps=[step] * len(params))
 
 
+def random_params(rng):
+  """Random SamplingParams touching every stage (and the search) with fair probability."""
+  pick = lambda prob, value, default: value if rng.random() < prob else default
+  return SamplingParams(
+      temperature=float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.6])),
+      top_k=pick(0.4, int(rng.choice([1, 2, 7, 40, 256, 300, 999, 2000])), -1),
+      top_p=pick(0.5, float(rng.uniform(0.05, 1.0)), 1.0),
+      min_p=pick(0.3, float(rng.uniform(0.0, 0.5)), 0.0),
+      repetition_penalty=pick(0.3, float(rng.uniform(0.5, 2.0)), 1.0),
+      presence_penalty=pick(0.3, float(rng.uniform(-2, 2)), 0.0),
+      frequency_penalty=pick(0.3, float(rng.uniform(-2, 2)), 0.0),
+      logprobs=pick(0.3, int(rng.integers(0, 21)), None))
+
+
+def test_random_batches_match_reference():
+  """Seeded fuzz: random per-row parameters and logit scales against the reference."""
+  rng = np.random.default_rng(15)
+  for _ in range(12):
+    logits = make_logits(rng) * rng.choice([0.05, 0.3, 1.0, 3.0], size=(B, 1)).astype(np.float32)
+    prompt, counts = make_state(rng)
+    n = int(rng.integers(1, B + 1))
+    params = [random_params(rng) if rng.random() < 0.9 else None for _ in range(n)]
+    seeds = [int(x) for x in rng.integers(0, 2**31, n)]
+    steps = [int(x) for x in rng.integers(0, 1000, n)]
+    check_against_reference(logits, params, prompt, counts, seeds, steps)
+
+
 @pytest.mark.parametrize("n_wide", [1, 3, 11])
 @pytest.mark.parametrize("kw", [dict(top_p=0.9, temperature=1.0), dict(top_k=300),
                                 dict(top_k=400, top_p=0.7), dict(top_k=700, min_p=0.02)])
@@ -270,6 +297,20 @@ def test_rows_gather_slot_state():
   gathered = jax.jit(lambda *a, rows: sample(*a, rows=rows))(logits, t, slot_prompt,
                                                              slot_counts, rows=rows)
   np.testing.assert_array_equal(direct.tokens, gathered.tokens)
+
+
+def test_tiny_vocab():
+  """V smaller than num_top and than a block: top logprobs pad with -inf."""
+  rng = np.random.default_rng(14)
+  b, v = 3, 7
+  logits = make_logits(rng, b, v)
+  prompt, counts = make_state(rng, b, v)
+  params = [SamplingParams(top_k=3, logprobs=20), SamplingParams(top_p=0.5, min_p=0.2),
+            SamplingParams(temperature=0.0, presence_penalty=1.0)]
+  out = check_against_reference(logits, params, prompt, counts)
+  assert out.top_ids.shape == (b, MAX_LOGPROBS)
+  top = np.asarray(out.top_logprobs)
+  assert np.all(np.isneginf(top[:, v:])) and np.all(np.isfinite(top[:, :v]))
 
 
 def test_seed_layout_is_jax_key():
