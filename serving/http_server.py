@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server (FastAPI app + a uvicorn server without signal capture).
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
 (`stream: true` -> server-sent events ending in `data: [DONE]`), GET /health
 (503 while draining), GET /metrics (Prometheus text). Every error is an
 OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
@@ -78,6 +78,12 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
   async def models(request: Request) -> Response:
     authorize(request)
     return JSONResponse(serving.models())
+
+  @app.get("/v1/models/{model_id:path}")
+  async def model(model_id: str, request: Request) -> Response:
+    authorize(request)
+    serving.check_model(model_id)
+    return JSONResponse(next(m for m in serving.models()["data"] if m["id"] == model_id))
 
   @app.post("/v1/completions")
   async def completions(request: Request) -> Response:

@@ -164,6 +164,9 @@ def test_openai_client(srv):
   assert text == "xyx"
   with pytest.raises(openai.NotFoundError):
     oa.completions.create(model="nope", prompt="a", max_tokens=1)
+  assert oa.models.retrieve("fake").id == "fake"
+  with pytest.raises(openai.NotFoundError):
+    oa.models.retrieve("nope")
 
 
 BAD_REQUESTS = [
