@@ -26,6 +26,8 @@ from serving.metrics import Metrics
 from serving.openai_serving import OpenAIServing
 
 log = logging.getLogger(__name__)
+# After the drain deadline, aborted streams still get this long to send their last chunk.
+_FLUSH_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
       app = build_app(serving, metrics, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
       http_server = make_http_server(app, cfg.host, cfg.http_port, ssl_certfile=cfg.tls_cert,
                                      ssl_keyfile=cfg.tls_key,
-                                     graceful_timeout_s=cfg.drain_timeout_s)
+                                     graceful_timeout_s=cfg.drain_timeout_s + _FLUSH_S)
       http_task = asyncio.create_task(http_server.serve())
       http_port = await _wait_started(http_server, http_task)
     log.info("serving %s: http port %s, grpc port %s", cfg.served_model_name, http_port,
@@ -107,6 +109,6 @@ async def _drain(aengine: AsyncEngine, grpc_server: GrpcServer | None, http_serv
     aengine.abort_all()
   if http_task is not None:
     try:
-      await asyncio.wait_for(http_task, timeout_s + 5)
+      await asyncio.wait_for(http_task, timeout_s + 2 * _FLUSH_S)
     except TimeoutError:
       log.warning("HTTP server did not stop in time")

@@ -212,5 +212,5 @@ def make_http_server(app: FastAPI, host: str, port: int, *, ssl_certfile: str | 
                      graceful_timeout_s: float = 30.0) -> UvicornServer:
   config = uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
                           ssl_keyfile=ssl_keyfile, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=int(graceful_timeout_s), lifespan="off")
+                          timeout_graceful_shutdown=graceful_timeout_s, lifespan="off")
   return UvicornServer(config)

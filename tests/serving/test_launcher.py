@@ -111,6 +111,23 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     srv.kill()
 
 
+def test_drain_deadline_aborts_what_is_left():
+  srv = ServerProcess(*FAKE_ENGINE_FLAGS, "--drain_timeout_s=0.5",
+                      env=subprocess_env(XLASERVE_FAKE_STEP_S="0.05"))
+  try:
+    body = {"model": "fake", "prompt": "ab", "max_tokens": 200, "stream": True}  # ~10 s
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{srv.http}/v1/completions",
+                                                 json=body) as r:
+      it = r.iter_lines()
+      next(it)
+      srv.proc.send_signal(2)  # SIGINT drains too
+      events = [json.loads(x[6:]) for x in it if x.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert srv.proc.wait(30) == 0, srv.output()
+  finally:
+    srv.kill()
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 def test_tls_on_http_and_grpc(tmp_path):
   cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
