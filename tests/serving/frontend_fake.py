@@ -6,6 +6,7 @@ Same API as the real engine (add_request / abort / start / shutdown / stats,
   * generated token i is prompt token i (cycling), so "abc" with max_tokens=5
     yields "abcab"; stop strings, stop_token_ids and EOS end a request early;
   * the sampled token's logprob is -0.5; top alternative k is token + k with -0.5 - k;
+  * a prompt starting with token 0 (NUL) finishes with finish_reason "error";
   * a request holds ceil((prompt + max_tokens) / page_size) KV pages from
     admission until it finishes or is aborted.
 """
@@ -166,6 +167,9 @@ class FakeEngine:
 
   def _step(self, r: _Req) -> tuple[_Req, RequestOutput]:
     p = r.params
+    if r.prompt[0] == 0:  # a prompt starting with NUL fails, like an engine error would
+      return r, RequestOutput(r.request_id, r.prompt, "", [], finish_reason="error",
+                              error="boom")
     tok = r.prompt[len(r.out) % len(r.prompt)]
     r.out.append(tok)
     self._stats.generation_tokens_total += 1

@@ -91,6 +91,12 @@ def test_invalid_argument(stub, req):
   assert e.value.details()
 
 
+def test_engine_error_is_internal(stub):
+  with pytest.raises(grpc.RpcError) as e:
+    list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 97]))))
+  assert e.value.code() == grpc.StatusCode.INTERNAL and "boom" in e.value.details()
+
+
 def test_tokenize_detokenize_model_info(stub):
   r = stub.Tokenize(pb.TokenizeRequest(text="hé"))
   assert list(r.token_ids) == list("hé".encode()) and r.count == 3

@@ -305,3 +305,13 @@ def test_stream_logprobs_offsets_are_cumulative(client):
   lps = [c["choices"][0]["logprobs"] for c in chunks]
   assert [lp["text_offset"] for lp in lps] == [[0], [1], [2]]
   assert [lp["tokens"] for lp in lps] == [["a"], ["b"], ["c"]]
+
+
+def test_engine_error_is_a_500(client):
+  r = client.post("/v1/completions", json={"model": "fake", "prompt": [0, 97], "max_tokens": 3})
+  assert r.status_code == 500
+  assert r.json()["error"]["type"] == "server_error" and "boom" in r.json()["error"]["message"]
+  body = {"model": "fake", "prompt": [0, 97], "max_tokens": 3, "stream": True}
+  with client.stream("POST", "/v1/completions", json=body) as r:
+    chunks = _sse(list(r.iter_lines()))
+  assert "boom" in chunks[-1]["error"]["message"]
