@@ -1,10 +1,13 @@
 """Paged decode attention on GPU (Pallas, Triton lowering).
 
-One program per (sequence, kv head): it loads the sequence's G query heads as
-one ``[Gp, H]`` tile (G padded to a power of two >= 16 for the tensor-core
-dot), then loops over page blocks of the visible key range only, gathering
-``pages_per_block`` pages by id from the pool (``k_pages_ref[ids]``) and
-running an online softmax in registers. Page ids past the sequence's last
+One program per (sequence, kv head, split): it loads the sequence's G query
+heads as one ``[Gp, H]`` tile (G padded to a power of two >= 16 for the
+tensor-core dot), then loops over its split's share of the visible page
+blocks only, gathering ``pages_per_block`` pages by id from the pool
+(``k_pages_ref[ids]``) and running an online softmax in registers. With one
+split it writes the normalised output; with several (small batches: see
+``num_splits_for``) each writes its f32 accumulator and softmax statistics
+and a jnp epilogue combines them. Page ids past the sequence's last
 page are replaced by that last page before the gather, so garbage
 block-table entries are never dereferenced; keys past the length are masked
 (logits and values), so stale data in a partly filled page cannot leak.
@@ -33,15 +36,17 @@ def _decode_kernel(
   v_ref,  # [P, page_size, H]
   tables_ref,  # [Wp] int32, this sequence's block table
   lens_ref,  # [B] int32
-  # Outputs.
-  o_ref,  # [Gp, H]
-  *,
+  # Outputs: o_ref [Gp, H]; with num_splits > 1 it holds the unnormalised f32
+  # accumulator and m_ref, l_ref [Gp] f32 the split's softmax statistics.
+  o_ref,
+  *stat_refs,
   pages_per_block: int,
+  num_splits: int,
   scale: float,
   sliding_window: int | None,
   soft_cap: float | None,
 ):
-  b = pl.program_id(0)
+  b, split = pl.program_id(0), pl.program_id(2)
   group_pad, head_dim = q_ref.shape
   page_size = k_ref.shape[1]
   block_k = pages_per_block * page_size
@@ -50,6 +55,11 @@ def _decode_kernel(
   last_page = jnp.maximum(common.num_pages(seq_len, page_size) - 1, 0)
   first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
                                                   keys_per_block=block_k)
+  stop = jnp.where(seq_len > 0, last_blk + 1, first_blk)
+  # This split's share of the visible blocks [first_blk, stop).
+  per_split = common.div(stop - first_blk + num_splits - 1, num_splits)
+  start = jnp.minimum(first_blk + split * per_split, stop)
+  stop = jnp.minimum(start + per_split, stop)
   q = q_ref[...]
 
   def body(blk, carry):
@@ -77,10 +87,33 @@ def _decode_kernel(
     jnp.zeros((group_pad,), jnp.float32),
     jnp.zeros((group_pad, head_dim), jnp.float32),
   )
-  stop = jnp.where(seq_len > 0, last_blk + 1, first_blk)
-  _, l, acc = jax.lax.fori_loop(first_blk, stop, body, init)
-  l = l[:, None]
-  o_ref[...] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+  m, l, acc = jax.lax.fori_loop(start, stop, body, init)
+  if num_splits > 1:
+    m_ref, l_ref = stat_refs
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+  else:
+    l = l[:, None]
+    o_ref[...] = jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def _combine_splits(acc, m, l):
+  """acc [splits, ..., H], m, l [splits, ...] -> normalised [..., H] f32."""
+  weight = jnp.exp(m - m.max(axis=0, keepdims=True))  # [splits, ...]
+  total = (weight * l).sum(axis=0)[..., None]
+  out = (weight[..., None] * acc).sum(axis=0)
+  return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, num_blocks: int, requested: int) -> int:
+  """Key-range splits per (sequence, kv head): ``requested``, or enough programs to fill a GPU.
+
+  ``requested == 0`` targets ~256 programs (about two per SM on an H100/H200).
+  """
+  if requested:
+    return max(1, min(requested, num_blocks))
+  return max(1, min(pl.cdiv(256, batch * num_kv_heads), num_blocks, 16))
 
 
 def check_pow2(name, value):
@@ -113,25 +146,45 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(k_pages.dtype)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
 
-  q_spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h: (b, h, 0, 0))
-  page_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h: (0, 0, h, 0))
-  kernel = functools.partial(_decode_kernel, pages_per_block=ppb, scale=scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+  splits = num_splits_for(batch, num_kv_heads, padded_width // ppb, sizes.num_splits)
+
+  q_spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h, s: (b, h, 0, 0))
+  page_spec = pl.BlockSpec((num_pages, page_size, None, head_dim),
+                           lambda b, h, s: (0, 0, h, 0))
+  if splits == 1:
+    out_specs = q_spec
+    out_shape = jax.ShapeDtypeStruct(q4.shape, q.dtype)
+  else:
+    stat_spec = pl.BlockSpec((None, None, None, group_pad), lambda b, h, s: (s, b, h, 0))
+    out_specs = [
+      pl.BlockSpec((None, None, None, group_pad, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+      stat_spec,
+      stat_spec,
+    ]
+    out_shape = [
+      jax.ShapeDtypeStruct((splits, *q4.shape), jnp.float32),
+      jax.ShapeDtypeStruct((splits, *q4.shape[:3]), jnp.float32),
+      jax.ShapeDtypeStruct((splits, *q4.shape[:3]), jnp.float32),
+    ]
+  kernel = functools.partial(_decode_kernel, pages_per_block=ppb, num_splits=splits,
+                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
   out = pl.pallas_call(
     kernel,
-    grid=(batch, num_kv_heads),
+    grid=(batch, num_kv_heads, splits),
     in_specs=[
       q_spec,
       page_spec,
       page_spec,
-      pl.BlockSpec((None, padded_width), lambda b, h: (b, 0)),
-      pl.BlockSpec((batch,), lambda b, h: (0,)),
+      pl.BlockSpec((None, padded_width), lambda b, h, s: (b, 0)),
+      pl.BlockSpec((batch,), lambda b, h, s: (0,)),
     ],
-    out_specs=q_spec,
-    out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+    out_specs=out_specs,
+    out_shape=out_shape,
     compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps,
                                          num_stages=sizes.num_stages),
     interpret=interpret,
   )(q4, k_pages, v_pages, tables, seq_lens)
+  if splits > 1:
+    out = _combine_splits(*out).astype(q.dtype)
   # [B, K, Gp, H] -> [B, N, H]
   return out[:, :, :group].reshape(batch, num_q_heads, head_dim)

@@ -22,20 +22,23 @@ class BlockSizes:
   q_block: query tokens per tile (ragged kernels only).
   kv_heads_per_block: TPU only; 0 picks the smallest lane-aligned block (see
     ``common.kv_heads_per_block``), K fetches whole pages contiguously.
+  num_splits: GPU decode only; key-range splits per (sequence, kv head), 0
+    for automatic (enough programs to fill the GPU).
   num_warps, num_stages: Triton launch parameters (GPU kernels only).
   """
 
   pages_per_block: int
   q_block: int = 0
   kv_heads_per_block: int = 0
+  num_splits: int = 0
   num_warps: int = 4
   num_stages: int = 2
 
   def __post_init__(self):
     if self.pages_per_block < 1:
       raise ValueError(f"{self.pages_per_block=} must be >= 1")
-    if self.q_block < 0 or self.kv_heads_per_block < 0:
-      raise ValueError(f"{self.q_block=} and {self.kv_heads_per_block=} must be >= 0")
+    if min(self.q_block, self.kv_heads_per_block, self.num_splits) < 0:
+      raise ValueError(f"block sizes must be >= 0: {self}")
 
 
 # (impl, op) -> {page_size: BlockSizes}. All untuned (no device run yet).

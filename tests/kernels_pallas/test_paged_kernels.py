@@ -48,19 +48,20 @@ class DecodeCase(NamedTuple):
   window: int | None = None
   cap: float | None = None
   pages_per_block: int | None = None  # None: the tuned table
+  num_splits: int = 0  # GPU decode; 0: automatic (several for these small batches)
 
   def __str__(self):
     dt = jnp.dtype(self.dtype).name
     return (f"ps{self.page_size}-k{self.kv_heads}g{self.group}-h{self.head_dim}-{dt}"
-            f"-w{self.window}-c{self.cap}-ppb{self.pages_per_block}")
+            f"-w{self.window}-c{self.cap}-ppb{self.pages_per_block}-sp{self.num_splits}")
 
 
 DECODE_CASES = [
   DecodeCase(16, 2, 1, 64, F32, (1, 16, 37, 0), pages_per_block=2),
-  DecodeCase(32, 1, 3, 128, BF16, (64, 1, 50), pages_per_block=1),
+  DecodeCase(32, 1, 3, 128, BF16, (64, 1, 50), pages_per_block=1, num_splits=1),
   DecodeCase(64, 1, 4, 64, BF16, (128, 65, 1), cap=2.0, pages_per_block=2),
-  DecodeCase(16, 1, 8, 128, F32, (48, 0, 17), window=20, pages_per_block=2),
-  DecodeCase(32, 2, 4, 128, F32, (96, 31), window=40, cap=5.0, pages_per_block=2),
+  DecodeCase(16, 1, 8, 128, F32, (48, 0, 17), window=20, pages_per_block=2, num_splits=2),
+  DecodeCase(32, 2, 4, 128, F32, (96, 31), window=40, cap=5.0, pages_per_block=2, num_splits=1),
   DecodeCase(64, 2, 8, 64, BF16, (64, 3), pages_per_block=1),
   DecodeCase(16, 3, 1, 64, BF16, (33, 16)),
   DecodeCase(32, 1, 8, 64, F32, (70, 5, 32)),
@@ -116,7 +117,9 @@ def test_decode_kernel_matches_reference(impl, case):
     num_kv_heads=case.kv_heads, group=case.group, head_dim=case.head_dim, dtype=case.dtype)
   args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.lens)
   opts = dict(scale=case.head_dim**-0.5, sliding_window=case.window, soft_cap=case.cap)
-  sizes = case.pages_per_block and BlockSizes(pages_per_block=case.pages_per_block)
+  sizes = None
+  if case.pages_per_block:
+    sizes = BlockSizes(pages_per_block=case.pages_per_block, num_splits=case.num_splits)
   kernel = jax.jit(functools.partial(paged_decode_attention, **opts, impl=impl,
                                      interpret=interpret, block_sizes=sizes),
                    compiler_options=_FAST_COMPILE if interpret else None)
