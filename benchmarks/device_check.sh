@@ -5,7 +5,8 @@
 #    compiled (not interpreted) against the references; TPU cases skip.
 # 2. Runs benchmarks/kernel_bench.py: decode (Llama-3-8B-like: 32 q heads,
 #    8 kv heads, head dim 128, bf16, batch 64, context 2048) for ref and gpu,
-#    and a ragged prefill (8 x 2048 tokens) for the gpu kernel.
+#    decode at batch 4 (split-K), a ragged prefill (8 x 2048 tokens) for the
+#    gpu kernel, and a small block-size sweep while time remains.
 # Writes everything and a summary to $OUT (default ./device_check_out).
 # Needs a jax with CUDA support (jax[cuda12]) in the active environment.
 # Budget: < 8 minutes (tests <= 300 s, each benchmark <= 120 s).
@@ -48,6 +49,17 @@ bench() {  # name, then kernel_bench.py arguments
 }
 bench bench_decode --op decode --impls ref,gpu --reps 20
 bench bench_prefill --op ragged --impls gpu --batch 8 --context 2048 --reps 5
+bench bench_decode_b4 --op decode --impls gpu --batch 4 --reps 20  # split-K path
+
+# Block-size sweep for the tuning table, while the 8-minute budget allows.
+for ppb in 4 16; do
+  [ "$SECONDS" -lt 330 ] && bench "sweep_decode_ppb$ppb" --op decode --impls gpu --reps 10 \
+    --pages_per_block "$ppb"
+done
+for qb in 32 128; do
+  [ "$SECONDS" -lt 390 ] && bench "sweep_prefill_qb$qb" --op ragged --impls gpu --batch 8 \
+    --context 2048 --reps 3 --pages_per_block 4 --q_block "$qb"
+done
 
 echo "exit status $status" >> "$summary"
 cat "$summary"

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import paged_decode_attention, ragged_paged_attention
+from kernels_pallas import BlockSizes, paged_decode_attention, ragged_paged_attention
 
 PEAK_GBPS = {"cpu": 27.0, "gpu": 4300.0}  # gpu: H200 measured copy bandwidth
 PEAK_TFLOPS = {"cpu": 0.08, "gpu": 790.0}  # cpu: f32 GEMM in jax; gpu: H200 bf16 dense
@@ -76,7 +76,7 @@ def make_prefill_inputs(seed, *, batch, context, **shape):
   return q, k_pages, v_pages, tables, cu_q_lens, seq_lens
 
 
-def run(op, impls, shape, *, reps, interpret):
+def run(op, impls, shape, *, reps, interpret, block_sizes=None):
   """Times each impl; returns result rows with the work unit per second."""
   scale = shape["head_dim"] ** -0.5
   itemsize = jnp.dtype(shape["dtype"]).itemsize
@@ -92,8 +92,9 @@ def run(op, impls, shape, *, reps, interpret):
   rows, first_out = [], None
   for impl in impls:
     interp = interpret and impl != "ref"
-    fn = jax.jit(lambda *a, impl=impl, interp=interp: attention(
-      *a, scale=scale, impl=impl, interpret=interp))
+    sizes = None if impl == "ref" else block_sizes
+    fn = jax.jit(lambda *a, impl=impl, interp=interp, sizes=sizes: attention(
+      *a, scale=scale, impl=impl, interpret=interp, block_sizes=sizes))
     seconds = time_call(fn, args, reps)
     out = np.asarray(fn(*args), np.float32)
     if first_out is None:
@@ -115,6 +116,11 @@ def main():
                       help="comma-separated impls: ref, gpu, tpu")
   parser.add_argument("--interpret", action="store_true",
                       help="run the Pallas kernels in interpret mode (CPU)")
+  parser.add_argument("--pages_per_block", type=int, default=0,
+                      help="kernel block sizes (tuning sweeps); 0: the tuned table")
+  parser.add_argument("--q_block", type=int, default=0)
+  parser.add_argument("--num_splits", type=int, default=0)
+  parser.add_argument("--kv_heads_per_block", type=int, default=0)
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--peak_gbps", type=float, default=PEAK_GBPS.get(backend, 27.0))
   parser.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS.get(backend, 0.08))
@@ -122,7 +128,13 @@ def main():
   opts = parser.parse_args()
   shape = {name: getattr(opts, name) for name in defaults}
   shape["dtype"] = jnp.dtype(shape["dtype"])
-  rows = run(opts.op, opts.impls.split(","), shape, reps=opts.reps, interpret=opts.interpret)
+  block_sizes = None
+  if opts.pages_per_block:
+    block_sizes = BlockSizes(pages_per_block=opts.pages_per_block, q_block=opts.q_block,
+                             num_splits=opts.num_splits,
+                             kv_heads_per_block=opts.kv_heads_per_block)
+  rows = run(opts.op, opts.impls.split(","), shape, reps=opts.reps, interpret=opts.interpret,
+             block_sizes=block_sizes)
   # decode: bytes -> GB/s; ragged: FLOPs -> GFLOP/s
   unit, peak = ("GB/s", opts.peak_gbps) if opts.op == "decode" else ("GFLOP/s",
                                                                       opts.peak_tflops * 1e3)
@@ -132,7 +144,7 @@ def main():
     r["peak_fraction"] = r["rate"] / peak
   device = jax.devices()[0].device_kind
   print(f"# paged {opts.op}, {device}, jax {jax.__version__}, peak {peak:g} {unit}, "
-        f"{ {k: str(v) for k, v in shape.items()} }")
+        f"{ {k: str(v) for k, v in shape.items()} }, block sizes {block_sizes or 'tuned'}")
   print(f"{'impl':<14}{'ms':>10}{unit:>10}{'of peak':>9}{'max|diff|':>11}")
   for r in rows:
     name = r["impl"] + (" (interp)" if r["interpret"] else "")
@@ -141,7 +153,8 @@ def main():
   if opts.output:
     record = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   jax=jax.__version__, device=device, backend=backend, op=opts.op,
-                  shape={k: str(v) for k, v in shape.items()}, reps=opts.reps, results=rows)
+                  shape={k: str(v) for k, v in shape.items()}, reps=opts.reps,
+                  block_sizes=str(block_sizes or "tuned"), results=rows)
     with open(opts.output, "w") as f:
       json.dump(record, f, indent=2)
 
