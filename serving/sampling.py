@@ -48,10 +48,10 @@ MIN_TEMPERATURE = 1e-5
 TOP_K_CAP = 256
 # Block width of the two-level argmax and inverse-CDF draw.
 _BLOCK = 128
-# Rows a bisection pass handles at once.
-_BISECT_CHUNK = 4
-# Key-midpoint halvings that pin any row's threshold: int32 keys span 2**32 values.
-_BISECT_STEPS = 32
+# Rows the threshold search handles at once.
+_SEARCH_CHUNK = 4
+# Key-midpoint halvings that pin any threshold: int32 keys span 2**32 values.
+_KEY_HALVINGS = 32
 # The threshold search reads out a row's interval once it holds this many tokens.
 _SEARCH_TAIL = 32
 
@@ -233,7 +233,7 @@ def filter_thresholds(x: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 
 def _top_k_top_p(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
-  """Top-k / top-p threshold from the top TOP_K_CAP values, else by bisection.
+  """Top-k / top-p threshold from the top TOP_K_CAP values, else by `_search_thresholds`.
 
   k is in [1, V] (V: disabled) and p in (0, 1] (1: disabled).
   """
@@ -252,24 +252,24 @@ def _top_k_top_p(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array) -> 
   fits = k_fits & ((p >= 1) | (incl[:, -1] >= p))
   fast = jnp.maximum(thr_k, thr_p)
   return jax.lax.cond(jnp.all(fits), lambda: fast,
-                      lambda: _bisect_rows(z, z_max, k, p, thr_k, k_fits, fits, fast))
+                      lambda: _search_rows(z, z_max, k, p, thr_k, k_fits, fits, fast))
 
 
-def _bisect_rows(z, z_max, k, p, thr_k, k_fits, fits, fast):
-  """`fast`, with the rows that do not fit it replaced by `_bisect_thresholds`.
+def _search_rows(z, z_max, k, p, thr_k, k_fits, fits, fast):
+  """`fast`, with the rows that do not fit it replaced by `_search_thresholds`.
 
-  Those rows go through in chunks of `_BISECT_CHUNK` (a while loop), so the
+  Those rows go through in chunks of `_SEARCH_CHUNK` (a while loop), so the
   common case of a few wide rows costs a fraction of a full-batch pass.
   """
   b = z.shape[0]
-  chunk = min(_BISECT_CHUNK, b)
+  chunk = min(_SEARCH_CHUNK, b)
   n_chunks = -(-b // chunk)
   order = jnp.argsort(fits, stable=True)  # rows that do not fit first
   order = jnp.concatenate([order, order[:n_chunks * chunk - b]])  # repeats are harmless
 
   def body(i, thr):
     rows = jax.lax.dynamic_slice_in_dim(order, i * chunk, chunk)
-    sub = _bisect_thresholds(z[rows], z_max[rows], k[rows], p[rows], thr_k[rows], k_fits[rows])
+    sub = _search_thresholds(z[rows], z_max[rows], k[rows], p[rows], thr_k[rows], k_fits[rows])
     # Rows that fit keep the fast result: a row's threshold never depends on its neighbours.
     return thr.at[rows].set(jnp.where(fits[rows], fast[rows], sub))
 
@@ -277,7 +277,7 @@ def _bisect_rows(z, z_max, k, p, thr_k, k_fits, fits, fast):
   return jax.lax.fori_loop(0, (n_slow + chunk - 1) // chunk, body, fast)
 
 
-def _bisect_thresholds(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array,
+def _search_thresholds(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array,
                        thr_k_fast: jax.Array, k_fits: jax.Array) -> jax.Array:
   """Exact top-k / top-p thresholds [B] by a search over the float order of z.
 
@@ -327,12 +327,13 @@ def _bisect_thresholds(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Arra
 def _search(keys, z, lo, hi, n_ge_lo, split, *, upper: bool):
   """Shrinks [lo, hi] (int32 order keys, [B]) around a threshold tau.
 
-  `split(mid) -> (go_down, n, mass)`: go_down says tau lies at or below mid
-  (`upper`: tau >= mid, the interval becomes [mid, hi]; else tau <= mid, it
-  becomes [lo, mid]); n counts the keys >= mid (`upper`) or > mid, and mass
-  is carried for the `> hi` side. Stops per row when lo == hi or at most
-  `_SEARCH_TAIL` keys remain in [lo, hi]; steps alternate between the value
-  midpoint (fast on smooth data) and the key midpoint (at most 32 halvings).
+  `split(mid) -> (mid_ok, n, mass)`: mid_ok says mid bounds tau (`upper`
+  searches, for the largest tau with a property: tau >= mid, the interval
+  becomes [mid, hi]; else tau <= mid, it becomes [lo, mid]); n counts the
+  keys >= mid (`upper`) or > mid, and mass is carried for the `> hi` side.
+  Stops per row when lo == hi or at most `_SEARCH_TAIL` keys remain in
+  [lo, hi]; steps alternate between the value midpoint (fast on smooth data)
+  and the key midpoint (at most 32 halvings).
   Returns (lo, hi, count(keys > hi), mass above hi).
   """
   b = keys.shape[0]
@@ -343,7 +344,7 @@ def _search(keys, z, lo, hi, n_ge_lo, split, *, upper: bool):
 
   def cond(state):
     i, lo, hi, n_ge_lo, n_gt_hi, _ = state
-    return (i < 2 * _BISECT_STEPS) & jnp.any(active(lo, hi, n_ge_lo, n_gt_hi))
+    return (i < 2 * _KEY_HALVINGS) & jnp.any(active(lo, hi, n_ge_lo, n_gt_hi))
 
   def body(state):
     i, lo, hi, n_ge_lo, n_gt_hi, mass_gt_hi = state
@@ -352,16 +353,16 @@ def _search(keys, z, lo, hi, n_ge_lo, split, *, upper: bool):
     lo_v, hi_v = _from_order_key(lo), _from_order_key(hi)
     value_mid = jnp.clip(_order_key(lo_v + (hi_v - lo_v) * 0.5), lo + up, hi - 1 + up)
     mid = jnp.where(i % 2 == 1, value_mid, key_mid)
-    go, n, mass = split(mid)
-    go &= active(lo, hi, n_ge_lo, n_gt_hi)
-    stay = ~go & active(lo, hi, n_ge_lo, n_gt_hi)
-    if upper:  # go: tau >= mid; else tau <= mid - 1 (n counts keys >= mid = keys > mid - 1)
-      return (i + 1, jnp.where(go, mid, lo), jnp.where(stay, mid - 1, hi),
-              jnp.where(go, n, n_ge_lo), jnp.where(stay, n, n_gt_hi), mass_gt_hi)
-    # go: tau <= mid; else tau >= mid + 1 (n counts keys > mid = keys >= mid + 1)
-    return (i + 1, jnp.where(stay, mid + 1, lo), jnp.where(go, mid, hi),
-            jnp.where(stay, n, n_ge_lo), jnp.where(go, n, n_gt_hi),
-            jnp.where(go, mass, mass_gt_hi))
+    mid_ok, n, mass = split(mid)
+    live = active(lo, hi, n_ge_lo, n_gt_hi)
+    yes, no = mid_ok & live, ~mid_ok & live
+    if upper:  # yes: tau >= mid; no: tau <= mid - 1 (n counts keys >= mid = keys > mid - 1)
+      return (i + 1, jnp.where(yes, mid, lo), jnp.where(no, mid - 1, hi),
+              jnp.where(yes, n, n_ge_lo), jnp.where(no, n, n_gt_hi), mass_gt_hi)
+    # yes: tau <= mid; no: tau >= mid + 1 (n counts keys > mid = keys >= mid + 1)
+    return (i + 1, jnp.where(no, mid + 1, lo), jnp.where(yes, mid, hi),
+            jnp.where(no, n, n_ge_lo), jnp.where(yes, n, n_gt_hi),
+            jnp.where(yes, mass, mass_gt_hi))
 
   _, lo, hi, _, n_gt_hi, mass_gt_hi = jax.lax.while_loop(cond, body, state)
   return lo, hi, n_gt_hi, mass_gt_hi

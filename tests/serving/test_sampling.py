@@ -205,10 +205,10 @@ def test_random_batches_match_reference():
 @pytest.mark.parametrize("n_wide", [1, 3, 11])
 @pytest.mark.parametrize("kw", [dict(top_p=0.9, temperature=1.0), dict(top_k=300),
                                 dict(top_k=400, top_p=0.7), dict(top_k=700, min_p=0.02)])
-def test_bisection_fallback_matches_reference(kw, n_wide):
-  """Flat logits (a nucleus wider than TOP_K_CAP) and top_k > TOP_K_CAP take the bisection,
+def test_search_fallback_matches_reference(kw, n_wide):
+  """Flat logits (a nucleus wider than TOP_K_CAP) and top_k > TOP_K_CAP take the search,
   for a few rows (one chunk), several chunks, and most of the batch."""
-  assert sampling.TOP_K_CAP < 300 and sampling._BISECT_CHUNK < 11
+  assert sampling.TOP_K_CAP < 300 and sampling._SEARCH_CHUNK < 11
   rng = np.random.default_rng(2)
   logits = make_logits(rng, scale=0.5)
   prompt, counts = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
@@ -218,14 +218,14 @@ def test_bisection_fallback_matches_reference(kw, n_wide):
   check_against_reference(logits, params, prompt, counts)
 
 
-def test_bisection_equals_fast_path():
+def test_search_equals_fast_path():
   rng = np.random.default_rng(3)
   z = jnp.asarray(make_logits(rng))
   z_max = jnp.max(z, -1)
   k = jnp.asarray(rng.integers(1, sampling.TOP_K_CAP, B), jnp.int32)
   p = jnp.asarray(rng.uniform(0.05, 1.0, B), jnp.float32)
   fast = jax.jit(sampling._top_k_top_p)(z, z_max, k, p)
-  slow = jax.jit(sampling._bisect_thresholds)(z, z_max, k, p, jnp.full((B,), -jnp.inf),
+  slow = jax.jit(sampling._search_thresholds)(z, z_max, k, p, jnp.full((B,), -jnp.inf),
                                               jnp.zeros((B,), bool))
   np.testing.assert_array_equal(fast, slow)
 
@@ -235,7 +235,7 @@ def test_large_vocab():
   rng = np.random.default_rng(4)
   b, v = 4, 49152
   logits = make_logits(rng, b, v)
-  logits[1] *= 0.1  # flat: its nucleus needs the bisection
+  logits[1] *= 0.1  # flat: its nucleus needs the search
   prompt, counts = make_state(rng, b, v)
   params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.95, top_k=1000),
             SamplingParams(temperature=0.0, repetition_penalty=1.2),
