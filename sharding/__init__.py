@@ -1,0 +1,19 @@
+"""Meshes, logical-axis rules, partition specs and multi-host start-up.
+
+- `mesh.py`: `ParallelConfig(tp, ep, dp)` -> a `(dp, ep, tp)` jax Mesh.
+- `rules.py`: the one logical-axis -> mesh-axis table, params / KV specs,
+  KV-head replication when `tp` exceeds the KV head count.
+- `placement.py`: `Placement`, what `ModelRunner` uses to put params, the
+  KV cache and its jitted steps on a mesh.
+- `checkpoint.py`: orbax save / restore straight onto a mesh's shardings.
+- `distributed.py`: `jax.distributed` start-up from flags or the environment.
+
+See docs/sharding.md.
+"""
+
+from sharding.mesh import AXES, ParallelConfig, make_mesh, mesh_for
+from sharding.placement import Placement
+from sharding.rules import LOGICAL_AXIS_RULES, PARAM_AXES, param_specs
+
+__all__ = ["AXES", "LOGICAL_AXIS_RULES", "PARAM_AXES", "ParallelConfig", "Placement",
+           "make_mesh", "mesh_for", "param_specs"]

@@ -1,0 +1,97 @@
+"""Putting a model on a mesh: params, the KV cache, device state, jitted steps.
+
+`Placement(mesh, model_cfg)` is what `ModelRunner` uses when it runs on more
+than one device:
+  1. `adapt(params)` repeats KV heads when `tp` exceeds their count (see
+     rules.py); `placement.model_cfg` is the matching config.
+  2. `place_params(params, dtype)` builds every leaf straight onto its
+     `NamedSharding`: from host numpy each device receives only its slice
+     (`jax.make_array_from_callback`, also across processes); jax arrays
+     already on the mesh (an orbax restore) are resharded device to device.
+     No device ever holds a full weight it does not own.
+  3. `kv_sharding` places the page pool; `replicate(tree)` the small state.
+  4. `jit(fn, state, donate_argnums)` compiles a step: inputs keep the
+     shardings they were placed with, the returned state is pinned to the
+     same shardings (so donation aliases and nothing recompiles), logits and
+     samples come back replicated, and the step is traced under the mesh so
+     `llama.moe_mlp` can `shard_map` over it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from serving.model_config import ModelConfig
+from sharding import rules
+from sharding.mesh import axis_size
+
+Params = dict[str, Any]
+
+
+class Placement:
+  """Shardings of one model on one mesh (see module doc)."""
+
+  def __init__(self, mesh: jax.sharding.Mesh, model_cfg: ModelConfig):
+    self.mesh = mesh
+    self.source_cfg = model_cfg
+    self.kv_replicas = rules.kv_head_replicas(model_cfg, axis_size(mesh, "tp"))
+    self.model_cfg = rules.replicate_kv_heads({"layers": {}}, model_cfg, self.kv_replicas)[1]
+    self.replicated = NamedSharding(mesh, P())
+
+  def adapt(self, params: Params) -> Params:
+    """Params matching `self.model_cfg` (KV heads repeated if needed)."""
+    return rules.replicate_kv_heads(params, self.source_cfg, self.kv_replicas)[0]
+
+  def param_shardings(self, params: Params) -> Params:
+    return rules.param_shardings(params, self.model_cfg, self.mesh)
+
+  def place_params(self, params: Params, dtype: Any) -> Params:
+    """Every leaf onto its NamedSharding, converted to `dtype` slice by slice."""
+    return jax.tree.map(functools.partial(place, dtype=dtype), params,
+                        self.param_shardings(params))
+
+  @property
+  def kv_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, rules.kv_cache_spec(self.model_cfg, self.mesh))
+
+  def replicate(self, tree: Any) -> Any:
+    """Every leaf replicated over the mesh."""
+    return jax.tree.map(lambda x: place(x, self.replicated), tree)
+
+  def jit(self, fn, state: Any, *, donate_argnums=()):
+    """jit(fn) -> (state, out): state pinned to `state`'s shardings, out replicated."""
+    state_shardings = jax.tree.map(lambda a: a.sharding, state)
+    return jax.jit(in_mesh(fn, self.mesh), donate_argnums=donate_argnums,
+                   out_shardings=(state_shardings, self.replicated))
+
+
+def place(x: Any, sharding: NamedSharding, dtype: Any = None) -> jax.Array:
+  """One array onto `sharding`; host data is sliced per device, never gathered."""
+  # A local jax array bound for a mesh spanning processes goes through the host.
+  on_device = isinstance(x, jax.Array) and not (
+      x.is_fully_addressable and not sharding.is_fully_addressable)
+  if on_device:
+    if dtype is not None and x.dtype != np.dtype(dtype):
+      x = jax.jit(lambda a: a.astype(dtype), out_shardings=sharding)(x)
+    return x if x.sharding == sharding else jax.device_put(x, sharding)
+  host = np.asarray(x)
+  dtype = host.dtype if dtype is None else np.dtype(dtype)
+  return jax.make_array_from_callback(host.shape, sharding,
+                                      lambda idx: np.asarray(host[idx], dtype), dtype=dtype)
+
+
+def in_mesh(fn, mesh: jax.sharding.Mesh):
+  """fn traced with `mesh` as the abstract mesh (what `shard_map` inside reads)."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+
+  return wrapped

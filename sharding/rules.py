@@ -1,0 +1,166 @@
+"""Logical axis names, the ONE table mapping them to mesh axes, and partition specs.
+
+Every params leaf (docs/structure.md) names its dimensions with logical axes
+(`PARAM_AXES`); `LOGICAL_AXIS_RULES` maps a logical axis to a mesh axis.
+`resolve_rules(cfg, mesh)` drops a mapping whose dimension the mesh axis does
+not divide (the dimension is then replicated: "shard what divides"), and
+`param_specs` / `kv_cache_spec` turn the names into `PartitionSpec`s.
+
+Tensor parallelism is the Megatron layout: wq/wk/wv and w_gate/w_up are
+column-parallel (heads / mlp columns over `tp`), wo and w_down row-parallel
+(their outputs are partial sums, all-reduced over `tp`). MoE experts are
+split over `ep` and each expert's mlp columns over `tp`.
+
+KV heads: when `tp` exceeds the KV head count K (and is a multiple of it),
+each KV head is repeated `tp // K` times (`replicate_kv_heads`) so every
+device holds exactly one head of the cache next to its query heads. When the
+head counts do not divide `tp` at all, attention (its weights and the KV
+cache) is replicated and only the MLP / vocab / experts are split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from serving.model_config import ModelConfig
+from sharding.mesh import axis_size
+
+Params = dict[str, Any]
+Rules = dict[str, str | None]
+
+# The one table: logical axis -> mesh axis (None: replicated).
+LOGICAL_AXIS_RULES: Rules = {
+    "layers": None,  # L, the stacked layer axis
+    "embed": None,  # D, the residual stream
+    "vocab": "tp",  # V, embedding rows and lm_head columns
+    "heads": "tp",  # N*H, query heads
+    "kv_heads": "tp",  # K*H, key/value heads (also the KV cache's K axis)
+    "head_dim": None,  # H
+    "mlp": "tp",  # F, dense MLP columns
+    "expert": "ep",  # E, MoE experts
+    "expert_mlp": "tp",  # M, columns inside one expert
+    "router_out": None,  # E as the router's output (tiny, replicated)
+    "cache_pages": None,  # L*P, the page pool
+    "page": None,  # page_size
+}
+
+# Logical axes of every params leaf, without the leading "layers" axis.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("embed",),
+    "attn_norm": ("embed",),
+    "mlp_norm": ("embed",),
+    "wq": ("embed", "heads"),
+    "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"),
+    "bq": ("heads",),
+    "bk": ("kv_heads",),
+    "bv": ("kv_heads",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "wo": ("heads", "embed"),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+    "router": ("embed", "router_out"),
+    "we_gate": ("expert", "embed", "expert_mlp"),
+    "we_up": ("expert", "embed", "expert_mlp"),
+    "we_down": ("expert", "expert_mlp", "embed"),
+}
+KV_CACHE_AXES = ("cache_pages", "page", "kv_heads", "head_dim")  # [L*P, page_size, K, H]
+
+
+def resolve_rules(cfg: ModelConfig, mesh) -> Rules:
+  """LOGICAL_AXIS_RULES for this model on this mesh: mappings that do not divide -> None."""
+  rules = {k: (v if axis_size(mesh, v) > 1 else None) for k, v in LOGICAL_AXIS_RULES.items()}
+
+  def keep_if(names: tuple[str, ...], *counts: int) -> None:
+    for name in names:
+      size = axis_size(mesh, rules[name])
+      if any(c % size for c in counts):
+        rules[name] = None
+
+  keep_if(("vocab",), cfg.vocab_size)
+  # Whole heads per device, and query and KV heads split alike (GQA groups stay local).
+  keep_if(("heads", "kv_heads"), cfg.num_heads, cfg.num_kv_heads)
+  if cfg.is_moe:
+    keep_if(("expert",), cfg.num_experts)
+    keep_if(("expert_mlp",), cfg.moe_intermediate_size)
+  else:
+    keep_if(("mlp",), cfg.intermediate_size)
+  return rules
+
+
+def logical_spec(names: tuple[str | None, ...], rules: Rules) -> P:
+  """Logical axis names -> PartitionSpec under `rules` (None names stay None)."""
+  return P(*(None if n is None else rules[n] for n in names))
+
+
+def param_specs(params: Params, cfg: ModelConfig, mesh) -> Params:
+  """PartitionSpecs mirroring `params`: stacked `layers` dict or per-layer list form."""
+  rules = resolve_rules(cfg, mesh)
+  out: Params = {}
+  for key, value in params.items():
+    if key != "layers":
+      out[key] = logical_spec(PARAM_AXES[key], rules)
+    elif isinstance(value, (list, tuple)):
+      out[key] = [{k: logical_spec(PARAM_AXES[k], rules) for k in lp} for lp in value]
+    else:
+      out[key] = {k: logical_spec(("layers", *PARAM_AXES[k]), rules) for k in value}
+  return out
+
+
+def param_shardings(params: Params, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Params:
+  """NamedShardings mirroring `params` (see `param_specs`)."""
+  return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s),
+                      param_specs(params, cfg, mesh), is_leaf=lambda x: isinstance(x, P))
+
+
+def kv_cache_spec(cfg: ModelConfig, mesh) -> P:
+  """PartitionSpec of the `[L*P, page_size, K, H]` page pool: K over `tp` when it divides."""
+  return logical_spec(KV_CACHE_AXES, resolve_rules(cfg, mesh))
+
+
+def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
+  """How many times to repeat each KV head so `tp` splits whole heads (1: no repeat).
+
+  Applies when K < tp, tp % K == 0 and N % tp == 0; otherwise the head
+  counts either divide tp already or attention stays replicated.
+  """
+  k, n = cfg.num_kv_heads, cfg.num_heads
+  if k < tp and tp % k == 0 and n % tp == 0:
+    return tp // k
+  return 1
+
+
+def replicate_kv_heads(params: Params, cfg: ModelConfig,
+                       replicas: int) -> tuple[Params, ModelConfig]:
+  """Repeats each KV head `replicas` times in wk/wv/bk/bv -> (params, cfg with K*replicas).
+
+  Copy j of head h becomes head h*replicas + j, so query head i (group
+  i // (N/K) originally) reads the same keys: GQA semantics are unchanged.
+  """
+  if replicas == 1:
+    return params, cfg
+  h = cfg.head_dim
+
+  def rep(x):
+    xp = jnp if isinstance(x, jax.Array) else np
+    # [..., K*H] -> [..., K, H] -> [..., K*r, H] -> [..., K*r*H]
+    heads = x.reshape(*x.shape[:-1], -1, h)
+    return xp.repeat(heads, replicas, axis=-2).reshape(*x.shape[:-1], -1)
+
+  def layer(lp: Params) -> Params:
+    return {k: rep(v) if k in ("wk", "wv", "bk", "bv") else v for k, v in lp.items()}
+
+  layers = params["layers"]
+  layers = [layer(lp) for lp in layers] if isinstance(layers, (list, tuple)) else layer(layers)
+  cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+  return {**params, "layers": layers}, cfg
