@@ -27,11 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import sharding
 from serving import attention, sampling
 from serving.config import EngineConfig
 from serving.kv_cache import KVCache, create_kv_cache, write_kv
 from serving.model_config import ModelConfig
 from serving.models import llama
+from serving.quant import put_params, quantize_params
 from serving.types import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -161,28 +163,47 @@ class ModelRunner:
   """Holds weights and device state; runs bucketed, jitted steps (see module doc)."""
 
   def __init__(self, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
-               num_pages: int):
+               num_pages: int, mesh: jax.sharding.Mesh | None = None):
+    # Sharded when tp*ep*dp > 1 or a mesh is given (sharding/placement.py).
+    self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
+    placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
+    if placement is not None:
+      params, model_cfg = placement.adapt(params), placement.model_cfg
     self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
     platform = jax.default_backend()
     self.dtype_name, self.kv_dtype_name = resolve_dtypes(engine_cfg, platform)
     self.backend = attention.resolve_backend(engine_cfg.attention_backend, platform)
     dtype = jnp.dtype(self.dtype_name)
+    if engine_cfg.quantization:  # on the host, before anything reaches the device
+      params = quantize_params(params, engine_cfg.quantization)
     unroll = engine_cfg.unroll_layers
     if unroll if unroll is not None else platform == "cpu":
       params = llama.unstack_layers(params)
-    self.params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    if placement is not None:
+      self.params = placement.place_params(params, dtype)
+    else:
+      self.params = put_params(params, dtype)  # quantized leaves keep their dtypes
     self.num_pages = num_pages
     slots, vocab = engine_cfg.max_num_seqs + 1, model_cfg.vocab_size
+    kv_sharding = placement.kv_sharding if placement is not None else None
     self.state = DeviceState(
-        kv=create_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype_name),
+        kv=create_kv_cache(model_cfg, num_pages, engine_cfg.page_size, self.kv_dtype_name,
+                           kv_sharding),
         last_tokens=jnp.zeros((slots,), jnp.int32),
         prompt_mask=jnp.zeros((slots, vocab), jnp.bool_),
         output_counts=jnp.zeros((slots, vocab), jnp.int32))
+    if placement is not None:
+      kv, rest = self.state.kv, placement.replicate(dataclasses.replace(self.state, kv=None))
+      self.state = dataclasses.replace(rest, kv=kv)
     kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
               block_tokens=engine_cfg.attention_block_tokens)
-    self._prefill = jax.jit(functools.partial(prefill_step, **kw), donate_argnums=(1,))
-    self._decode = jax.jit(functools.partial(decode_step, **kw), donate_argnums=(1,))
-    self._sample = jax.jit(sample_step, donate_argnums=(0,))
+    if placement is not None:
+      jit = functools.partial(placement.jit, state=self.state)
+    else:
+      jit = jax.jit
+    self._prefill = jit(functools.partial(prefill_step, **kw), donate_argnums=(1,))
+    self._decode = jit(functools.partial(decode_step, **kw), donate_argnums=(1,))
+    self._sample = jit(sample_step, donate_argnums=(0,))
 
   @property
   def dummy_slot(self) -> int:
