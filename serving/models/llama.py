@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.model_config import ModelConfig
+from sharding import rules as sharding_rules
 
 Params = dict[str, Any]
 AttendFn = Callable[..., tuple[jax.Array, Any]]
@@ -110,7 +111,11 @@ def dense_mlp(lp: Params, x: jax.Array) -> jax.Array:
 
 
 def moe_route(cfg: ModelConfig, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Top-k routing. router_logits [T, E] -> (weights [T, k] f32, expert ids [T, k])."""
+  """Top-k routing. router_logits [T, E] -> (weights [T, k] f32, expert ids [T, k]).
+
+  Softmax over all experts, then the top k (Mixtral, Qwen3-MoE); with
+  `norm_topk_prob` the k weights are renormalized to sum to one.
+  """
   probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
   weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
   if cfg.norm_topk_prob:
@@ -123,26 +128,70 @@ def moe_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
 
   Token-expert pairs are sorted by expert and each expert multiplies only its
   own rows (`lax.ragged_dot`), so the cost is k/E of a dense loop over experts.
+  Traced under a mesh (the runner's sharded steps) whose rules split experts
+  over `ep` and/or expert columns over `tp`, it runs as a `shard_map`: every
+  device routes all tokens, computes its local experts' column slice, and one
+  psum over those axes adds the partial outputs (`moe_sharded`).
+  """
+  weights, ids = moe_route(cfg, linear(x, lp["router"]))
+  experts = (lp["we_gate"], lp["we_up"], lp["we_down"])
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    rules = sharding_rules.resolve_rules(cfg, mesh)
+    if rules["expert"] or rules["expert_mlp"]:
+      return moe_sharded(mesh, rules["expert"], rules["expert_mlp"], x, weights, ids, experts)
+  return moe_experts(x, weights, ids, *experts).astype(x.dtype)
+
+
+def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.Array,
+                we_up: jax.Array, we_down: jax.Array, first_expert: jax.Array | int = 0
+                ) -> jax.Array:
+  """Experts [first, first + E_l) of one device -> their weighted output [T, D] f32.
+
+  x [T, D]; weights, ids [T, k]; we_gate / we_up [E_l, D, M_l], we_down
+  [E_l, M_l, D]. Pairs routed to other experts sort last, past every group,
+  and get weight 0; with a column slice M_l < M the output is a partial sum.
   """
   t, d = x.shape
-  topk = cfg.num_experts_per_tok
-  weights, ids = moe_route(cfg, linear(x, lp["router"]))
-  flat_ids = ids.reshape(-1)  # [T*k]
-  order = jnp.argsort(flat_ids, stable=True)
+  topk, e_local = ids.shape[1], we_gate.shape[0]
+  local = ids.reshape(-1) - first_expert  # [T*k]
+  local = jnp.where((local >= 0) & (local < e_local), local, e_local)
+  order = jnp.argsort(local, stable=True)
   token_of = order // topk  # token index of each sorted pair
   xs = x[token_of]  # [T*k, D]
-  group_sizes = jnp.bincount(flat_ids, length=cfg.num_experts).astype(jnp.int32)
+  group_sizes = jnp.bincount(local, length=e_local).astype(jnp.int32)  # drops id e_local
 
   def grouped(a, w):
     return jax.lax.ragged_dot(a.astype(w.dtype), w, group_sizes,
                               preferred_element_type=jnp.float32)
 
-  g = grouped(xs, lp["we_gate"])
-  u = grouped(xs, lp["we_up"])
+  g = grouped(xs, we_gate)
+  u = grouped(xs, we_up)
   hdn = (jax.nn.silu(g) * u).astype(x.dtype)
-  ys = grouped(hdn, lp["we_down"])  # [T*k, D] f32
-  pair_w = weights.reshape(-1)[order]
-  out = jnp.zeros((t, d), jnp.float32).at[token_of].add(ys * pair_w[:, None])
+  ys = grouped(hdn, we_down)  # [T*k, D] f32
+  # Rows past the groups (other devices' pairs) are masked, not scaled: never read.
+  mine = (local[order] < e_local)[:, None]
+  ys = jnp.where(mine, ys * weights.reshape(-1)[order][:, None], 0.0)
+  return jnp.zeros((t, d), jnp.float32).at[token_of].add(ys)
+
+
+def moe_sharded(mesh, ep_axis: str | None, tp_axis: str | None, x: jax.Array,
+                weights: jax.Array, ids: jax.Array, experts: tuple[jax.Array, ...]) -> jax.Array:
+  """`moe_experts` as a shard_map: experts over `ep_axis`, their columns over `tp_axis`.
+
+  Tokens and routing are replicated; each device's output is a partial sum
+  (other experts' pairs and other columns are zero there), psum'd once.
+  """
+  P = jax.sharding.PartitionSpec
+  gate_up, down = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
+  axes = tuple(a for a in (ep_axis, tp_axis) if a)
+
+  def local(x, weights, ids, we_gate, we_up, we_down):
+    first = jax.lax.axis_index(ep_axis) * we_gate.shape[0] if ep_axis else 0
+    return jax.lax.psum(moe_experts(x, weights, ids, we_gate, we_up, we_down, first), axes)
+
+  out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), gate_up, gate_up, down),
+                      out_specs=P())(x, weights, ids, *experts)
   return out.astype(x.dtype)
 
 
