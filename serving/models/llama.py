@@ -199,7 +199,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             kv: Any, attend: AttendFn, *, act_dtype=jnp.float32) -> tuple[jax.Array, Any]:
   """Runs the layer stack. tokens/positions [T] -> (final-normed hidden [T, D], kv)."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
-  x = params["embed"][tokens].astype(act_dtype)  # [T, D]
+  x = embed_tokens(params["embed"], tokens).astype(act_dtype)  # [T, D]
   mlp = functools.partial(moe_mlp, cfg) if cfg.is_moe else dense_mlp
 
   def layer_fn(carry, xs):
@@ -225,14 +225,21 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 def unstack_layers(params: Params) -> Params:
   """Stacked `layers` {name: [L, ...]} -> a list of per-layer dicts (unrolled forward)."""
   layers = params["layers"]
-  n = len(next(iter(layers.values())))
+  n = jax.tree.leaves(layers)[0].shape[0]
   return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
+
+
+def embed_tokens(embed: Any, tokens: jax.Array) -> jax.Array:
+  """Embedding rows [T, D]; a quantized tied embedding dequantizes only these rows."""
+  return embed.lookup(tokens) if hasattr(embed, "lookup") else embed[tokens]
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
   """hidden [B, D] -> logits [B, V] in float32."""
   if cfg.tie_word_embeddings or "lm_head" not in params:
     emb = params["embed"]
+    if hasattr(emb, "matmul"):  # quantized tied embedding: stored as the head [V, D]
+      return emb.matmul(hidden).astype(jnp.float32)
     return jnp.einsum("bd,vd->bv", hidden.astype(emb.dtype), emb,
                       preferred_element_type=jnp.float32)
   return linear(hidden, params["lm_head"]).astype(jnp.float32)
