@@ -43,7 +43,7 @@ def _kernel_impl() -> str:
 def _gather_pages(pages: jax.Array, block_tables: jax.Array, kv: KVCache) -> jax.Array:
   """pages [L*P, ps, K, H], block_tables [..., W] -> [..., W*ps, K, H] (compute dtype)."""
   g = from_storage(pages[block_tables], kv)  # [..., W, ps, K, H]
-  return g.reshape(*block_tables.shape[:-1], -1, *pages.shape[2:])
+  return g.reshape(*block_tables.shape[:-1], -1, *g.shape[-2:])
 
 
 def _softcap(s: jax.Array, soft_cap: float | None) -> jax.Array:
