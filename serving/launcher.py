@@ -54,10 +54,16 @@ flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")
 flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
-flags.DEFINE_integer("min_context_bucket", None, "Smallest attention width compiled (tokens).")
+flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
 flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
 flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
 flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none.")
+flags.DEFINE_bool("unroll_layers", None, "Unroll the layer loop (default: on CPU only).")
+ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
+                "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
+                "attention_backend", "dtype", "kv_cache_dtype", "quantization", "tp", "ep", "dp",
+                "prefill_buckets", "attention_block_tokens", "compilation_cache",
+                "compilation_cache_dir", "seed", "unroll_layers")
 # serve.
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 / :: for all).")
 flags.DEFINE_integer("http_port", 8000, "OpenAI-compatible HTTP port (-1 disables).")
@@ -116,9 +122,9 @@ def engine_config_from_flags() -> EngineConfig:
   values = model_preset_engine_defaults(FLAGS.model)
   if FLAGS.config:
     values.update(load_engine_preset(FLAGS.config))
-  for f in dataclasses.fields(EngineConfig):
-    if f.name in FLAGS and FLAGS[f.name].value is not None:
-      values[f.name] = FLAGS[f.name].value
+  for name in ENGINE_FLAGS:
+    if FLAGS[name].value is not None:
+      values[name] = FLAGS[name].value
   if "quantization" in values and values["quantization"] == "none":
     values["quantization"] = None
   if values.get("prefill_buckets") is not None:

@@ -21,9 +21,20 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Engine kwargs for tests with the real default model (small, fast to warm up).
-REAL_ENGINE_FLAGS = ("--max_num_seqs=8", "--max_model_len=512", "--num_pages=128",
-                     "--max_num_batched_tokens=128", "--dtype=float32")
+
+
+def _real_engine_flags() -> tuple[str, ...]:
+  """The default-model test config of tests/conftest.py as flags (shares its compile cache)."""
+  try:
+    from conftest import DEFAULT_MODEL_TEST_CONFIG as config
+  except ImportError:
+    config = {"max_num_seqs": 8, "max_model_len": 256, "num_pages": 96,
+              "max_num_batched_tokens": 64, "dtype": "float32"}
+  return tuple(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+               for k, v in config.items())
+
+
+REAL_ENGINE_FLAGS = _real_engine_flags()
 FAKE_ENGINE_FLAGS = ("--engine_class=frontend_fake:FakeEngine", "--model=fake",
                      "--max_num_seqs=4", "--max_model_len=256", "--num_pages=64")
 REAL_START_TIMEOUT_S = 240

@@ -64,7 +64,7 @@ def test_cancel_mid_stream_frees_pages_visible_in_metrics(srv, channel):
   aborted = metric_value(url, "xlaserve_request_success_total", finish_reason="abort")
   stub = pb_grpc.GenerationStub(channel)
   call = stub.Generate(pb.GenerateRequest(
-      text="Count: 1, 2, 3,", sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True)),
+      text="Count: 1, 2, 3,", sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)),
       timeout=300)
   next(iter(call))  # the request is running and holds pages
   assert metric_value(url, "xlaserve_num_requests_running") == 1

@@ -46,6 +46,17 @@ def test_engine_options_layering():
   assert cfg.quantization is None
 
 
+def test_every_engine_option_has_a_flag():
+  import dataclasses
+
+  from serving.config import EngineConfig
+
+  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  assert set(launcher.ENGINE_FLAGS) == fields, (
+      f"add launcher flags for {sorted(fields - set(launcher.ENGINE_FLAGS))}, remove "
+      f"{sorted(set(launcher.ENGINE_FLAGS) - fields)}")
+
+
 def test_config_preset_from_path_and_errors(tmp_path):
   path = tmp_path / "mine.json"
   path.write_text(json.dumps({"max_num_seqs": 5, "page_size": 32, "max_model_len": 256}))
