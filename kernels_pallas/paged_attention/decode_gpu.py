@@ -106,6 +106,20 @@ def _combine_splits(acc, m, l):
   return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
 
 
+def _outputs(q_shape, dtype, splits):
+  """Out specs and shapes: the output [B, K, Gp, H], or per-split acc, m and l (f32)."""
+  _, _, group_pad, head_dim = q_shape
+  if splits == 1:
+    spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h, s: (b, h, 0, 0))
+    return spec, jax.ShapeDtypeStruct(q_shape, dtype)
+  acc_spec = pl.BlockSpec((None, None, None, group_pad, head_dim),
+                          lambda b, h, s: (s, b, h, 0, 0))
+  stat_spec = pl.BlockSpec((None, None, None, group_pad), lambda b, h, s: (s, b, h, 0))
+  acc_shape = jax.ShapeDtypeStruct((splits, *q_shape), jnp.float32)
+  stat_shape = jax.ShapeDtypeStruct((splits, *q_shape[:3]), jnp.float32)
+  return [acc_spec, stat_spec, stat_spec], [acc_shape, stat_shape, stat_shape]
+
+
 def num_splits_for(batch: int, num_kv_heads: int, num_blocks: int, requested: int) -> int:
   """Key-range splits per (sequence, kv head): ``requested``, or enough programs to fill a GPU.
 
@@ -151,21 +165,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   q_spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h, s: (b, h, 0, 0))
   page_spec = pl.BlockSpec((num_pages, page_size, None, head_dim),
                            lambda b, h, s: (0, 0, h, 0))
-  if splits == 1:
-    out_specs = q_spec
-    out_shape = jax.ShapeDtypeStruct(q4.shape, q.dtype)
-  else:
-    stat_spec = pl.BlockSpec((None, None, None, group_pad), lambda b, h, s: (s, b, h, 0))
-    out_specs = [
-      pl.BlockSpec((None, None, None, group_pad, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
-      stat_spec,
-      stat_spec,
-    ]
-    out_shape = [
-      jax.ShapeDtypeStruct((splits, *q4.shape), jnp.float32),
-      jax.ShapeDtypeStruct((splits, *q4.shape[:3]), jnp.float32),
-      jax.ShapeDtypeStruct((splits, *q4.shape[:3]), jnp.float32),
-    ]
+  out_specs, out_shape = _outputs(q4.shape, q.dtype, splits)
   kernel = functools.partial(_decode_kernel, pages_per_block=ppb, num_splits=splits,
                              scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
   out = pl.pallas_call(

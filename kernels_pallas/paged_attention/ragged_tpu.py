@@ -138,6 +138,16 @@ def _page_index_map(slot, *, pages_per_block, page_size, pages_per_seq, q_block,
   return index_map
 
 
+def _page_specs(pages_per_block, page_size, lanes, **index_kw):
+  """One BlockSpec [page_size, lanes] per page slot of a block, all over the same pool."""
+  return [
+    pl.BlockSpec((None, page_size, lanes),
+                 _page_index_map(j, pages_per_block=pages_per_block, page_size=page_size,
+                                 **index_kw))
+    for j in range(pages_per_block)
+  ]
+
+
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
                            block_sizes: tuning.BlockSizes | None = None):
@@ -167,12 +177,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
   v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
 
-  index_kw = dict(pages_per_block=ppb, page_size=page_size, pages_per_seq=pages_per_seq,
-                  q_block=q_block, num_seqs=num_seqs, sliding_window=sliding_window)
-  page_specs = [
-    pl.BlockSpec((None, page_size, hb * head_dim), _page_index_map(j, **index_kw))
-    for j in range(ppb)
-  ]
+  page_specs = _page_specs(ppb, page_size, hb * head_dim, pages_per_seq=pages_per_seq,
+                          q_block=q_block, num_seqs=num_seqs, sliding_window=sliding_window)
   q_spec = pl.BlockSpec((q_block, hb * group * head_dim),
                         lambda h, t, kv, tab, cu, kvl, tseq, tqb, tfirst: (tqb[t], h))
   grid_spec = pltpu.PrefetchScalarGridSpec(

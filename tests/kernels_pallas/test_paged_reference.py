@@ -45,7 +45,7 @@ def test_decode_ref_hand_worked(seq_len, window, cap, expected):
   if expected is None:
     capped = cap * math.tanh(math.log(3.0) / cap)
     expected = (4.0 + 8.0 * math.exp(capped)) / (1.0 + math.exp(capped))
-  np.testing.assert_allclose(np.asarray(out).ravel(), [expected], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out).ravel(), [expected], rtol=1e-5)
 
 
 def test_ragged_ref_hand_worked():
@@ -54,7 +54,7 @@ def test_ragged_ref_hand_worked():
   q = jnp.asarray(np.array([1.0, 1.0, np.nan], np.float32).reshape(3, 1, 1))
   out = ref_ragged_paged_attention(q, k, v, tables, jnp.array([0, 2], jnp.int32),
                                    jnp.array([2], jnp.int32), scale=1.0)
-  np.testing.assert_allclose(np.asarray(out).ravel(), [4.0, 7.0, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out).ravel(), [4.0, 7.0, 0.0], rtol=1e-5)
 
 
 def _dense_causal(q, k, v, scale, window=None, cap=None):
@@ -128,7 +128,7 @@ def test_ragged_ref_several_sequences_match_decode():
   dec = ref_paged_decode_attention(inputs.q[:9], inputs.k_pages, inputs.v_pages,
                                    inputs.block_tables[seq], jnp.asarray(pos + 1, jnp.int32),
                                    scale=0.3)
-  np.testing.assert_allclose(out[:9], dec, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(out[:9], dec, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(out[9:], 0.0)
   assert np.isfinite(np.asarray(out)).all()
 
