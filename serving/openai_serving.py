@@ -4,11 +4,11 @@ Shared by the HTTP server (JSON and SSE) and the batch runner (JSON lines).
 One request becomes `len(prompts) * n` engine requests ("choices"):
   1. `prepare_*` validates the request, applies the chat template, tokenizes
      and checks lengths against `max_model_len` (APIError 4xx on bad input).
-  2. `_submit` admits every choice or none (queue limit -> 429, draining -> 503,
+  2. `submit` admits every choice or none (queue limit -> 429, draining -> 503,
      engine ValueError -> 400); a failure aborts the choices already admitted.
   3. `merge()` interleaves the choices' deltas; leaving it early (client gone,
      task cancelled) aborts every unfinished choice, freeing its KV pages.
-  4. `*_response` builds the final JSON body; `*_chunks` yields SSE chunks.
+  4. `run` returns the final JSON body; `chunks` yields the streaming chunks.
 """
 
 from __future__ import annotations
@@ -153,16 +153,13 @@ class OpenAIServing:
     try:
       for c in job.choices:
         streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}"))
-    except BaseException as e:
+    except (ServerBusyError, ServerDrainingError, ValueError) as e:
       for s in streams:
         s.abort()
-      if isinstance(e, ServerBusyError):
-        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(e.retry_after_s)}) from None
-      if isinstance(e, ServerDrainingError):
-        raise APIError(503, str(e), type="server_error", code="server_draining") from None
-      if isinstance(e, ValueError):
-        raise APIError(400, str(e), code="invalid_value") from None
+      raise _admission_error(e) from None
+    except BaseException:
+      for s in streams:
+        s.abort()
       raise
     return streams
 
@@ -277,3 +274,11 @@ class OpenAIServing:
                          "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps or []]}
 
+
+def _admission_error(e: Exception) -> APIError:
+  if isinstance(e, ServerBusyError):
+    return APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(e.retry_after_s)})
+  if isinstance(e, ServerDrainingError):
+    return APIError(503, str(e), type="server_error", code="server_draining")
+  return APIError(400, str(e), code="invalid_value")
