@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving.async_engine import AsyncEngine, ServerBusyError, ServerDrainingError
 from serving.openai_protocol import APIError
-from serving.openai_serving import OpenAIServing
+from serving.openai_serving import OpenAIServing, admission_error
 from serving.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 from serving.types import RequestOutput, SamplingParams
@@ -56,13 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
       stream = self.engine.submit(ids, params, request.request_id or None)
     except APIError as e:
       await _abort(context, e)
-    except ServerBusyError as e:
-      await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
-                          trailing_metadata=(("retry-after", str(e.retry_after_s)),))
-    except ServerDrainingError as e:
-      await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    except ValueError as e:
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except (ServerBusyError, ServerDrainingError, ValueError) as e:
+      await _abort(context, admission_error(e))
     num_tokens = 0
     try:
       async for out in stream:

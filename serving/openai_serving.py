@@ -156,7 +156,7 @@ class OpenAIServing:
     except (ServerBusyError, ServerDrainingError, ValueError) as e:
       for s in streams:
         s.abort()
-      raise _admission_error(e) from None
+      raise admission_error(e) from None
     except BaseException:
       for s in streams:
         s.abort()
@@ -275,7 +275,8 @@ class OpenAIServing:
                         for lp in lps or []]}
 
 
-def _admission_error(e: Exception) -> APIError:
+def admission_error(e: Exception) -> APIError:
+  """The APIError for a refused admission (queue full, draining, engine ValueError)."""
   if isinstance(e, ServerBusyError):
     return APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": str(e.retry_after_s)})
