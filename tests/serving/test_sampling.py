@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from serving import sampling
-from serving.sampling import SamplingTensors, filter_thresholds, sample
+from serving.sampling import SamplingTensors, sample
 from serving.types import MAX_LOGPROBS, SamplingParams
 
 B, V = 16, 1000  # the shape most tests share, so `_sample` compiles once
 _sample = jax.jit(sample)
+# Rows gathered from [2B, V] slot state; used at batch 8 only (a second batch size).
+_sample_rows = jax.jit(lambda *args, rows: sample(*args, rows=rows))
 
 # ---------------------------------------------------------------------------
 # Reference (numpy, one row at a time).
@@ -218,16 +220,21 @@ def test_search_fallback_matches_reference(kw, n_wide):
   check_against_reference(logits, params, prompt, counts)
 
 
-def test_search_equals_fast_path():
+def test_search_thresholds_match_reference():
+  """The search alone (no fast path) finds the smallest kept logit of the reference."""
   rng = np.random.default_rng(3)
-  z = jnp.asarray(make_logits(rng))
-  z_max = jnp.max(z, -1)
-  k = jnp.asarray(rng.integers(1, sampling.TOP_K_CAP, B), jnp.int32)
-  p = jnp.asarray(rng.uniform(0.05, 1.0, B), jnp.float32)
-  fast = jax.jit(sampling._top_k_top_p)(z, z_max, k, p)
-  slow = jax.jit(sampling._search_thresholds)(z, z_max, k, p, jnp.full((B,), -jnp.inf),
-                                              jnp.zeros((B,), bool))
-  np.testing.assert_array_equal(fast, slow)
+  z = make_logits(rng) * rng.choice([0.1, 1.0, 3.0], size=(B, 1)).astype(np.float32)
+  k = rng.integers(1, 2 * sampling.TOP_K_CAP, B).astype(np.int32)
+  k[::3] = V  # top-p only
+  p = rng.uniform(0.05, 1.0, B).astype(np.float32)
+  p[1::3] = 1.0  # top-k only
+  thr = jax.jit(sampling._search_thresholds)(z, z.max(-1), k, p, np.full(B, -np.inf, np.float32),
+                                             np.zeros(B, bool))
+  neutral = np.zeros(V, bool), np.zeros(V, np.int32)
+  for i in range(B):
+    params = SamplingParams(top_k=int(k[i]) % V, top_p=float(p[i]))
+    kept = z[i][np.isfinite(ref_filtered(z[i], params, *neutral))]
+    assert thr[i] == kept.min(), (i, k[i], p[i])
 
 
 def test_large_vocab():
@@ -264,8 +271,9 @@ def test_seed_determinism_across_rows_and_batches():
     out, _, _ = run(logits, plist, *zero, seeds, steps)
     got.append(int(out.tokens[position]))
   small = np.concatenate([make_logits(rng, 7, V), row[None]])
-  out, _, _ = run(small, [None] * 7 + [params], np.zeros((8, V), bool), np.zeros((8, V), np.int32),
-                  [0] * 7 + [42], [9] * 8)
+  t = SamplingTensors.build([None] * 7 + [params], [0] * 7 + [42], [9] * 8, 8)
+  slot_state = np.zeros((2 * B, V), bool), np.zeros((2 * B, V), np.int32)
+  out = _sample_rows(small, t, *slot_state, rows=np.arange(8, dtype=np.int32))
   got.append(int(out.tokens[7]))
   assert len(set(got)) == 1, got
   many, _, _ = run(np.repeat(row[None], B, 0), [params] * B, *zero, list(range(B)), [9] * B)
@@ -287,16 +295,18 @@ def test_row_threshold_ignores_neighbours():
 
 
 def test_rows_gather_slot_state():
+  """sample(..., rows=) on [S, V] slot state equals sampling the gathered rows."""
   rng = np.random.default_rng(13)
-  logits = make_logits(rng)
+  logits = make_logits(rng, 8)
   slot_prompt, slot_counts = make_state(rng, 2 * B)
-  rows = rng.permutation(2 * B)[:B].astype(np.int32)
-  params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, top_k=10)] * B
-  t = SamplingTensors.build(params, list(range(B)), [0] * B, B)
-  direct = _sample(logits, t, slot_prompt[rows], slot_counts[rows])
-  gathered = jax.jit(lambda *a, rows: sample(*a, rows=rows))(logits, t, slot_prompt,
-                                                             slot_counts, rows=rows)
-  np.testing.assert_array_equal(direct.tokens, gathered.tokens)
+  rows = rng.permutation(2 * B)[:8].astype(np.int32)
+  params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, top_k=10)] * 8
+  gathered = _sample_rows(logits, SamplingTensors.build(params, list(range(8)), [0] * 8, 8),
+                          slot_prompt, slot_counts, rows=rows)
+  pad = lambda a: np.concatenate([a, np.zeros((B - 8, V), a.dtype)])
+  direct, _, _ = run(pad(logits), params, pad(slot_prompt[rows]), pad(slot_counts[rows]),
+                     list(range(8)), [0] * 8)
+  np.testing.assert_array_equal(gathered.tokens, direct.tokens[:8])
 
 
 def test_tiny_vocab():
@@ -446,10 +456,3 @@ def test_penalty_state_updates():
   want_counts[1] = 0
   np.testing.assert_array_equal(mask, want_mask)
   np.testing.assert_array_equal(counts, want_counts)
-
-
-def test_min_p_threshold_in_log_space():
-  z = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
-  thr, _ = jax.jit(filter_thresholds)(z, jnp.ones(1), jnp.array([-1]), jnp.array([1.0]),
-                                      jnp.array([0.29]))
-  np.testing.assert_array_equal(np.asarray(z >= thr[:, None])[0], [1, 1, 1, 0])
