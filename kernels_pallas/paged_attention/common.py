@@ -60,6 +60,14 @@ def num_pages(num_keys, page_size: int):
   return div(num_keys + page_size - 1, page_size)
 
 
+def last_page(num_keys, page_size: int, pages_per_seq: int):
+  """Index of the last block-table slot in use, clamped to ``[0, pages_per_seq - 1]``.
+
+  The upper clamp keeps even an over-long length inside its own table row.
+  """
+  return jnp.clip(num_pages(num_keys, page_size) - 1, 0, pages_per_seq - 1)
+
+
 def block_range(first_key, last_key, *, keys_per_block: int):
   """Inclusive page-block range [first, last] covering keys [first_key, last_key] (>= 0)."""
   return div(first_key, keys_per_block), div(last_key, keys_per_block)

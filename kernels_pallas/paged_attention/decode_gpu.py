@@ -52,7 +52,7 @@ def _decode_kernel(
   block_k = pages_per_block * page_size
   seq_len = lens_ref[b]
   q_pos = seq_len - 1
-  last_page = jnp.maximum(common.num_pages(seq_len, page_size) - 1, 0)
+  last_page = common.last_page(seq_len, page_size, tables_ref.shape[0])
   first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
                                                   keys_per_block=block_k)
   stop = jnp.where(seq_len > 0, last_blk + 1, first_blk)

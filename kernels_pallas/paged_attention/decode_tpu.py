@@ -105,7 +105,7 @@ def _page_index_map(pages_per_block, page_size, pages_per_seq, sliding_window, s
     first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
                                                     keys_per_block=keys_per_block)
     blk = jnp.clip(blk, first_blk, jnp.maximum(last_blk, first_blk))
-    last_page = jnp.maximum(common.num_pages(seq_len, page_size) - 1, 0)
+    last_page = common.last_page(seq_len, page_size, pages_per_seq)
     page = jnp.minimum(blk * pages_per_block + slot, last_page)
     page_id = jnp.where(seq_len > 0, tables_ref[b * pages_per_seq + page], 0)
     return page_id, 0, h

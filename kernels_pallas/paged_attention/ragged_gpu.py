@@ -53,7 +53,7 @@ def _ragged_kernel(
   bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref, q_block=q_block,
                          num_seqs=num_seqs, keys_per_block=block_k, sliding_window=sliding_window)
   kv_len = bd["kv_len"]
-  last_page = jnp.maximum(common.num_pages(kv_len, page_size) - 1, 0)
+  last_page = common.last_page(kv_len, page_size, tables_ref.shape[1])
   rows = bd["row0"] + jnp.arange(q_block)
   row_in = bd["valid"] & (rows >= bd["lo"]) & (rows < bd["hi"])  # [bq]
   # [bq] -> [bq * Gp]: each token's position repeated for its Gp query heads

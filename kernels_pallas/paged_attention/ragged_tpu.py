@@ -130,7 +130,7 @@ def _page_index_map(slot, *, pages_per_block, page_size, pages_per_seq, q_block,
                            keys_per_block=pages_per_block * page_size,
                            sliding_window=sliding_window)
     kv_blk = jnp.clip(kv_blk, bd["first_blk"], jnp.maximum(bd["last_blk"], bd["first_blk"]))
-    last_page = jnp.maximum(common.num_pages(bd["kv_len"], page_size) - 1, 0)
+    last_page = common.last_page(bd["kv_len"], page_size, pages_per_seq)
     page = jnp.minimum(kv_blk * pages_per_block + slot, last_page)
     use = bd["valid"] & (bd["kv_len"] > 0)
     return jnp.where(use, tables_ref[bd["seq"] * pages_per_seq + page], 0), 0, h
