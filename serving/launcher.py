@@ -254,6 +254,11 @@ def run() -> None:
   """Console-script entry point (`xlaserve`)."""
   if len(sys.argv) > 1 and sys.argv[1] == "bench":
     _bench_module()  # imported before parsing so that its flags exist
+  # `--help` lists the main module's flags and docstring; the console script has neither.
+  main_module = sys.modules["__main__"]
+  main_module.__doc__ = main_module.__doc__ or __doc__
+  for flag in FLAGS.get_key_flags_for_module(__name__):
+    FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   app.run(main)
 
 
