@@ -58,7 +58,13 @@ class LLMEngine:
 
     config = config or EngineConfig(**engine_kwargs)
     _enable_compilation_cache(config)
-    loaded = model if hasattr(model, "params") else checkpoints.load_checkpoint(model)
+    if hasattr(model, "params"):
+      loaded = model
+    elif config.quantization:  # GGUF blocks of the matching type stay quantized
+      from checkpoints.quantize import load_quantized
+      loaded = load_quantized(model, config.quantization)
+    else:
+      loaded = checkpoints.load_checkpoint(model)
     self.model_name = model if isinstance(model, str) else loaded.source
     self.config, self.model_config, self.tokenizer = config, loaded.config, loaded.tokenizer
     num_pages = config.num_pages or capacity_pages(loaded.config, config)
@@ -251,6 +257,14 @@ class LLMEngine:
            f"({tokens * per_tok / 2**30:.2f} GiB, {per_tok} B/token, {self.runner.kv_dtype_name}); "
            f"max concurrency at max_model_len={c.max_model_len}: "
            f"{tokens / c.max_model_len:.1f} requests")
+    log.info(msg)
+    print(msg, flush=True)
+    from serving.quant import params_nbytes
+    weights = params_nbytes(self.runner.params)
+    fmt = self.config.quantization or self.runner.dtype_name
+    msg = (f"Weights: {weights / 2**20:.1f} MiB ({fmt}, compute {self.runner.dtype_name}); "
+           f"KV cache {per_tok} B/token "
+           f"({self.runner.kv_dtype_name})")
     log.info(msg)
     print(msg, flush=True)
 
