@@ -66,7 +66,8 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
   http_port = grpc_port = None
   try:
     if cfg.grpc_port >= 0:
-      grpc_server = GrpcServer(serving, cfg.served_model_name, api_key=cfg.api_key)
+      grpc_server = GrpcServer(serving, cfg.served_model_name, api_key=cfg.api_key,
+                               max_message_bytes=cfg.max_body_bytes)
       grpc_port = grpc_server.bind(cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert,
                                    tls_key=cfg.tls_key)
       await grpc_server.start()

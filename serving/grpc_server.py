@@ -184,9 +184,12 @@ def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class GrpcServer:
   """The gRPC server: Generation + Health + reflection on one port."""
 
-  def __init__(self, serving: OpenAIServing, model_name: str, *, api_key: str | None = None):
+  def __init__(self, serving: OpenAIServing, model_name: str, *, api_key: str | None = None,
+               max_message_bytes: int = 4 * 1024 * 1024):
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    self.server = grpc.aio.server(interceptors=interceptors)
+    self.server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", max_message_bytes)])
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(serving, model_name), self.server)
     self.health = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -74,7 +74,8 @@ flags.DEFINE_string("tls_cert", None, "PEM certificate: serve HTTPS and gRPC ove
 flags.DEFINE_string("tls_key", None, "PEM private key for --tls_cert.")
 flags.DEFINE_integer("max_queued_requests", 256, "Requests queued beyond max_num_seqs "
                      "before HTTP 429 / RESOURCE_EXHAUSTED (-1: unlimited).")
-flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024, "Largest HTTP request body.")
+flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024,
+                     "Largest HTTP request body / gRPC request message.")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, time allowed for in-flight requests.")
 # generate.
 flags.DEFINE_string("prompt", None, "generate: the prompt.")

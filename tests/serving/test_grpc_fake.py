@@ -173,3 +173,10 @@ def test_checked_in_stubs_are_fresh(tmp_path):
     fresh = (tmp_path / rel).read_text()
     assert (proto_gen.ROOT / rel).read_text() == fresh, (
         f"{rel} is stale: run `python -m serving.proto.generate`")
+
+
+def test_message_size_limit():
+  with InProcessServer(max_body_bytes=1000) as s, grpc.insecure_channel(s.grpc) as ch:
+    with pytest.raises(grpc.RpcError) as e:
+      pb_grpc.GenerationStub(ch).Tokenize(pb.TokenizeRequest(text="a" * 2000))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
