@@ -52,10 +52,11 @@ def _own_pages(tables, lens, page_size):
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_tpu_index_maps_read_only_own_pages(window):
   page_size, ppb, width = 4, 2, 5
-  lens = np.array([0, 1, 4, 9, 20, 27], np.int32)  # 27 > width * page_size: stays in its row
+  lens = np.array([0, 1, 27, 4, 9, 20], np.int32)  # 27 > width * page_size: stays in its row
   tables = np.full((len(lens), width), -99, np.int32)  # garbage everywhere ...
   for s, n in enumerate(lens):
-    tables[s, : -(-n // page_size)] = 10 * (s + 1) + np.arange(-(-n // page_size))  # ... but here
+    used = min(-(-n // page_size), width)
+    tables[s, :used] = 10 * (s + 1) + np.arange(used)  # ... but here
   own = _own_pages(tables, lens, page_size)
   flat, lens_j = jnp.asarray(tables.reshape(-1)), jnp.asarray(lens)
   for slot in range(ppb):
