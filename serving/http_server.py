@@ -2,8 +2,9 @@
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
 (`stream: true` -> server-sent events ending in `data: [DONE]`), GET /health
-(503 while draining), GET /metrics (Prometheus text). Every error is an
-OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
+(503 while draining), GET /metrics (Prometheus text), and vLLM's POST /tokenize
+and /detokenize. Every error is an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`.
 
 A request's life: the body is read under a size limit, decoded as strict
 UTF-8 JSON and validated (`serving.openai_protocol`); `OpenAIServing` admits
@@ -19,7 +20,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import uvicorn
@@ -34,6 +35,8 @@ from serving.openai_protocol import (
   APIError,
   ChatCompletionRequest,
   CompletionRequest,
+  DetokenizeRequest,
+  TokenizeRequest,
   validation_error,
 )
 from serving.openai_serving import OpenAIServing
@@ -51,28 +54,8 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
   """The FastAPI app serving `serving` (one engine, one model)."""
   app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None)
   _install_error_handlers(app)
-
-  def authorize(request: Request) -> None:
-    if api_key is None:
-      return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-      raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                     headers={"WWW-Authenticate": "Bearer"})
-
-  @app.get("/health")
-  async def health() -> Response:
-    if serving.engine.draining:
-      return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse({"status": "ok"})
-
-  @app.get("/metrics")
-  async def metrics_route() -> Response:
-    if metrics is None:
-      raise APIError(404, "metrics are disabled", code="not_found")
-    body, content_type = metrics.render()
-    return Response(body, media_type=content_type)
+  _add_ops_routes(app, serving, metrics)
+  authorize = _authorizer(api_key)
 
   @app.get("/v1/models")
   async def models(request: Request) -> Response:
@@ -99,7 +82,49 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
     job = serving.prepare_chat(req)
     return await _respond(request, serving, job, req)
 
+  @app.post("/tokenize")
+  async def tokenize(request: Request) -> Response:
+    authorize(request)
+    return JSONResponse(serving.tokenize(await _parse(request, TokenizeRequest, max_body_bytes)))
+
+  @app.post("/detokenize")
+  async def detokenize(request: Request) -> Response:
+    authorize(request)
+    req = await _parse(request, DetokenizeRequest, max_body_bytes)
+    return JSONResponse(serving.detokenize(req))
+
   return app
+
+
+def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: Metrics | None) -> None:
+  """/health and /metrics: unauthenticated, for probes and scrapers."""
+
+  @app.get("/health")
+  async def health() -> Response:
+    if serving.engine.draining:
+      return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+  @app.get("/metrics")
+  async def metrics_route() -> Response:
+    if metrics is None:
+      raise APIError(404, "metrics are disabled", code="not_found")
+    body, content_type = metrics.render()
+    return Response(body, media_type=content_type)
+
+
+def _authorizer(api_key: str | None) -> Callable[[Request], None]:
+  """A check raising 401 unless the request carries `Authorization: Bearer <api_key>`."""
+
+  def authorize(request: Request) -> None:
+    if api_key is None:
+      return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+      raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                     headers={"WWW-Authenticate": "Bearer"})
+
+  return authorize
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -217,3 +217,24 @@ class ChatCompletionRequest(_SamplingRequest):
 
   def message_dicts(self) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+  """POST /tokenize (vLLM): a prompt, or chat messages rendered with the template."""
+
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = None
+  add_special_tokens: bool = True
+  add_generation_prompt: bool = True
+
+  def check(self) -> None:
+    if (self.prompt is None) == (self.messages is None):
+      raise APIError(400, "exactly one of prompt and messages must be given", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+  """POST /detokenize (vLLM)."""
+
+  model: str | None = None
+  tokens: list[int]

@@ -22,7 +22,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serving.async_engine import AsyncEngine, RequestStream, ServerBusyError, ServerDrainingError
-from serving.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from serving.openai_protocol import (
+  APIError,
+  ChatCompletionRequest,
+  CompletionRequest,
+  DetokenizeRequest,
+  TokenizeRequest,
+)
 from serving.types import RequestOutput, SamplingParams
 
 
@@ -144,6 +150,26 @@ class OpenAIServing:
                      f"tokens and max_model_len is {self.engine.max_model_len}, leaving "
                      f"{room}.", param="max_tokens", code="context_length_exceeded")
     return requested
+
+  def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    if req.model is not None:
+      self.check_model(req.model)
+    req.check()
+    if req.messages is not None:
+      text = self.render_chat([{"role": m.role, "content": m.text()} for m in req.messages],
+                              req.add_generation_prompt)
+      ids = self.tokenizer.encode(text, add_special_tokens=False)
+    else:
+      ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+  def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    if req.model is not None:
+      self.check_model(req.model)
+    vocab = self.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+      raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": self.tokenizer.decode(req.tokens)}
 
   # 2-3. Submission and streaming ---------------------------------------------
 

@@ -315,3 +315,13 @@ def test_engine_error_is_a_500(client):
   with client.stream("POST", "/v1/completions", json=body) as r:
     chunks = _sse(list(r.iter_lines()))
   assert "boom" in chunks[-1]["error"]["message"]
+
+
+def test_tokenize_detokenize(client):
+  r = client.post("/tokenize", json={"model": "fake", "prompt": "hé"})
+  assert r.json() == {"tokens": [104, 195, 169], "count": 3, "max_model_len": 256}
+  r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+  assert r.json()["count"] == len("<user>x\n<assistant>")
+  assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+  assert client.post("/tokenize", json={"model": "fake"}).status_code == 400
+  assert client.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
