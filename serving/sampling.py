@@ -242,7 +242,10 @@ def _top_k_top_p(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array) -> 
   vals, _ = _top_n(z, cap)  # [B, cap] descending
   thr_k = jnp.where(k <= cap, _take(vals, jnp.clip(k - 1, 0, cap - 1)), -jnp.inf)
   thr_k = jnp.where(k >= v, -jnp.inf, thr_k)
-  mass = jnp.sum(jnp.where(z >= thr_k[:, None], jnp.exp(z - z_max[:, None]), 0.0), axis=-1)
+  mass = jax.lax.cond(  # the top-k renormaliser; only top-p needs it
+      jnp.any(p < 1), lambda: jnp.sum(jnp.where(z >= thr_k[:, None], jnp.exp(z - z_max[:, None]),
+                                                0.0), axis=-1),
+      lambda: jnp.ones_like(z_max))
   q = jnp.where(vals >= thr_k[:, None], jnp.exp(vals - z_max[:, None]), 0.0) / mass[:, None]
   incl = jnp.cumsum(q, axis=-1)  # [B, cap]
   excl = jnp.concatenate([jnp.zeros_like(incl[:, :1]), incl[:, :-1]], axis=-1)
@@ -471,7 +474,7 @@ def _top_n(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
   (5x faster than over V at V=49152). Pads with (-inf, id 0) when V < n.
   """
   b, v = x.shape
-  block = 128 if n <= 32 else 32
+  block = 128 if n <= 32 else 16
   nb = -(-v // block)
   if nb < 4 * n:
     vals, ids = jax.lax.top_k(x, min(n, v))
