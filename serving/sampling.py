@@ -158,18 +158,6 @@ def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
   return SampleOutput(tokens, logprob, top_ids, top_logprobs)
 
 
-def apply_penalties(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
-                    output_counts: jax.Array) -> jax.Array:
-  """Repetition, frequency and presence penalties with vLLM / OpenAI semantics; [B, V] f32.
-
-  Repetition: a token seen in the prompt or output has a positive logit divided
-  by the penalty and a negative one multiplied. Then
-  `logit -= frequency * count + presence * (count > 0)` over output tokens.
-  Neutral rows come back unchanged.
-  """
-  return _penalise(logits.astype(jnp.float32), t, prompt_mask, output_counts)
-
-
 def _penalised_rows(t: SamplingTensors) -> jax.Array:
   """[B] bool: rows with a non-neutral penalty."""
   return ((t.repetition_penalty != 1) | (t.frequency_penalty != 0)
@@ -178,6 +166,12 @@ def _penalised_rows(t: SamplingTensors) -> jax.Array:
 
 def _penalise(x: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
               output_counts: jax.Array) -> jax.Array:
+  """vLLM / OpenAI penalties on [B, V] f32 logits; neutral rows come back unchanged.
+
+  Repetition: a token seen in the prompt or output has a positive logit divided
+  by the penalty and a negative one multiplied. Then
+  `logit -= frequency * count + presence * (count > 0)` over output tokens.
+  """
   counts = output_counts.astype(jnp.float32)
   in_output = output_counts > 0
   rep = t.repetition_penalty[:, None]
@@ -501,7 +495,8 @@ def reset_slots(prompt_mask: jax.Array, output_counts: jax.Array,
   """Clears the penalty state of `slots` [N] i32 (a slot given to a new request).
 
   prompt_mask [S, V] bool and output_counts [S, V] i32 are the per-slot state;
-  slot ids outside [0, S) are padding and ignored. Returns the new (prompt_mask, output_counts).
+  slot ids outside [0, S) are padding and ignored. Returns the new
+  (prompt_mask, output_counts).
   """
   slots = jnp.where(slots < 0, prompt_mask.shape[0], slots)
   return (prompt_mask.at[slots].set(False, mode="drop"),
@@ -511,8 +506,9 @@ def reset_slots(prompt_mask: jax.Array, output_counts: jax.Array,
 def record_prompt(prompt_mask: jax.Array, slots: jax.Array, token_ids: jax.Array) -> jax.Array:
   """Marks prompt tokens: prompt_mask[slots[n], token_ids[n, l]] = True.
 
-  slots [N] i32 (ids outside [0, S) are padding); token_ids [N, L] i32 where negative ids
-  are padding. Call once per prefill chunk; marks accumulate. Returns the new mask.
+  slots [N] i32 (ids outside [0, S) are padding); token_ids [N, L] i32, where
+  negative ids are padding. Call once per prefill chunk; marks accumulate.
+  Returns the new mask.
   """
   s, v = prompt_mask.shape
   rows = jnp.broadcast_to(slots[:, None], token_ids.shape)
@@ -524,8 +520,8 @@ def record_prompt(prompt_mask: jax.Array, slots: jax.Array, token_ids: jax.Array
 def record_outputs(output_counts: jax.Array, slots: jax.Array, tokens: jax.Array) -> jax.Array:
   """Counts one generated token per row: output_counts[slots[n], tokens[n]] += 1.
 
-  slots [N] i32 (ids outside [0, S) are padding), tokens [N] i32 (negative ids are
-  padding). Returns the new counts.
+  slots [N] i32 (ids outside [0, S) are padding), tokens [N] i32 (negative
+  ids are padding). Returns the new counts.
   """
   s, v = output_counts.shape
   cols = jnp.where((tokens < 0) | (slots < 0), v, tokens)
