@@ -1,0 +1,106 @@
+"""Two processes on 127.0.0.1 (gloo) serve one tiny Llama sharded tp=2 across both.
+
+Each process has one CPU device; `sharding.distributed.initialize_from`
+joins them, `serving.multihost.start` gives process 0 the engine and runs
+process 1's follower loop. Process 0's greedy output must equal a plain
+one-process run. The test starts both processes itself and kills them if
+they outlive the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import shard_testutil as stu
+
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{stu.REPO}:{stu.TESTS}",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  return subprocess.Popen([sys.executable, __file__, *args], env=env, cwd=stu.REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+  from tiny_models import save_tiny_model
+
+  path = str(tmp_path_factory.mktemp("llama"))
+  save_tiny_model("llama", path)
+  return path
+
+
+def test_two_processes_match_one(model_path):
+  import json
+
+  port = str(_free_port())
+  procs = [_spawn("host", str(i), port, model_path) for i in range(2)]
+  ref = _spawn("ref", model_path)
+  outs = []
+  try:
+    for p in [*procs, ref]:
+      stdout, stderr = p.communicate(timeout=TIMEOUT_S)
+      assert p.returncode == 0, stderr[-4000:]
+      outs.append(json.loads(stdout.strip().splitlines()[-1]))
+  finally:
+    for p in [*procs, ref]:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  leader, follower, single = outs
+  assert leader["devices"] == 2 and leader["processes"] == 2
+  assert follower["follower_steps"] > 0
+  assert leader["tokens"] == single["tokens"]
+
+
+def _generate(engine) -> list[list[int]]:
+  from serving.types import SamplingParams
+
+  tokens: dict[int, list[int]] = {}
+  for i, prompt in enumerate(stu.PROMPTS):
+    tokens[i] = []
+    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0.0),
+                       lambda out, i=i: tokens[i].extend(out.token_ids))
+  engine.run_until_idle()
+  return [tokens[i] for i in range(len(stu.PROMPTS))]
+
+
+def _worker(mode: str, *args: str) -> None:
+  if mode == "ref":
+    from serving.engine import LLMEngine
+
+    stu.emit({"tokens": _generate(LLMEngine(args[0], stu.engine_config()))})
+    return
+  pid, port, path = args
+  from sharding.distributed import initialize_from
+
+  dist = initialize_from({"coordinator_address": f"127.0.0.1:{port}", "num_processes": 2,
+                          "process_id": int(pid)})
+  import jax
+
+  from serving import multihost
+
+  config = stu.engine_config(tp=2)
+  if not dist.is_leader:
+    stu.emit({"follower_steps": multihost.follow(path, config)})
+    return
+  engine = multihost.lead(path, config)
+  tokens = _generate(engine)
+  engine.runner.stop()
+  stu.emit({"tokens": tokens, "devices": len(jax.devices()), "processes": jax.process_count()})
+
+
+if __name__ == "__main__":
+  _worker(*sys.argv[1:])
