@@ -52,9 +52,18 @@ class Placement:
     return rules.param_shardings(params, self.model_cfg, self.mesh)
 
   def place_params(self, params: Params, dtype: Any) -> Params:
-    """Every leaf onto its NamedSharding, converted to `dtype` slice by slice."""
-    return jax.tree.map(functools.partial(place, dtype=dtype), params,
-                        self.param_shardings(params))
+    """Every leaf onto its NamedSharding, converted to `dtype` slice by slice.
+
+    A quantized weight (serving/quant.py, stored output-channel-major with
+    scales) is not split yet: its codes and scales are replicated as stored.
+    """
+
+    def put(sharding: NamedSharding, x: Any) -> Any:
+      if isinstance(x, (np.ndarray, jax.Array, np.generic)):
+        return place(x, sharding, dtype)
+      return jax.tree.map(lambda a: place(a, self.replicated), x)
+
+    return jax.tree.map(put, self.param_shardings(params), params)
 
   @property
   def kv_sharding(self) -> NamedSharding:
