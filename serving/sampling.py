@@ -46,6 +46,8 @@ from serving.types import MAX_LOGPROBS, SamplingParams
 MIN_TEMPERATURE = 1e-5
 # Width of the `lax.top_k` fast path for top-k / top-p thresholds.
 TOP_K_CAP = 256
+# A narrower one for batches with top-k only, all k at most this (20, 40, 50...).
+_SMALL_TOP_K = 64
 # Block width of the two-level argmax and inverse-CDF draw.
 _BLOCK = 128
 # Rows the threshold search handles at once.
@@ -215,13 +217,20 @@ def filter_thresholds(x: jax.Array, temperature: jax.Array, top_k: jax.Array,
   v = x.shape[-1]
   need_k = (top_k > 0) & (top_k < v)
   need_p = top_p < 1
-  z_max = jnp.max(x / temperature[:, None], axis=-1)
-  neg_inf = jnp.full(x.shape[:1], -jnp.inf, jnp.float32)
+  k = jnp.where(need_k, top_k, v)
+  scaled = lambda: x / temperature[:, None]  # recomputed in each consumer, never stored
+  z_max = jnp.max(scaled(), axis=-1)
+  small = min(_SMALL_TOP_K, v)
+
+  def small_top_k():  # only top-k rows, every k <= _SMALL_TOP_K: one cheap top-n
+    vals, _ = _top_n(scaled(), small)
+    return jnp.where(need_k, _take(vals, jnp.clip(k - 1, 0, small - 1)), -jnp.inf)
+
+  general = lambda: _top_k_top_p(scaled(), z_max, k, jnp.where(need_p, top_p, 1.0))
   thr = jax.lax.cond(
       jnp.any(need_k | need_p),
-      lambda: _top_k_top_p(x / temperature[:, None], z_max, jnp.where(need_k, top_k, v),
-                           jnp.where(need_p, top_p, 1.0)),
-      lambda: neg_inf)
+      lambda: jax.lax.cond(jnp.any(need_p | (need_k & (k > small))), general, small_top_k),
+      lambda: jnp.full(x.shape[:1], -jnp.inf, jnp.float32))
   thr_min_p = jnp.where(min_p > 0, z_max + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
   return jnp.maximum(thr, thr_min_p), z_max
 
