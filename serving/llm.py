@@ -22,7 +22,10 @@ class LLM:
   """Loads a model once and serves batched generate / chat calls."""
 
   def __init__(self, model: str = "smollm2-135m-instruct", **engine_kwargs):
-    self.engine = LLMEngine(model, EngineConfig(**engine_kwargs))
+    """`engine_kwargs` override the preset's engine defaults (configs/<preset>.json)."""
+    from checkpoints.presets import engine_defaults
+    options = {**engine_defaults(model), **engine_kwargs}
+    self.engine = LLMEngine(model, EngineConfig(**options))
     self._ids = itertools.count()
 
   def get_tokenizer(self):
