@@ -41,6 +41,15 @@ def run_worker(test_file: str, *args: str, devices: int = 8, timeout: float = 24
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def worker_setup() -> None:
+  """Worker start: the tests' persistent compilation cache (as tests/conftest.py sets it)."""
+  import jax
+
+  cache = os.environ.get("XLASERVE_TEST_CACHE", os.path.join(REPO, ".jax_cache"))
+  jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def engine_config(**kw):
   from serving.config import EngineConfig
 

@@ -101,4 +101,5 @@ def _worker(*specs: str) -> None:
 
 
 if __name__ == "__main__":
+  stu.worker_setup()
   _worker(*sys.argv[1:])

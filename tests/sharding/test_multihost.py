@@ -81,7 +81,7 @@ def _worker(mode: str, *args: str) -> None:
   if mode == "ref":
     from serving.engine import LLMEngine
 
-    stu.emit({"tokens": _generate(LLMEngine(args[0], stu.engine_config()))})
+    stu.emit({"tokens": _generate(LLMEngine(args[0], stu.engine_config(max_num_seqs=1)))})
     return
   pid, port, path = args
   from sharding.distributed import initialize_from
@@ -92,7 +92,7 @@ def _worker(mode: str, *args: str) -> None:
 
   from serving import multihost
 
-  config = stu.engine_config(tp=2)
+  config = stu.engine_config(tp=2, max_num_seqs=1)  # 3 programs
   if not dist.is_leader:
     stu.emit({"follower_steps": multihost.follow(path, config)})
     return
@@ -103,4 +103,5 @@ def _worker(mode: str, *args: str) -> None:
 
 
 if __name__ == "__main__":
+  stu.worker_setup()
   _worker(*sys.argv[1:])

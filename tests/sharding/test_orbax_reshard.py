@@ -65,4 +65,5 @@ def _worker(hf_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+  stu.worker_setup()
   _worker(*sys.argv[1:])

@@ -62,6 +62,7 @@ def test_hlo_collectives(result):
 
 def test_engine_tp2_greedy(result):
   assert result["engine_tp2"] == result["1"]["tokens"]
+  assert result["engine_programs"] == [1, 1, 1]  # no recompiles after warm-up
 
 
 def _worker(path: str) -> None:
@@ -82,11 +83,15 @@ def _worker(path: str) -> None:
         w_up_spec=str(getattr(layers["w_up"].sharding, "spec", None)),
         kv_spec=str(getattr(runner.state.kv.k.sharding, "spec", None)),
         num_kv_heads=runner.model_cfg.num_kv_heads)
-  llm = LLM(path, tp=2, **stu.ENGINE_KW)
+  llm = LLM(path, tp=2, **{**stu.ENGINE_KW, "max_num_seqs": 1})  # 3 programs
   outs = llm.generate(stu.PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
   out["engine_tp2"] = [o.token_ids for o in outs]
+  runner = llm.engine.runner  # warm-up compiled each program once; serving added none
+  out["engine_programs"] = [f._cache_size() for f in (runner._prefill, runner._decode,
+                                                      runner._sample)]
   stu.emit(out)
 
 
 if __name__ == "__main__":
+  stu.worker_setup()
   _worker(*sys.argv[2:])
