@@ -221,7 +221,15 @@ def cmd_convert() -> int:
 
   if not FLAGS.output:
     raise app.UsageError("convert needs --output=DIR")
-  out = save_orbax(checkpoints.load_checkpoint(FLAGS.model), FLAGS.output)
+  method = FLAGS.quantization if FLAGS.quantization != "none" else None
+  if method:  # stored pre-quantized; GGUF blocks of the matching type are kept as is
+    from checkpoints.quantize import load_quantized
+    from serving.quant import quantize_params
+    loaded = load_quantized(FLAGS.model, method)
+    loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, method))
+  else:
+    loaded = checkpoints.load_checkpoint(FLAGS.model)
+  out = save_orbax(loaded, FLAGS.output)
   print(f"wrote orbax checkpoint {out}", flush=True)
   return 0
 
