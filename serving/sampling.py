@@ -191,7 +191,8 @@ def _random_tokens(x: jax.Array, t: SamplingTensors, greedy: jax.Array) -> jax.A
   """
   is_random = t.temperature >= MIN_TEMPERATURE
   temperature = jnp.where(is_random, t.temperature, 1.0)
-  thr, z_max = filter_thresholds(x, temperature, t.top_k, t.top_p, t.min_p)
+  z_max = _take(x, greedy) / temperature  # = max(x / T): the greedy token holds the max
+  thr = filter_thresholds(x, temperature, z_max, t.top_k, t.top_p, t.min_p)
   u = jax.vmap(_row_uniform)(t.seed, t.step)  # [B]
   drawn = _draw(x, temperature, z_max, thr, u)
   return jnp.where(is_random, drawn, greedy)
@@ -203,12 +204,12 @@ def _row_uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
   return jax.random.uniform(jax.random.fold_in(key, step), (), jnp.float32)
 
 
-def filter_thresholds(x: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                      top_p: jax.Array, min_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(thr, z_max), each [B] f32: the row keeps the tokens with `z >= thr`.
+def filter_thresholds(x: jax.Array, temperature: jax.Array, z_max: jax.Array,
+                      top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+  """Per-row threshold [B] f32: the row keeps the tokens with `z >= thr`.
 
   z = x / temperature[:, None] are the scaled logits ([B, V], temperature > 0)
-  and z_max their row max. Top-k keeps the k largest (ties at the k-th value
+  and z_max [B] their row max. Top-k keeps the k largest (ties at the k-th value
   kept); top-p the smallest prefix, sorted descending, of the top-k
   renormalised distribution such that the mass before each kept token is
   < p; min-p the tokens whose probability is at least `min_p` times the
@@ -219,7 +220,6 @@ def filter_thresholds(x: jax.Array, temperature: jax.Array, top_k: jax.Array,
   need_p = top_p < 1
   k = jnp.where(need_k, top_k, v)
   scaled = lambda: x / temperature[:, None]  # recomputed in each consumer, never stored
-  z_max = jnp.max(scaled(), axis=-1)
   small = min(_SMALL_TOP_K, v)
 
   def small_top_k():  # only top-k rows, every k <= _SMALL_TOP_K: one cheap top-n
@@ -232,7 +232,7 @@ def filter_thresholds(x: jax.Array, temperature: jax.Array, top_k: jax.Array,
       lambda: jax.lax.cond(jnp.any(need_p | (need_k & (k > small))), general, small_top_k),
       lambda: jnp.full(x.shape[:1], -jnp.inf, jnp.float32))
   thr_min_p = jnp.where(min_p > 0, z_max + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
-  return jnp.maximum(thr, thr_min_p), z_max
+  return jnp.maximum(thr, thr_min_p)
 
 
 def _top_k_top_p(z: jax.Array, z_max: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
