@@ -6,7 +6,8 @@ compiled HLO; it also serves the model through `LLMEngine(..., tp=2)`.
 The tiny Llama has 4 query heads and 2 KV heads: tp=2 splits both, tp=4
 repeats each KV head twice (one per device), tp=8 cannot split 4 heads, so
 attention is replicated and only the MLP is split (vocab 300 is replicated
-at tp=8 too).
+at tp=8 too). tp=2 runs the per-layer params form the runner uses on CPU by
+default (`llama.unstack_layers`), the others the scanned stacked form.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import shard_testutil as stu
 
 TPS = (1, 2, 4, 8)
+UNROLLED = (2,)  # runs the per-layer params form (CPU default); the others scan stacked [L, ...]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_logits_and_greedy_match_unsharded(result):
 
 
 def test_layouts(result):
-  assert result["2"]["wq_spec"] == "P(None, None, 'tp')"
+  assert result["2"]["wq_spec"] == "P(None, 'tp')"  # per-layer [D, N*H]
   assert result["2"]["kv_spec"] == "P(None, None, 'tp', None)"
   assert result["4"]["num_kv_heads"] == 4  # 2 KV heads, each repeated twice
   assert result["4"]["kv_spec"] == "P(None, None, 'tp', None)"
@@ -72,10 +74,11 @@ def _worker(path: str) -> None:
   loaded = checkpoints.load_checkpoint(path)
   out = {"weight_shapes": sorted(stu.weight_shapes(loaded.params))}
   for tp in TPS:
-    runner = stu.make_runner(loaded, tp=tp)
+    runner = stu.make_runner(loaded, tp=tp, unroll_layers=tp in UNROLLED)
     drv = stu.Driver(runner)
     tokens, first, dec = drv.generate(stu.PROMPTS, 6)
     layers = runner.params["layers"]
+    layers = layers[0] if isinstance(layers, list) else layers
     out[str(tp)] = dict(
         tokens=tokens, prefill_logits=first.tolist(), decode_logits=dec.tolist(),
         hlo={k: stu.hlo_collectives(v) for k, v in drv.hlo.items()},
