@@ -177,6 +177,17 @@ def test_mixed_batch_matches_reference():
     check_against_reference(logits, params, prompt, counts, steps=[step] * len(params))
 
 
+def test_small_top_k_batch_matches_reference():
+  """Top-k rows (all k <= 64), greedy and plain rows, no top-p: the narrow top-k branch."""
+  rng = np.random.default_rng(16)
+  logits = make_logits(rng, scale=1.0)
+  prompt, counts = make_state(rng)
+  kinds = [dict(top_k=64), dict(top_k=1), dict(temperature=0.0), dict(top_k=20, min_p=0.1),
+           dict(temperature=0.8), dict(top_k=40, presence_penalty=0.5)]
+  params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(B)]
+  check_against_reference(logits, params, prompt, counts, steps=list(range(B)))
+
+
 def random_params(rng):
   """Random SamplingParams touching every stage (and the search) with fair probability."""
   pick = lambda prob, value, default: value if rng.random() < prob else default
