@@ -25,6 +25,11 @@ of SmolLM2 at T=1, p=0.95) gets an exact search over the float order instead,
 a few rows at a time. Each optional stage sits behind `lax.cond` on "any row
 needs it", so an all-greedy batch pays for an argmax only.
 
+Decisions: the draw is an inverse CDF over the vocabulary with one uniform a
+row, not Gumbel-max (B x V random numbers: ~35 ms vs ~2 ms at 32 x 49152 on
+CPU), and exactly as deterministic. Min-p comes after top-k / top-p (vLLM v0
+order; v1 applies it first); ties at a top-k / top-p boundary are all kept.
+
 The runner keeps per-slot penalty state `prompt_mask [S, V] bool` and
 `output_counts [S, V] i32` on device; `reset_slots`, `record_prompt` and
 `record_outputs` are the pure scatter updates for it.
