@@ -264,6 +264,10 @@ def quantize_params(params: dict, method: str, *, group_size: int | None = None,
   return out
 
 
+def has_quantized(params: Any) -> bool:
+  return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
 def put_params(params: dict, dtype) -> dict:
   """Device-puts a params tree: float leaves as `dtype`, quantized leaves as stored."""
   def put(a):

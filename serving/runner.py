@@ -33,7 +33,7 @@ from serving.config import EngineConfig
 from serving.kv_cache import KVCache, create_kv_cache, write_kv
 from serving.model_config import ModelConfig
 from serving.models import llama
-from serving.quant import put_params, quantize_params
+from serving.quant import has_quantized, put_params, quantize_params
 from serving.types import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,9 @@ class ModelRunner:
     # Sharded when tp*ep*dp > 1 or a mesh is given (sharding/placement.py).
     self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
     placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
+    if placement is not None and (engine_cfg.quantization or has_quantized(params)):
+      raise NotImplementedError("quantized weights on a mesh (tp/ep/dp > 1) are not supported "
+                                "yet; serve them on one device or without quantization")
     if placement is not None:
       params, model_cfg = placement.adapt(params), placement.model_cfg
     self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
