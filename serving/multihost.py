@@ -104,7 +104,7 @@ def lead(model, config: EngineConfig):
   """
   from serving.engine import LLMEngine
 
-  loaded = _load(model)
+  loaded = _load(model, config)
   engine = LLMEngine(loaded, agree_config(loaded.config, config))
   engine.runner = LeaderRunner(engine.runner)
   return engine
@@ -112,7 +112,7 @@ def lead(model, config: EngineConfig):
 
 def follow(model, config: EngineConfig) -> int:
   """Processes 1..n-1: the same runner, warmed up, then `follower_loop`; returns its steps."""
-  loaded = _load(model)
+  loaded = _load(model, config)
   config = agree_config(loaded.config, config)
   runner = ModelRunner(loaded.params, loaded.config, config, num_pages=config.num_pages)
   del loaded
@@ -122,7 +122,12 @@ def follow(model, config: EngineConfig) -> int:
   return steps
 
 
-def _load(model):
+def _load(model, config: EngineConfig):
   import checkpoints
+  import sharding
 
+  devices = sharding.ParallelConfig.of(config).num_devices
+  if devices != len(jax.devices()):
+    raise ValueError(f"tp*ep*dp = {devices} must equal the {len(jax.devices())} devices of all "
+                     f"{jax.process_count()} processes (one global mesh runs every step)")
   return model if hasattr(model, "params") else checkpoints.load_checkpoint(model)

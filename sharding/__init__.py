@@ -7,6 +7,7 @@
   KV cache and its jitted steps on a mesh.
 - `checkpoint.py`: orbax save / restore straight onto a mesh's shardings.
 - `distributed.py`: `jax.distributed` start-up from flags or the environment.
+- `attention.py`: `head_parallel`, attention kernels run per head shard.
 
 See docs/sharding.md.
 """
