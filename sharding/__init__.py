@@ -8,6 +8,7 @@
 - `checkpoint.py`: orbax save / restore straight onto a mesh's shardings.
 - `distributed.py`: `jax.distributed` start-up from flags or the environment.
 - `attention.py`: `head_parallel`, attention kernels run per head shard.
+- `hf_slices.py`: HF safetensors read per device block onto a mesh.
 
 See docs/sharding.md.
 """

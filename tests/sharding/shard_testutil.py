@@ -63,6 +63,19 @@ def make_runner(loaded, **kw):
                      num_pages=ENGINE_KW["num_pages"])
 
 
+def hf_sliced_equal(path: str, loaded, parallel) -> bool:
+  """`sharding.hf_slices.load_hf_sharded` on a mesh gives the loader's params exactly."""
+  import jax
+
+  from sharding import make_mesh
+  from sharding.hf_slices import load_hf_sharded
+
+  got = load_hf_sharded(path, make_mesh(parallel))
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)), got.params,
+                      loaded.params)
+  return all(jax.tree.leaves(same)) and got.config == loaded.config
+
+
 class Driver:
   """Greedy decoding of a few prompts through one runner (sequence i: slot i)."""
 

@@ -71,6 +71,11 @@ def test_sharded_layouts_match(family, result):
 
 
 @pytest.mark.parametrize("family", list(LAYOUTS))
+def test_hf_read_per_device_block(family, result):
+  assert result[family]["hf_sliced_equal"]  # sharding.hf_slices at the last layout
+
+
+@pytest.mark.parametrize("family", list(LAYOUTS))
 def test_hlo(family, result):
   weights = {tuple(s) for s in result[family]["weight_shapes"]}
   for tp, ep in LAYOUTS[family][1:]:
@@ -82,12 +87,15 @@ def test_hlo(family, result):
 
 def _worker(*specs: str) -> None:
   import checkpoints
+  from sharding import ParallelConfig
 
   out = {}
   for spec in specs:
     family, path = spec.split("=", 1)
     loaded = checkpoints.load_checkpoint(path)
     res = {"weight_shapes": sorted(stu.weight_shapes(loaded.params))}
+    tp, ep = LAYOUTS[family][-1]
+    res["hf_sliced_equal"] = stu.hf_sliced_equal(path, loaded, ParallelConfig(tp=tp, ep=ep))
     for tp, ep in LAYOUTS[family]:
       runner = stu.make_runner(loaded, tp=tp, ep=ep)
       drv = stu.Driver(runner)

@@ -31,6 +31,10 @@ def test_restored_onto_tp4(result):
   assert result["values_equal"]
 
 
+def test_hf_read_per_device_block(result):
+  assert result["hf_sliced_equal"]  # sharding.hf_slices onto the tp=4 mesh
+
+
 def test_outputs_identical(result):
   assert result["tp4"]["tokens"] == result["tp2"]["tokens"]
   np.testing.assert_allclose(result["tp4"]["logits"], result["tp2"]["logits"],
@@ -61,6 +65,7 @@ def _worker(hf_path: str, out_dir: str) -> None:
                  lambda a, b: bool(np.array_equal(np.asarray(a), b)), restored.params,
                  loaded.params))))
   out["tp4"] = _serve(stu.make_runner(restored, tp=4))
+  out["hf_sliced_equal"] = stu.hf_sliced_equal(hf_path, loaded, ParallelConfig(tp=4))
   stu.emit(out)
 
 
