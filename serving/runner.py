@@ -140,7 +140,8 @@ def sample_step(state: DeviceState, logits: jax.Array, slots: jax.Array,
   Jitted per batch bucket only (not per context width), which keeps the
   number of compiled sampler programs small.
   """
-  out = sampling.sample(logits, tensors, state.prompt_mask[slots], state.output_counts[slots],
+  # rows=: the per-slot penalty rows are gathered only when a row has a penalty.
+  out = sampling.sample(logits, tensors, state.prompt_mask, state.output_counts, rows=slots,
                         num_top=MAX_LOGPROBS)
   state = dataclasses.replace(
       state, last_tokens=state.last_tokens.at[slots].set(out.tokens),
