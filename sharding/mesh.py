@@ -14,7 +14,6 @@ import math
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 AXES = ("dp", "ep", "tp")
 
@@ -79,7 +78,3 @@ def axis_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
   shape = dict(mesh.shape)
   return math.prod(shape.get(a, 1) for a in names)
 
-
-def device_grid(mesh: jax.sharding.Mesh) -> np.ndarray:
-  """Device ids laid out like the mesh (for logs and docs)."""
-  return np.vectorize(lambda d: d.id)(mesh.devices)

@@ -41,7 +41,7 @@ class Placement:
     self.mesh = mesh
     self.source_cfg = model_cfg
     self.kv_replicas = rules.kv_head_replicas(model_cfg, axis_size(mesh, "tp"))
-    self.model_cfg = rules.replicate_kv_heads({"layers": {}}, model_cfg, self.kv_replicas)[1]
+    self.model_cfg = rules.with_kv_replicas(model_cfg, self.kv_replicas)
     self.replicated = NamedSharding(mesh, P())
 
   def adapt(self, params: Params) -> Params:

@@ -140,6 +140,11 @@ def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
   return 1
 
 
+def with_kv_replicas(cfg: ModelConfig, replicas: int) -> ModelConfig:
+  """`cfg` after `replicate_kv_heads` (K * replicas KV heads)."""
+  return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
+
+
 def replicate_kv_heads(params: Params, cfg: ModelConfig,
                        replicas: int) -> tuple[Params, ModelConfig]:
   """Repeats each KV head `replicas` times in wk/wv/bk/bv -> (params, cfg with K*replicas).
@@ -162,5 +167,4 @@ def replicate_kv_heads(params: Params, cfg: ModelConfig,
 
   layers = params["layers"]
   layers = [layer(lp) for lp in layers] if isinstance(layers, (list, tuple)) else layer(layers)
-  cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * replicas)
-  return {**params, "layers": layers}, cfg
+  return {**params, "layers": layers}, with_kv_replicas(cfg, replicas)
