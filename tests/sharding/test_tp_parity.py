@@ -56,10 +56,12 @@ def test_hlo_collectives(result):
       gathered = {tuple(s) for s in hlo["all_gather_shapes"]}
       weights = {tuple(s) for s in result["weight_shapes"]}
       assert not gathered & weights, (tp, step, gathered & weights)
+      # Row-parallel wo and w_down outputs are all-reduced over tp: per layer when
+      # unrolled (2 layers), once in the scanned body; tp=8 splits only the MLP.
+      expected = {1: 0, 2: 4, 4: 2, 8: 1}[tp]
+      assert hlo["counts"]["all-reduce"] >= expected, (tp, step, hlo)
       if tp == 1:
         assert sum(hlo["counts"].values()) == 0
-      else:  # row-parallel wo / w_down outputs are all-reduced over tp
-        assert hlo["counts"]["all-reduce"] >= 1, (tp, step, hlo)
 
 
 def test_engine_tp2_greedy(result):
