@@ -45,7 +45,14 @@ class Placement:
     self.replicated = NamedSharding(mesh, P())
 
   def adapt(self, params: Params) -> Params:
-    """Params matching `self.model_cfg` (KV heads repeated if needed)."""
+    """Params matching `self.model_cfg` (KV heads repeated if needed).
+
+    Quantized KV weights are not repeated: attention then stays replicated.
+    """
+    layers = params["layers"]
+    first = layers[0] if isinstance(layers, (list, tuple)) else layers
+    if not all(isinstance(first[k], (np.ndarray, jax.Array)) for k in ("wk", "wv")):
+      self.kv_replicas, self.model_cfg = 1, self.source_cfg
     return rules.replicate_kv_heads(params, self.source_cfg, self.kv_replicas)[0]
 
   def param_shardings(self, params: Params) -> Params:
