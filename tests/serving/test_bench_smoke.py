@@ -1,0 +1,88 @@
+"""Smoke of the benchmark harness (serving/bench.py, serving/bench_serve.py).
+
+Not a benchmark: no wall-clock assertions. `serve` runs against the fake
+engine behind the real HTTP server; `offline` against a tiny random model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from frontend_fake import FakeEngine, InProcessServer
+
+from serving import bench, bench_serve
+from tiny_models import save_tiny_model
+
+
+def test_find_knee():
+  rows = lambda *tps: [{"concurrency": 2**i, "output_tok_s": t} for i, t in enumerate(tps)]
+  assert bench_serve.find_knee(rows(10, 19, 30, 31, 29)) == 4
+  assert bench_serve.find_knee(rows(10, 20, 40)) == 4  # still rising: the top level
+  assert bench_serve.find_knee([]) is None
+
+
+def test_serve_sweep_against_fake_endpoint(tmp_path):
+  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.001)
+  prompts = [t for t, _ in bench.make_prompts(None, 8, 16, seed=1)]
+  assert len(set(prompts)) == 8
+  with InProcessServer(engine) as server:
+    model = bench_serve.first_model_id(server.http)
+    target = bench_serve.Target(server.http, model, bench.DEFAULT_EXTRA_BODY, timeout_s=30)
+    sweep = bench_serve.run_sweep(target, prompts, 8, [1, 2], min_prompts=2, log=lambda _: None)
+    bad = bench_serve.Target(server.http, "no-such-model", timeout_s=30)
+    failed = bench_serve.run_sweep(bad, prompts, 8, [1], min_prompts=1, log=lambda _: None)
+  levels = sweep["levels"]
+  assert [r["concurrency"] for r in levels] == [1, 2]
+  for row in levels:
+    assert row["errors"] == 0 and row["output_tokens"] == 8 * row["requests"]
+    assert row["ttft_p50"] > 0 and row["itl_p95"] >= 0 and row["output_tok_s"] > 0
+  assert sweep["knee_concurrency"] in (1, 2)
+  assert failed["levels"][0]["errors"] == 1 and "HTTP 404" in failed["levels"][0][
+      "error_examples"][0]
+  pytest.importorskip("matplotlib")
+  png = bench_serve.plot({"fake": levels}, str(tmp_path / "sweep.png"))
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+  from serving.llm import LLM
+
+  path = str(tmp_path_factory.mktemp("bench_tiny"))
+  save_tiny_model("llama", path)
+  return LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
+             max_num_batched_tokens=32, attention_block_tokens=16, unroll_layers=False,
+             compilation_cache=False)
+
+
+def test_offline_naive_breakdown_and_costs(tiny_llm):
+  pairs = bench.make_prompts(tiny_llm.get_tokenizer(), 4, 16, seed=0)
+  prompts = [ids for _, ids in pairs]
+  assert all(len(p) == 16 for p in prompts) and len({tuple(p) for p in prompts}) == 4
+  timer = bench.StepTimer(tiny_llm.engine)
+  batched = bench.run_offline(tiny_llm, prompts, 8)
+  report = timer.report(batched["elapsed_s"])
+  naive = bench.run_offline(tiny_llm, prompts[:2], 8, naive=True)
+  assert batched["output_tokens"] == 32 and naive["output_tokens"] == 16
+  assert batched["total_tok_s"] > batched["output_tok_s"] > 0
+  assert report["steps"] > 0 and report["ms_per_step"]["decode"] > 0
+  single = bench.time_single(tiny_llm, prompts[0], 8)
+  assert single["output_tokens"] == 8 and single["ttft_s"] > 0
+  costs = bench.model_costs(tiny_llm.engine.model_config, 1000, 10)
+  assert costs["flops_per_token"] > costs["prefill_flops_per_token"] > 0
+  assert bench.measure_bandwidth(nbytes=4 * 2**20, repeats=1) > 0
+
+
+def test_summarize_trace_reads_perfetto_json(tmp_path):
+  import gzip
+  import json
+
+  os.makedirs(tmp_path / "plugins" / "profile" / "run")
+  events = [{"ph": "X", "name": "dot", "dur": 2000}, {"ph": "X", "name": "dot", "dur": 1000},
+            {"ph": "X", "name": "fusion", "dur": 500}, {"ph": "M", "name": "meta"}]
+  with gzip.open(tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  top = bench.summarize_trace(str(tmp_path))
+  assert top[0] == {"name": "dot", "total_ms": 3.0, "count": 2} and top[1]["name"] == "fusion"
