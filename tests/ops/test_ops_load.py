@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -26,7 +29,7 @@ from ops_clients import (
   stream_completion,
 )
 from ops_faults import POISON_PREFIX
-from ops_procs import OpsServer, idle_state, metrics, rss_bytes, wait_idle
+from ops_procs import REPO, OpsServer, idle_state, metrics, rss_bytes, wait_idle
 
 from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
@@ -238,6 +241,22 @@ def test_a_failing_request_fails_alone(srv):
   assert bad_grpc[0] == grpc.StatusCode.INTERNAL and "injected fault" in bad_grpc[1]
   assert metrics(srv.http)["xlaserve_request_success_total"] > 0
   assert httpx.get(f"{srv.http}/health", timeout=30).status_code == 200
+
+
+def test_short_soak(srv, tmp_path):
+  """benchmarks/soak.py, attached to this server for 30 s (the CI variant of the soak)."""
+  out = tmp_path / "soak.json"
+  cmd = [sys.executable, os.path.join(REPO, "benchmarks", "soak.py"), f"--url={srv.http}",
+         f"--pid={srv.pid}", "--duration_s=30", "--concurrency=4", "--min_tokens=2",
+         "--max_tokens=8", "--sample_s=3", "--max_latency_drift=4", f"--output={out}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+  assert out.exists(), proc.stdout + proc.stderr
+  report = json.loads(out.read_text())
+  FIGURES["soak_30s"] = {k: report[k] for k in ("requests", "errors", "latency_drift",
+                                                 "rss_drift_mib", "pages_in_use_end")}
+  assert report["errors"] == 0 and report["pages_in_use_end"] == 0, report
+  assert report["requests"] >= 4 and report["passed"], report
+  assert proc.returncode == 0, proc.stderr
 
 
 def test_memory_flat(srv):
