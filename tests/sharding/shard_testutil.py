@@ -26,6 +26,7 @@ ENGINE_KW = dict(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
                  max_num_batched_tokens=16, unroll_layers=False, compilation_cache=False)
 PAGES_PER_SEQ = 4
 PROMPTS = [[3, 17, 101, 45, 8, 250, 77, 12, 5, 60], [200, 31, 9, 144, 2]]  # ragged: 10 and 5
+VOCAB = 300  # tests/tiny_models.py
 LOGIT_ATOL = 1e-4  # f32 sharded vs unsharded (observed ~2e-7)
 
 

@@ -83,6 +83,8 @@ def test_hlo(family, result):
       assert hlo["counts"]["all-reduce"] >= 1, (tp, ep, step)
       gathered = {tuple(s) for s in hlo["all_gather_shapes"]}
       assert not gathered & weights, (tp, ep, step, gathered & weights)
+      # The only all-gather is of the [B, V] logits (never the KV cache or activations).
+      assert all(len(g) == 2 and g[1] == stu.VOCAB for g in gathered), (tp, ep, step, gathered)
 
 
 def _worker(*specs: str) -> None:

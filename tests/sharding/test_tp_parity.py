@@ -56,6 +56,8 @@ def test_hlo_collectives(result):
       gathered = {tuple(s) for s in hlo["all_gather_shapes"]}
       weights = {tuple(s) for s in result["weight_shapes"]}
       assert not gathered & weights, (tp, step, gathered & weights)
+      # The only all-gather is of the [B, V] logits (never the KV cache or activations).
+      assert all(len(g) == 2 and g[1] == stu.VOCAB for g in gathered), (tp, step, gathered)
       # Row-parallel wo and w_down outputs are all-reduced over tp: per layer when
       # unrolled (2 layers), once in the scanned body; tp=8 splits only the MLP.
       expected = {1: 0, 2: 4, 4: 2, 8: 1}[tp]
