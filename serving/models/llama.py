@@ -127,7 +127,9 @@ def moe_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
   """Mixture of SwiGLU experts with grouped (ragged) matmuls.
 
   Token-expert pairs are sorted by expert and each expert multiplies only its
-  own rows (`lax.ragged_dot`), so the cost is k/E of a dense loop over experts.
+  own rows (`lax.ragged_dot`): a grouped matmul where the backend has one.
+  XLA:CPU expands it into a masked dot over all experts (k times the FLOPs of
+  a dense all-expert MLP, same weight traffic; see docs/sharding.md).
   Traced under a mesh (the runner's sharded steps) whose rules split experts
   over `ep` and/or expert columns over `tp`, it runs as a `shard_map`: every
   device routes all tokens, computes its local experts' column slice, and one
