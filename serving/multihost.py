@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+import sharding
 from serving.config import EngineConfig
 from serving.runner import ModelRunner
 
@@ -123,8 +124,8 @@ def follow(model, config: EngineConfig) -> int:
 
 
 def _load(model, config: EngineConfig):
+  """Checks that the mesh spans every process's devices, then loads the model (host)."""
   import checkpoints
-  import sharding
 
   devices = sharding.ParallelConfig.of(config).num_devices
   if devices != len(jax.devices()):
