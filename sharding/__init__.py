@@ -13,9 +13,10 @@
 See docs/sharding.md.
 """
 
+from sharding.attention import head_parallel
 from sharding.mesh import AXES, ParallelConfig, make_mesh, mesh_for
 from sharding.placement import Placement
 from sharding.rules import LOGICAL_AXIS_RULES, PARAM_AXES, param_specs
 
 __all__ = ["AXES", "LOGICAL_AXIS_RULES", "PARAM_AXES", "ParallelConfig", "Placement",
-           "make_mesh", "mesh_for", "param_specs"]
+           "head_parallel", "make_mesh", "mesh_for", "param_specs"]
