@@ -9,6 +9,7 @@ def pytest_files(name, srcs, helpers = [], data = [], manual = []):
             name = test_name,
             srcs = ["bazel_pytest.py", src] + helpers,
             main = "bazel_pytest.py",
+            legacy_create_init = False,
             args = ["$(location %s)" % src],
             data = data,
             deps = ["//:xlaserve"],
