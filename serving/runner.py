@@ -93,7 +93,9 @@ def _attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block
     return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
                                       meta["kv_lens"], **kw)
 
-  return attend
+  # Under a mesh, kernels run per head shard (no gather of the KV cache);
+  # the XLA path lets jit partition it.
+  return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
 
 
 def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
