@@ -65,6 +65,10 @@ ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "prefill_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers")
 # serve.
+# Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
+flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (0 serves).")
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 / :: for all).")
 flags.DEFINE_integer("http_port", 8000, "OpenAI-compatible HTTP port (-1 disables).")
 flags.DEFINE_integer("grpc_port", 9000, "gRPC port (-1 disables).")
@@ -164,7 +168,17 @@ def cmd_serve() -> int:
   serve_cfg = serve_config_from_flags(config)
   # Until the servers run, SIGTERM has nothing to drain: exit cleanly.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-  engine = make_engine(config)
+  from sharding.distributed import initialize_from
+
+  dist = initialize_from(FLAGS)
+  if dist.num_processes > 1:
+    # Every process runs the steps in lock-step; only process 0 serves.
+    from serving import multihost
+    engine = multihost.start(FLAGS.model, config)
+    if engine is None:
+      return 0
+  else:
+    engine = make_engine(config)
 
   def ready(http_port: int | None, grpc_port: int | None) -> None:
     print(f"xlaserve ready: model={serve_cfg.served_model_name} host={serve_cfg.host} "
@@ -178,6 +192,9 @@ def cmd_serve() -> int:
     await serve(engine, serve_cfg, stop, ready)
 
   asyncio.run(main())
+  stop_followers = getattr(getattr(engine, "runner", None), "stop", None)
+  if stop_followers is not None:  # multi-host: release the followers
+    stop_followers()
   print("xlaserve: drained, exiting", flush=True)
   return 0
 
