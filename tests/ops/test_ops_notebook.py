@@ -2,8 +2,9 @@
 
 The kernel gets two simulated CPU devices, so the sharded section runs
 (`tp=2`); it uses a tiny random Llama from tests/tiny_models.py to keep the
-extra compile short. The default-model cells use the same engine config as
-the other default-model tests, so they share the compilation cache.
+extra compile short. The notebook's engine settings are tiny (2 slots, one
+prefill bucket), so a cold compile cache costs few programs: the simulated
+devices change XLA's flags and with them every compilation cache key.
 """
 
 from __future__ import annotations

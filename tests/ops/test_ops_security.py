@@ -27,7 +27,7 @@ from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 API_KEY = secrets.token_urlsafe(24)
 MAX_BODY = 64 * 1024
-FUZZ_EXAMPLES = {"POST": 15, "GET": 6}  # per operation and generation mode (positive, negative)
+FUZZ_EXAMPLES = {"POST": 10, "GET": 4}  # per operation and generation mode (positive, negative)
 FIGURES: dict[str, object] = {}
 
 
