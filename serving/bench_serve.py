@@ -259,6 +259,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str = "") -
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.ticker import ScalarFormatter
 
   fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
   for name, levels in results.items():
@@ -267,6 +268,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str = "") -
     ax_l.plot(xs, [r["ttft_p95"] for r in levels], marker="o", label=name)
   for ax, label in ((ax_t, "output tok/s"), (ax_l, "TTFT p95 (s)")):
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel(label)
     ax.grid(True, alpha=0.3)
