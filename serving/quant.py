@@ -86,6 +86,17 @@ class QuantizedWeight:
       raise IndexError("only the leading (stacked) axes of a QuantizedWeight can be indexed")
     return jax.tree.map(lambda a: a[idx], self)
 
+  def after(self, x: jax.Array) -> QuantizedWeight:
+    """The same weight with its codes data-dependent on `x` (adds 0 unless x[0] is NaN).
+
+    Without it XLA:CPU hoists every weight's dequantization to the start of an
+    unrolled step and materialises all of them at once.
+    """
+    first = x.reshape(-1)[0]
+    if self.kind == "fp8":
+      return self
+    return dataclasses.replace(self, q=self.q + (first != first).astype(self.q.dtype))
+
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The weight in storage orientation `[..., Out, In]`, as `dtype`."""
     return _dequantize_rows(self, self.q, self.scale, self.offset, dtype)
@@ -98,12 +109,13 @@ class QuantizedWeight:
   def matmul(self, x: jax.Array) -> jax.Array:
     """x [..., In] -> x @ w [..., Out] in x.dtype, accumulating in float32."""
     cdt = _compute_dtype(x.dtype)
+    w = self.after(x)
     if self.group_size == 0:  # per channel: dot the raw codes, scale the output
-      w = self.q.astype(cdt)
-      out = jnp.einsum("...i,oi->...o", x.astype(cdt), w, preferred_element_type=jnp.float32)
+      out = jnp.einsum("...i,oi->...o", x.astype(cdt), w.q.astype(cdt),
+                       preferred_element_type=jnp.float32)
       out = out * self.scale.astype(jnp.float32)
     else:
-      out = jnp.einsum("...i,oi->...o", x.astype(cdt), self.dequantize(cdt),
+      out = jnp.einsum("...i,oi->...o", x.astype(cdt), w.dequantize(cdt),
                        preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 
