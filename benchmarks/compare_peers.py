@@ -225,7 +225,8 @@ def table(figs: dict[str, dict], top: int, date: str, args) -> str:
           ("TTFT, 1 request, p50 (s)", "ttft_b1_s", False),
           (f"output tok/s, {top} concurrent", f"c{top}_output_tok_s", True),
           (f"TTFT p95 at {top} concurrent (s)", f"c{top}_ttft_p95_s", False),
-          ("restart to ready, warm cache (s)", "ready_s", False)]
+          ("restart to ready, warm cache (s)" if args.restart else "start to ready (s)", "ready_s",
+           False)]
   ours = [n for n in names if n in args.ours_names]
   peers = [n for n in names if n not in ours]
   head = ["figure", *names, *(f"{o} / {p}" for o in ours for p in peers)]
