@@ -93,9 +93,13 @@ class QuantizedWeight:
     unrolled step and materialises all of them at once.
     """
     first = x.reshape(-1)[0]
-    if self.kind == "fp8":
-      return self
-    return dataclasses.replace(self, q=self.q + (first != first).astype(self.q.dtype))
+    dep = (first != first).astype(jnp.uint8)
+    if self.kind == "fp8":  # add on the bytes: fp8 has no integer add
+      q = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(self.q, jnp.uint8) + dep,
+                                       self.q.dtype)
+    else:
+      q = self.q + dep.astype(self.q.dtype)
+    return dataclasses.replace(self, q=q)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The weight in storage orientation `[..., Out, In]`, as `dtype`."""
