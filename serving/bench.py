@@ -279,7 +279,7 @@ def _engine_summary(llm) -> dict[str, Any]:
 
 def serve_main() -> dict[str, Any]:
   base = FLAGS.base_url.rstrip("/")
-  bench_serve.wait_ready(base, timeout_s=60)
+  bench_serve.wait_ready(base, timeout_s=900)
   model = FLAGS.served_model or bench_serve.first_model_id(base)
   extra = json.loads(FLAGS.extra_body) if FLAGS.extra_body else DEFAULT_EXTRA_BODY
   target = bench_serve.Target(base, model, extra)
