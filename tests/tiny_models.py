@@ -14,6 +14,8 @@ import tokenizers
 import torch
 import transformers
 
+from checkpoints.gguf_vocab import bytes_to_unicode
+
 VOCAB = 300  # 256 byte tokens + specials + spare ids
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -53,21 +55,7 @@ def byte_tokenizer() -> tokenizers.Tokenizer:
 
 
 def _byte_of(ch: str) -> int:
-  table = {v: k for k, v in _bytes_to_unicode().items()}
-  return table[ch]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-      range(ord("®"), ord("ÿ") + 1))
-  cs = bs[:]
-  n = 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  return dict(zip(bs, map(chr, cs), strict=True))
+  return {v: k for k, v in bytes_to_unicode().items()}[ch]
 
 
 def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTrainedModel:
