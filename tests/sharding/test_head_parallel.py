@@ -1,10 +1,10 @@
 """Head-parallel attention (sharding/attention.py) with the Pallas kernels at tp=4.
 
-The worker wraps the runner's attend callback in `head_parallel` (the one
-line the runner needs for Pallas backends on TPU/GPU) and runs the tiny
-Llama with `attention_backend="pallas_interpret"` at tp=4 (KV heads
-repeated to 4, one per device): tokens and logits equal the unsharded run
-and the HLO gathers neither a weight nor the KV cache.
+The runner wraps its Pallas attend callback in `head_parallel`
+(serving/runner.py `_attend_fn`); the worker runs the tiny Llama with
+`attention_backend="pallas_interpret"` at tp=4 (KV heads repeated to 4, one
+per device): tokens and logits equal the unsharded run and the HLO gathers
+neither a weight nor the KV cache.
 """
 
 from __future__ import annotations
@@ -35,17 +35,8 @@ def test_pallas_kernels_per_head_shard(result):
     assert not {tuple(s) for s in hlo["all_gather_shapes"]} & big, step
 
 
-def _wrapped(attend_fn, head_parallel):
-  def build(backend, cfg, *args):
-    return head_parallel(attend_fn(backend, cfg, *args), cfg)
-
-  return build
-
-
 def _worker(path: str) -> None:
   import checkpoints
-  from serving import runner as runner_mod
-  from sharding.attention import head_parallel
 
   loaded = checkpoints.load_checkpoint(path)
   out = {"weight_shapes": sorted(stu.weight_shapes(loaded.params))}
@@ -54,8 +45,6 @@ def _worker(path: str) -> None:
     drv = stu.Driver(runner)
     tokens, first, dec = drv.generate(stu.PROMPTS, 3)
     out[name] = {"tokens": tokens, "logits": np.concatenate([first[None], dec]).tolist()}
-    if tp == 1:  # the sharded runner traces its steps with the wrapped callback
-      runner_mod._attend_fn = _wrapped(runner_mod._attend_fn, head_parallel)
   kv = runner.state.kv.k
   out.update(hlo={k: stu.hlo_collectives(v) for k, v in drv.hlo.items()},
              kv_shape=list(kv.shape), kv_shard_shape=list(kv.addressable_shards[0].data.shape))
