@@ -12,15 +12,11 @@ jax.config.update("jax_compilation_cache_dir", os.path.abspath(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import pytest  # noqa: E402
-
-# Engine options for tests on the default model: small, quick to compile.
-DEFAULT_MODEL_TEST_CONFIG = dict(max_num_seqs=8, max_model_len=256, num_pages=96,
-                                 max_num_batched_tokens=64, unroll_layers=False,
-                                 dtype="float32")
+from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def default_llm():
   """The default model (SmolLM2-135M-Instruct GGUF), loaded once per session."""
   from serving import LLM
-  return LLM("smollm2-135m-instruct", **DEFAULT_MODEL_TEST_CONFIG)
+  return LLM(DEFAULT_MODEL, **DEFAULT_MODEL_TEST_CONFIG)
