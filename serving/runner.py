@@ -5,7 +5,8 @@ Lifecycle:
      device(s), sizes and allocates the KV page pool and the sampler state.
   2. `warm_up()` compiles every (bucket) program once — prefill per token
      bucket, decode and sampling per batch bucket — and logs how many; the
-     persistent compilation cache makes restarts cheap.
+     executable store (serving/executable_store.py) makes restarts cheap:
+     it loads compiled steps without tracing them.
   3. The engine calls `prefill(PrefillInput)` / `decode(DecodeInput)` with
      host numpy arrays already padded to a bucket. Each call dispatches
      asynchronously and returns device arrays (`SampleOutput`); the engine
@@ -18,9 +19,11 @@ counters) is donated into every step, so it is updated in place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -30,6 +33,7 @@ import numpy as np
 import sharding
 from serving import attention, sampling
 from serving.config import EngineConfig
+from serving.executable_store import ExecutableStore, StepProgram
 from serving.kv_cache import KVCache, create_kv_cache, write_kv
 from serving.model_config import ModelConfig
 from serving.models import llama
@@ -207,9 +211,18 @@ class ModelRunner:
       jit = functools.partial(placement.jit, state=self.state)
     else:
       jit = jax.jit
-    self._prefill = jit(functools.partial(prefill_step, **kw), donate_argnums=(1,))
-    self._decode = jit(functools.partial(decode_step, **kw), donate_argnums=(1,))
-    self._sample = jit(sample_step, donate_argnums=(0,))
+    # Warm starts load the compiled steps from disk instead of tracing them.
+    self._store = store = ExecutableStore.for_runner(engine_cfg.compilation_cache,
+                                       engine_cfg.compilation_cache_dir, placement is not None)
+    static = repr(sorted(kw.items()))
+    self._prefill = StepProgram("prefill", jit(functools.partial(prefill_step, **kw),
+                                               donate_argnums=(1,)),
+                                static=static, num_fixed=2, store=store)
+    self._decode = StepProgram("decode", jit(functools.partial(decode_step, **kw),
+                                             donate_argnums=(1,)),
+                               static=static, num_fixed=2, store=store)
+    self._sample = StepProgram("sample", jit(sample_step, donate_argnums=(0,)), static="",
+                               num_fixed=1, store=store)
 
   @property
   def dummy_slot(self) -> int:
@@ -229,22 +242,48 @@ class ModelRunner:
     return out
 
   def warm_up(self) -> int:
-    """Compiles (or loads from the persistent cache) every bucket; returns the count.
+    """Compiles (or loads) every bucket's program; returns the count.
 
     Programs: one prefill per token bucket, one decode and one sampler per
-    batch bucket (+ the single-row sampler prefill uses).
+    batch bucket (+ the single-row sampler prefill uses). With an executable
+    store they are loaded in parallel threads and compiled only when missing,
+    without running anything; without one, each is run once on dummy inputs.
     """
     start = time.perf_counter()
-    ec = self.engine_cfg
-    for t in ec.prefill_token_buckets:
-      jax.block_until_ready(self.prefill(self.dummy_prefill(t)))
-    for b in ec.decode_batch_buckets:
-      jax.block_until_ready(self.decode(self.dummy_decode(b)))
-    n_prefill, n_decode = len(ec.prefill_token_buckets), len(ec.decode_batch_buckets)
-    n = n_prefill + 2 * n_decode + (1 not in ec.decode_batch_buckets)
-    log.info("compiled %d programs (%d prefill, %d decode, %d sampler) in %.1fs", n, n_prefill,
-             n_decode, n - n_prefill - n_decode, time.perf_counter() - start)
+    programs = self._bucket_programs()
+    if self._store is not None:
+      with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda p: p[0].try_load(*p[1]), programs))
+      for step, args in programs:
+        step.prepare(*args)
+    else:
+      ec = self.engine_cfg
+      for t in ec.prefill_token_buckets:
+        jax.block_until_ready(self.prefill(self.dummy_prefill(t)))
+      for b in ec.decode_batch_buckets:
+        jax.block_until_ready(self.decode(self.dummy_decode(b)))
+    steps = (self._prefill, self._decode, self._sample)
+    n = sum(s.num_programs() for s in steps)
+    log.info("compiled %d programs (%d prefill, %d decode, %d sampler; %d loaded from the "
+             "executable store) in %.1fs", n, *(s.num_programs() for s in steps),
+             sum(s.loaded for s in steps), time.perf_counter() - start)
     return n
+
+  def _bucket_programs(self) -> list[tuple[StepProgram, tuple]]:
+    """(step, arguments) of every program serving can run; logits as abstract values."""
+    ec, vocab = self.engine_cfg, self.model_cfg.vocab_size
+    out = []
+    for t in ec.prefill_token_buckets:
+      inp = self.dummy_prefill(t)
+      out.append((self._prefill, (self.params, self.state, inp)))
+    rows = sorted({1, *ec.decode_batch_buckets})
+    for b in ec.decode_batch_buckets:
+      out.append((self._decode, (self.params, self.state, self.dummy_decode(b))))
+    for b in rows:
+      inp = self.dummy_decode(b)
+      logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
+      out.append((self._sample, (self.state, logits, inp.slots, inp.sampling)))
+    return out
 
   def dummy_prefill(self, t: int) -> PrefillInput:
     """A padding-only chunk: writes into dummy page 0 and the dummy slot."""

@@ -94,7 +94,7 @@ def _worker(path: str) -> None:
   outs = llm.generate(stu.PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
   out["engine_tp2"] = [o.token_ids for o in outs]
   runner = llm.engine.runner  # warm-up compiled each program once; serving added none
-  out["engine_programs"] = [f._cache_size() for f in (runner._prefill, runner._decode,
+  out["engine_programs"] = [f.num_programs() for f in (runner._prefill, runner._decode,
                                                       runner._sample)]
   stu.emit(out)
 
