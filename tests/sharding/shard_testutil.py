@@ -91,7 +91,7 @@ class Driver:
     r = self.runner
     key = (name, *(x.shape for x in jax.tree.leaves(inp)))
     if key not in self._compiled:
-      fn = getattr(r, f"_{name}")
+      fn = getattr(r, f"_{name}").jitted  # the StepProgram's jitted step
       self._compiled[key] = fn.lower(r.params, r.state, inp).compile()
       self.hlo[name] = self._compiled[key].as_text()
     r.state, logits = self._compiled[key](r.params, r.state, inp)
