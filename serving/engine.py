@@ -270,6 +270,12 @@ class LLMEngine:
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:
+  """JAX's persistent cache for sharded runners; one device uses the executable store
+  (serving/executable_store.py), which must not see executables from JAX's cache."""
+  import sharding
+
+  if sharding.ParallelConfig.of(config).num_devices <= 1:
+    return
   if config.compilation_cache and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -18,8 +18,14 @@ depends on: the step's name and static options, the avals (shape, dtype,
 sharding) of every argument, the jax/jaxlib versions, the backend and its
 devices, and a hash of xlaserve's own device-side source. Anything that
 changes any of these misses the store and compiles afresh; a file that fails
-to load is recompiled and overwritten. Steps compiled for the store bypass
-JAX's own persistent cache (see `_without_jax_cache`).
+to load is recompiled and overwritten.
+
+The store replaces JAX's persistent cache; the two do not mix. An executable
+that JAX's cache deserialized serializes into a file that fails when run
+("Function ... not found", XLA:CPU, jax 0.10.2), and JAX decides once per
+process whether its cache is used. So the engine turns JAX's cache on only
+for sharded runners, and a process where it is on (the test suite's
+conftest) loads from the store but never writes to it.
 
 Only single-device runners use a store (`ExecutableStore.for_runner`); a
 sharded runner calls its jitted steps directly.
@@ -27,7 +33,6 @@ sharded runner calls its jitted steps directly.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -44,22 +49,30 @@ from jax.experimental import serialize_executable
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when what a stored file holds changes
-_SOURCE_PACKAGES = ("serving", "kernels_pallas", "sharding")  # code traced into the steps
+# The code traced into the steps: whole packages, and the modules of `serving` that the
+# runner's step functions reach (add a module here when a step starts using it).
+_TRACED_SOURCES = ("kernels_pallas", "sharding", "serving/models", "serving/runner.py",
+                   "serving/attention.py", "serving/kv_cache.py", "serving/sampling.py",
+                   "serving/quant.py", "serving/model_config.py", "serving/types.py",
+                   "serving/config.py")
 
 
 @functools.cache
 def source_fingerprint() -> str:
-  """sha256 of xlaserve's traced Python source (every .py of the device-side packages)."""
+  """sha256 of the Python source traced into the steps (`_TRACED_SOURCES`)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  paths = []
+  for source in _TRACED_SOURCES:
+    full = os.path.join(root, source)
+    if os.path.isfile(full):
+      paths.append(full)
+    for dirpath, _, filenames in os.walk(full):
+      paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
   h = hashlib.sha256()
-  for package in _SOURCE_PACKAGES:
-    for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
-      dirnames.sort()
-      for name in sorted(f for f in filenames if f.endswith(".py")):
-        path = os.path.join(dirpath, name)
-        h.update(os.path.relpath(path, root).encode())
-        with open(path, "rb") as f:
-          h.update(f.read())
+  for path in sorted(paths):
+    h.update(os.path.relpath(path, root).encode())
+    with open(path, "rb") as f:
+      h.update(f.read())
   return h.hexdigest()
 
 
@@ -81,18 +94,9 @@ def _shape_key(tree: Any) -> tuple:
                for x in jax.tree.leaves(tree))
 
 
-@contextlib.contextmanager
-def _without_jax_cache():
-  """JAX's persistent cache off for one compile: an executable that JAX's cache
-  deserialized serializes into a file that fails at run time ("Function ... not
-  found", XLA:CPU, jax 0.10.2), so the store only takes fresh compiles. The store
-  stands in for JAX's cache for these programs anyway."""
-  before = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", before)
+def jax_cache_active() -> bool:
+  """Whether JAX's persistent compilation cache is on in this process."""
+  return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
 
 
 class ExecutableStore:
@@ -100,6 +104,7 @@ class ExecutableStore:
 
   def __init__(self, directory: str):
     self.directory = directory
+    self._warned = False
     os.makedirs(directory, exist_ok=True)
 
   @classmethod
@@ -135,6 +140,11 @@ class ExecutableStore:
       return None
 
   def save(self, name: str, key: str, compiled: jax.stages.Compiled) -> None:
+    if jax_cache_active():
+      if not self._warned:
+        log.info("executables not stored: JAX's persistent cache is on in this process")
+        self._warned = True
+      return
     try:
       data = pickle.dumps(serialize_executable.serialize(compiled))
     except Exception as e:  # noqa: BLE001 - some executables cannot be serialized
@@ -189,8 +199,7 @@ class StepProgram:
     store, or compiled and stored. Runs nothing."""
     shape_key = _shape_key(args[self.num_fixed:])
     if shape_key not in self._compiled and not self.try_load(*args):
-      with _without_jax_cache():
-        exe = self.jitted.lower(*args).compile()
+      exe = self.jitted.lower(*args).compile()
       self.compiled += 1
       self.store.save(self.name, self.store.key(self.name, self.static, args), exe)
       self._compiled[shape_key] = exe

@@ -29,6 +29,11 @@ from absl import app, flags
 from serving import config as config_lib
 from serving.config import EngineConfig
 
+if __name__ == "__main__":
+  # `python -m serving.launcher`: modules that import serving.launcher (serving.bench) must get
+  # this one, not a second copy that would define every flag again.
+  sys.modules.setdefault("serving.launcher", sys.modules[__name__])
+
 FLAGS = flags.FLAGS
 COMMANDS = ("serve", "generate", "batch", "convert", "bench")
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

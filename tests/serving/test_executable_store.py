@@ -1,15 +1,20 @@
 """The executable store (serving/executable_store.py) on a tiny model.
 
 - A first engine compiles its steps and stores them; a second one, built
-  the same way in the same process, loads every step from the store (no
-  tracing) and generates exactly the same tokens.
+  the same way, loads every step from the store (no tracing) and generates
+  exactly the same tokens. This runs in a worker process without JAX's
+  persistent cache, as the launcher does (the test process has it on, and
+  the store never writes where it is on).
 - The key changes with anything the program depends on: another static
   option or other argument shapes miss the store.
 - A corrupt file is a cache miss: the step recompiles and overwrites it.
 """
 
 import glob
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,23 +25,25 @@ from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.executable_store import ExecutableStore, StepProgram
 from serving.types import SamplingParams
-from tiny_models import save_tiny_model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 
 PROMPTS = [[3, 17, 101, 45, 8, 250, 77, 12, 5, 60], [200, 31, 9, 144, 2]]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("tiny_llama"))
-  save_tiny_model("llama", path)
-  return load_checkpoint(path)
+@pytest.fixture
+def toy_store_writes(monkeypatch):
+  """Lets the store write in this process: the toy programs below compile in milliseconds,
+  far under the JAX cache's 0.5 s threshold, so none of them comes from JAX's cache."""
+  monkeypatch.setattr(executable_store, "jax_cache_active", lambda: False)
 
 
-def make_engine(loaded, cache_dir) -> LLMEngine:
+def make_engine(path, cache_dir) -> LLMEngine:
   cfg = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=24,
                      max_num_batched_tokens=16, unroll_layers=False,
                      compilation_cache_dir=str(cache_dir))
-  return LLMEngine(loaded, cfg)
+  return LLMEngine(load_checkpoint(path), cfg)
 
 
 def generate(engine) -> list[list[int]]:
@@ -54,27 +61,44 @@ def steps(engine) -> tuple[StepProgram, ...]:
   return r._prefill, r._decode, r._sample
 
 
-def test_second_engine_loads_every_step_and_matches(tiny, tmp_path):
-  first = make_engine(tiny, tmp_path)
-  first_tokens = generate(first)
-  assert sum(s.compiled for s in steps(first)) > 0
-  assert sum(s.loaded for s in steps(first)) == 0
-  stored = glob.glob(os.path.join(tmp_path, "executables", "*.jaxexe"))
-  assert len(stored) == sum(s.compiled for s in steps(first))
+def _worker(model_dir: str, cache_dir: str) -> None:
+  """Two engines in a row on one store; prints one JSON line."""
+  out = {}
+  for name in ("first", "second"):
+    engine = make_engine(model_dir, cache_dir)
+    out[name] = {"tokens": generate(engine),
+                 "compiled": sum(s.compiled for s in steps(engine)),
+                 "loaded": sum(s.loaded for s in steps(engine)),
+                 "programs": [s.num_programs() for s in steps(engine)]}
+  out["stored"] = len(glob.glob(os.path.join(cache_dir, "executables", "*.jaxexe")))
+  print(json.dumps(out), flush=True)
 
-  second = make_engine(tiny, tmp_path)
-  assert generate(second) == first_tokens
-  assert sum(s.compiled for s in steps(second)) == 0
-  assert sum(s.loaded for s in steps(second)) == len(stored)
+
+def test_second_engine_loads_every_step_and_matches(tmp_path):
+  from tiny_models import save_tiny_model
+
+  model_dir = str(tmp_path / "model")
+  save_tiny_model("llama", model_dir)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(HERE)])}
+  proc = subprocess.run([sys.executable, __file__, model_dir, str(tmp_path / "cache")], env=env,
+                        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  res = json.loads(proc.stdout.strip().splitlines()[-1])
+  first, second = res["first"], res["second"]
+  assert first["compiled"] > 0 and first["loaded"] == 0
+  assert res["stored"] == first["compiled"]
+  assert second["tokens"] == first["tokens"]
+  assert second["compiled"] == 0 and second["loaded"] == res["stored"]
   # Serving after warm-up added no program to either engine.
-  assert [s.num_programs() for s in steps(second)] == [s.num_programs() for s in steps(first)]
+  assert second["programs"] == first["programs"]
 
 
 def _double(x, y):
   return x * 2 + y
 
 
-def test_key_depends_on_static_options_and_shapes(tmp_path):
+def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes):
   import jax
 
   store = ExecutableStore(str(tmp_path))
@@ -94,7 +118,7 @@ def test_key_depends_on_static_options_and_shapes(tmp_path):
   assert (prog.compiled, prog.num_programs()) == (2, 2)
 
 
-def test_corrupt_file_is_recompiled(tmp_path, caplog):
+def test_corrupt_file_is_recompiled(tmp_path, caplog, toy_store_writes):
   import jax
 
   store = ExecutableStore(str(tmp_path))
@@ -121,3 +145,18 @@ def test_no_store_when_cache_is_off_or_sharded(tmp_path):
   assert ExecutableStore.for_runner(False, str(tmp_path), sharded=False) is None
   assert ExecutableStore.for_runner(True, str(tmp_path), sharded=True) is None
   assert ExecutableStore.for_runner(True, str(tmp_path), sharded=False) is not None
+
+
+def test_nothing_written_while_jax_cache_is_on(tmp_path, monkeypatch):
+  import jax
+
+  monkeypatch.setattr(executable_store, "jax_cache_active", lambda: True)
+  store = ExecutableStore(str(tmp_path))
+  prog = StepProgram("f", jax.jit(_double), static="", num_fixed=0, store=store)
+  x = np.ones((4,), np.float32)
+  np.testing.assert_array_equal(prog(x, x), x * 3)
+  assert prog.compiled == 1 and not os.listdir(tmp_path)
+
+
+if __name__ == "__main__":
+  _worker(*sys.argv[1:])
