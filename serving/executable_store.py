@@ -29,6 +29,11 @@ conftest) loads from the store but never writes to it.
 
 Only single-device runners use a store (`ExecutableStore.for_runner`); a
 sharded runner calls its jitted steps directly.
+
+Trust: loading an executable runs its machine code and goes through pickle
+(`serialize_executable`), the trust boundary of JAX's own persistent cache.
+The store only loads files owned by this user in a directory no one else can
+write (`_trusted`); it never reads checkpoints or anything a request names.
 """
 
 from __future__ import annotations
@@ -99,13 +104,23 @@ def jax_cache_active() -> bool:
   return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
 
 
+def _trusted(path: str) -> bool:
+  """A stored file is loaded only if this user owns it and its directory, and neither is
+  writable by group or others (loading an executable runs its code, as JAX's cache does)."""
+  for p in (path, os.path.dirname(path)):
+    st = os.stat(p)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+      return False
+  return True
+
+
 class ExecutableStore:
   """A directory of serialized executables (see module doc)."""
 
   def __init__(self, directory: str):
     self.directory = directory
     self._warned = False
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
 
   @classmethod
   def for_runner(cls, enabled: bool, cache_dir: str, sharded: bool) -> ExecutableStore | None:
@@ -129,6 +144,10 @@ class ExecutableStore:
   def load(self, name: str, key: str) -> jax.stages.Compiled | None:
     path = self._path(name, key)
     if not os.path.exists(path):
+      return None
+    if not _trusted(path):
+      log.warning("ignoring stored executable %s: not owned by this user or writable by "
+                  "others (executables are loaded only from files this server wrote)", path)
       return None
     try:
       with open(path, "rb") as f:

@@ -158,5 +158,21 @@ def test_nothing_written_while_jax_cache_is_on(tmp_path, monkeypatch):
   assert prog.compiled == 1 and not os.listdir(tmp_path)
 
 
+
+
+def test_files_others_can_write_are_not_loaded(tmp_path, caplog, toy_store_writes):
+  import jax
+
+  store = ExecutableStore(str(tmp_path / "exe"))
+  x = np.ones((4,), np.float32)
+  StepProgram("f", jax.jit(_double), static="", num_fixed=0, store=store)(x, x)
+  (path,) = glob.glob(os.path.join(store.directory, "f-*.jaxexe"))
+  os.chmod(path, 0o666)
+  prog = StepProgram("f", jax.jit(_double), static="", num_fixed=0, store=store)
+  np.testing.assert_array_equal(prog(x, x), x * 3)
+  assert (prog.loaded, prog.compiled) == (0, 1)
+  assert "not owned by this user or writable by others" in caplog.text
+
+
 if __name__ == "__main__":
   _worker(*sys.argv[1:])
