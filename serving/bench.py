@@ -268,7 +268,8 @@ def _build_llm():
 def _engine_summary(llm) -> dict[str, Any]:
   r = llm.engine.runner
   c = llm.engine.config
-  return {"model": llm.engine.model_name, "dtype": r.dtype_name, "kv_dtype": r.kv_dtype_name,
+  return {"model": llm.engine.model_name, "dtype": r.dtype_name,
+          "weight_dtype": r.weight_dtype_name, "kv_dtype": r.kv_dtype_name,
           "quantization": c.quantization, "max_num_seqs": c.max_num_seqs,
           "max_num_batched_tokens": c.max_num_batched_tokens,
           "attention_block_tokens": c.attention_block_tokens,
@@ -351,7 +352,7 @@ def roofline(llm, prompt: list[int], batch_prompts: Sequence[list[int]], output_
                       kv_bytes_per_token(llm.engine.model_config, r.kv_dtype_name))
   machine = {"copy_gb_s": measure_bandwidth(), "matmul_f32_gflop_s": measure_matmul("float32"),
              "matmul_bf16_f32acc_gflop_s": measure_matmul("bfloat16")}
-  peak = machine["matmul_bf16_f32acc_gflop_s" if r.dtype_name == "bfloat16"
+  peak = machine["matmul_bf16_f32acc_gflop_s" if r.weight_dtype_name == "bfloat16"
                  else "matmul_f32_gflop_s"]
   time_single(llm, prompt, 4)  # first-call effects
   single = time_single(llm, prompt, output_len)

@@ -53,6 +53,7 @@ class EngineConfig:
   enable_prefix_caching: bool = True
   attention_backend: str = "auto"
   dtype: str = "auto"
+  weight_dtype: str = "auto"  # "auto": as dtype; bfloat16 under float32 compute halves bytes
   kv_cache_dtype: str = "auto"
   quantization: str | None = None
   tp: int = 1
@@ -83,6 +84,8 @@ class EngineConfig:
                        f"{ATTENTION_BACKENDS}")
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype={self.dtype!r} not in {DTYPES}")
+    if self.weight_dtype not in DTYPES:
+      raise ValueError(f"weight_dtype={self.weight_dtype!r} not in {DTYPES}")
     if self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
     if self.quantization not in QUANTIZATIONS:

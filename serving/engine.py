@@ -261,7 +261,7 @@ class LLMEngine:
     print(msg, flush=True)
     from serving.quant import params_nbytes
     weights = params_nbytes(self.runner.params)
-    fmt = self.config.quantization or self.runner.dtype_name
+    fmt = self.config.quantization or self.runner.weight_dtype_name
     msg = (f"Weights: {weights / 2**20:.1f} MiB ({fmt}, compute {self.runner.dtype_name}); "
            f"KV cache {per_tok} B/token "
            f"({self.runner.kv_dtype_name})")

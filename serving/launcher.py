@@ -53,6 +53,9 @@ flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget of one prefil
 flags.DEFINE_bool("enable_prefix_caching", None, "Share KV pages of common prompt prefixes.")
 flags.DEFINE_enum("attention_backend", None, config_lib.ATTENTION_BACKENDS, "Attention kernel.")
 flags.DEFINE_enum("dtype", None, config_lib.DTYPES, "Weight / activation dtype.")
+flags.DEFINE_enum("weight_dtype", None, config_lib.DTYPES,
+                  "Dtype of unquantized weights (default: --dtype); e.g. bfloat16 weights with "
+                  "float32 activations.")
 flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
 flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8"], "Weight quantization.")
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
@@ -66,7 +69,8 @@ flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none.")
 flags.DEFINE_bool("unroll_layers", None, "Unroll the layer loop (default: on CPU only).")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
-                "attention_backend", "dtype", "kv_cache_dtype", "quantization", "tp", "ep", "dp",
+                "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
+                "tp", "ep", "dp",
                 "prefill_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers")
 # serve.
