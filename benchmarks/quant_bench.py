@@ -38,6 +38,7 @@ FORMATS = {
     "int4": dict(dtype="float32", quantization="int4"),
     "fp8": dict(dtype="float32", quantization="fp8"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
+    "bf16w": dict(dtype="float32", weight_dtype="bfloat16"),
 }
 
 
