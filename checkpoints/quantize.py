@@ -13,10 +13,16 @@
    Other formats load as usual.
 3. `to_saveable` / `from_saveable` turn a params tree with quantized leaves
    into plain nested dicts of arrays plus a JSON spec and back (orbax_io).
+4. `load_quantized(model, "int4", calibrate=True)` (what `xlaserve convert`
+   uses) quantizes the remaining float layers by GPTQ on the shipped
+   calibration text (`serving/quant_calibration.py`): ~3x lower KL than
+   rounding at group 64, but tens of seconds on CPU, so it is done once at
+   conversion and stored, not at every start-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -91,16 +97,34 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)
 
 
-def load_quantized(model: str, method: str) -> LoadedModel:
-  """Loads `model` for serving with weight quantization `method` (module doc, step 2)."""
+def load_quantized(model: str, method: str, *, calibrate: bool = False) -> LoadedModel:
+  """Loads `model` for serving with weight quantization `method` (module doc, step 2).
+
+  With `calibrate` and `method="int4"`, the float linear layers left are
+  quantized here by GPTQ on the shipped calibration text (module doc, step 4).
+  """
   import checkpoints  # noqa: PLC0415  (package import cycle)
 
   if method not in quant.KINDS:
     raise ValueError(f"unsupported quantization {method!r}; supported: {quant.KINDS}")
   path = checkpoints.resolve_model_path(model)
   if os.path.isfile(path) and path.endswith(".gguf"):
-    return load_gguf_quantized(path, method)
-  return checkpoints.load_checkpoint(model)
+    loaded = load_gguf_quantized(path, method)
+  else:
+    loaded = checkpoints.load_checkpoint(model)
+  if calibrate and method == "int4":
+    loaded = dataclasses.replace(loaded, params=calibrated_int4(loaded))
+  return loaded
+
+
+def calibrated_int4(loaded: LoadedModel, group_size: int | None = None) -> Params:
+  """`loaded.params` with its float linear layers GPTQ-quantized to int4 (the head and
+  any already quantized leaves as `quantize_params` leaves them)."""
+  from serving.quant_calibration import Calibration  # noqa: PLC0415  (imports model code)
+
+  calibration = Calibration.from_text(loaded.config, loaded.tokenizer)
+  return quant.quantize_params(loaded.params, "int4", group_size=group_size,
+                               calibration=calibration)
 
 
 def to_saveable(params: Params) -> tuple[Params, dict[str, Any]]:

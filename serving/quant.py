@@ -179,19 +179,26 @@ def quantize_int8(w: np.ndarray, group_size: int = 0, *, transpose: bool = True
   return QuantizedWeight(q=q, scale=scale, kind="int8", group_size=group_size)
 
 
-def _fit_min_scale(grouped: np.ndarray, refine: int) -> tuple[np.ndarray, np.ndarray]:
+def _fit_min_scale(grouped, refine: int, xp=np, weights=None):
   """Per-group (scale, min) as float16 for 16 levels: min/max, then `refine` rounds of
-  least squares of the weights on their codes (lowers the squared error ~20%)."""
+  least squares of the weights on their codes (lowers the squared error ~20%).
+
+  `grouped` is `[..., G, g]`; `weights` (broadcastable to it, optional) weight each
+  element's squared error (GPTQ passes its per-column costs); `xp` is numpy or
+  jax.numpy (the GPTQ loop runs it traced).
+  """
   lo, hi = grouped.min(-1, keepdims=True), grouped.max(-1, keepdims=True)
   scale, offset = (hi - lo) / 15.0, lo
+  wts = xp.ones_like(grouped) if weights is None else xp.broadcast_to(weights, grouped.shape)
+  mean = lambda a: (a * wts).sum(-1, keepdims=True) / wts.sum(-1, keepdims=True)
   for _ in range(refine):
-    codes = np.clip(np.rint((grouped - offset) / np.where(scale == 0, 1, scale)), 0, 15)
-    c_mean, w_mean = codes.mean(-1, keepdims=True), grouped.mean(-1, keepdims=True)
-    c_var = ((codes - c_mean) ** 2).mean(-1, keepdims=True)
-    cov = ((codes - c_mean) * (grouped - w_mean)).mean(-1, keepdims=True)
-    fitted = np.where(c_var > 0, cov / np.where(c_var > 0, c_var, 1), scale)
-    scale, offset = np.maximum(fitted, 0), w_mean - np.maximum(fitted, 0) * c_mean
-  return scale[..., 0].astype(np.float16), offset[..., 0].astype(np.float16)
+    codes = xp.clip(xp.rint((grouped - offset) / xp.where(scale == 0, 1, scale)), 0, 15)
+    c_mean, w_mean = mean(codes), mean(grouped)
+    c_var = mean((codes - c_mean) ** 2)
+    cov = mean((codes - c_mean) * (grouped - w_mean))
+    fitted = xp.where(c_var > 0, cov / xp.where(c_var > 0, c_var, 1), scale)
+    scale, offset = xp.maximum(fitted, 0), w_mean - xp.maximum(fitted, 0) * c_mean
+  return scale[..., 0].astype(xp.float16), offset[..., 0].astype(xp.float16)
 
 
 def quantize_int4(w: np.ndarray, group_size: int = DEFAULT_INT4_GROUP, *,
@@ -211,11 +218,16 @@ def quantize_int4(w: np.ndarray, group_size: int = DEFAULT_INT4_GROUP, *,
     offset = None
     s = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]
     codes = np.rint(grouped / s) + 8
-  codes = np.clip(codes, 0, 15).astype(np.uint8)
+  return QuantizedWeight(q=pack_int4(codes.reshape(r.shape), group_size), scale=scale,
+                         offset=offset, kind="int4", group_size=group_size)
+
+
+def pack_int4(codes: np.ndarray, group_size: int) -> np.ndarray:
+  """Codes 0..15 `[..., O, I]` -> uint8 `[..., O, I/2]` in GGUF's Q4 nibble order."""
+  grouped = np.clip(codes, 0, 15).astype(np.uint8).reshape(*codes.shape[:-1], -1, group_size)
   half = group_size // 2
-  packed = codes[..., :half] | (codes[..., half:] << 4)  # [..., O, G, g/2]
-  return QuantizedWeight(q=packed.reshape(*r.shape[:-1], -1), scale=scale, offset=offset,
-                         kind="int4", group_size=group_size)
+  packed = grouped[..., :half] | (grouped[..., half:] << 4)  # [..., O, G, g/2]
+  return packed.reshape(*codes.shape[:-1], -1)
 
 
 def quantize_fp8(w: np.ndarray, *, transpose: bool = True) -> QuantizedWeight:
@@ -252,15 +264,22 @@ def quantize_weight(w: np.ndarray, method: str, *, group_size: int | None = None
 
 
 def quantize_params(params: dict, method: str, *, group_size: int | None = None,
-                    embedding: bool = True) -> dict:
+                    embedding: bool = True, calibration: Any = None) -> dict:
   """Quantizes the linear layers (and the LM head / tied embedding) of a params tree.
 
   Leaves that are already `QuantizedWeight`s (pre-quantized checkpoints) are
   kept. The LM head uses int8 per channel for int8/int4 (it is the most
   sensitive matmul) and fp8 for fp8. MoE expert weights stay as they are.
+  With `calibration` (a `serving.quant_calibration.Calibration`), int4 layer
+  weights are quantized by GPTQ on the calibration text's activations instead
+  of by rounding (same format; see docs/quantization.md); other methods ignore it.
   """
   if method not in KINDS:
     raise ValueError(f"unsupported quantization {method!r}; supported: {KINDS}")
+  if calibration is not None and method == "int4":
+    from serving import quant_calibration  # noqa: PLC0415  (imports the model code)
+    params = quant_calibration.gptq_quantize_layers(params, calibration,
+                                                    group_size or DEFAULT_INT4_GROUP)
   quant = lambda w: w if is_quantized(w) else quantize_weight(w, method, group_size=group_size)
   head_method = "fp8" if method == "fp8" else "int8"
   out = dict(params)

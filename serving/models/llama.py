@@ -197,20 +197,26 @@ def moe_sharded(mesh, ep_axis: str | None, tp_axis: str | None, x: jax.Array,
   return out.astype(x.dtype)
 
 
+def decoder_layer(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array,
+                  inv_freq: jax.Array, layer: jax.Array, kv: Any, attend: AttendFn
+                  ) -> tuple[jax.Array, Any]:
+  """One pre-norm layer (attention, then dense or MoE MLP): h [T, D] -> (h, kv)."""
+  delta, kv = _attention_block(cfg, lp, h, positions, inv_freq, layer, kv, attend)
+  h = h + delta
+  mlp = functools.partial(moe_mlp, cfg) if cfg.is_moe else dense_mlp
+  return h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), kv
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             kv: Any, attend: AttendFn, *, act_dtype=jnp.float32) -> tuple[jax.Array, Any]:
   """Runs the layer stack. tokens/positions [T] -> (final-normed hidden [T, D], kv)."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   x = embed_tokens(params["embed"], tokens).astype(act_dtype)  # [T, D]
-  mlp = functools.partial(moe_mlp, cfg) if cfg.is_moe else dense_mlp
 
   def layer_fn(carry, xs):
     h, kv = carry
     lp, layer = xs
-    delta, kv = _attention_block(cfg, lp, h, positions, inv_freq, layer, kv, attend)
-    h = h + delta
-    h = h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
-    return (h, kv), None
+    return decoder_layer(cfg, lp, h, positions, inv_freq, layer, kv, attend), None
 
   layers = params["layers"]
   if isinstance(layers, (list, tuple)):
