@@ -24,10 +24,15 @@ quality-test sample), one `decoder_layer` call at a time under jit:
 - layers are done in order and layer i+1's statistics are taken on the
   outputs of the already quantized layers 0..i (GPTQ's sequential mode).
 
-Small calibration sets overfit `H` (its rank is at most the token count), so
-`H` is shrunk towards its diagonal (`shrink`) and damped (`damp` times its
-mean diagonal) before inversion. `shrink=1` is diagonal importance weighting
-(llama.cpp's imatrix idea) with no error feedback.
+Each group's (scale, min) fit weights column j's squared error by its cost
+in GPTQ's objective, `1 / U_jj^2` (`U^T U = H^-1`): SmolLM2's massive
+activations (one w_down input reaching ~2,800 on BOS) make a few columns
+dominate, and an unweighted fit wastes their precision. Small calibration
+sets overfit `H` (its rank is at most the token count), so `H` is shrunk
+towards its diagonal (`shrink`) and damped (`damp` times its mean
+diagonal) before the factorisation. `shrink=1` leaves no error feedback:
+importance-weighted rounding, llama.cpp's imatrix idea. docs/quantization.md
+has the measured effect of each piece.
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ DEFAULT_SHRINK = 0.3
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """Token sequences `[C, T]` (each starting with BOS) of a model with config `cfg`."""
+  """Token sequences `[C, T]` (each starting with BOS) of a model with config `cfg`, and
+  the GPTQ settings: `damp`, `shrink` (above), `sequential` (statistics on the quantized
+  layers' outputs), `weighted` (cost-weighted group fit) and `refine` (its rounds)."""
 
   cfg: ModelConfig
   sequences: np.ndarray
