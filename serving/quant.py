@@ -26,6 +26,11 @@ JAX_NOTES.md); elsewhere it is the activation dtype.
 A tied embedding is quantized as the LM head: `logical [D, V]`, stored
 `[V, D]` — exactly the embedding table, so `lookup(ids)` returns embedding
 rows (`serving.models.llama.embed_tokens`).
+
+The host quantizers here round (int4: min + scale fitted by least squares);
+`quantize_params(..., calibration=...)` instead quantizes int4 layers by
+GPTQ on calibration activations (`serving/quant_calibration.py`, used by
+`xlaserve convert`), into the same format.
 """
 
 from __future__ import annotations
