@@ -251,7 +251,7 @@ def cmd_convert() -> int:
   if method:  # stored pre-quantized; GGUF blocks of the matching type are kept as is
     from checkpoints.quantize import load_quantized
     from serving.quant import quantize_params
-    loaded = load_quantized(FLAGS.model, method)
+    loaded = load_quantized(FLAGS.model, method, calibrate=True)  # int4: GPTQ (quant_calibration)
     loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, method))
   else:
     loaded = checkpoints.load_checkpoint(FLAGS.model)
