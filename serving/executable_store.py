@@ -44,6 +44,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,6 +189,7 @@ class StepProgram:
     self.name, self.jitted, self.static = name, jitted, static
     self.num_fixed, self.store = num_fixed, store
     self._compiled: dict[tuple, jax.stages.Compiled] = {}
+    self._lock = threading.Lock()  # try_load runs in several threads at warm-up
     self.loaded = self.compiled = 0  # executables taken from the store / compiled here
 
   def __call__(self, *args):
@@ -209,8 +211,9 @@ class StepProgram:
     exe = self.store.load(self.name, self.store.key(self.name, self.static, args))
     if exe is None:
       return False
-    self._compiled[shape_key] = exe
-    self.loaded += 1
+    with self._lock:
+      self._compiled[shape_key] = exe
+      self.loaded += 1
     return True
 
   def prepare(self, *args) -> jax.stages.Compiled:
