@@ -225,8 +225,9 @@ class ModelRunner:
     else:
       jit = jax.jit
     # Warm starts load the compiled steps from disk instead of tracing them.
-    self._store = store = ExecutableStore.for_runner(engine_cfg.compilation_cache,
+    store = ExecutableStore.for_runner(engine_cfg.compilation_cache,
                                        engine_cfg.compilation_cache_dir, placement is not None)
+    self._store = store
     static = repr(sorted(kw.items()))
     self._prefill = StepProgram("prefill", jit(functools.partial(prefill_step, **kw),
                                                donate_argnums=(1,)),
