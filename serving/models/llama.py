@@ -70,6 +70,25 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return (w.astype(jnp.float32) * xf).astype(x.dtype)
 
 
+def dot_f32_accumulate(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """`einsum(spec, x, w)` with x cast to w's dtype, accumulated in float32.
+
+  `spec` contracts x's last axis; x has any leading axes. XLA:CPU sends a dot
+  with a single row and bfloat16 (or integer) operands to a naive loop, about
+  ten times slower than the same dot with two rows (SmolLM2's 30 layers of
+  matmuls: 185 ms at one row, 16 ms at two; docs/performance.md), so on CPU a
+  single row is padded to two. float32 single-row dots take XLA's fast
+  matrix-vector path and are left alone.
+  """
+  x = x.astype(w.dtype)
+  lead = x.shape[:-1]
+  if math.prod(lead) == 1 and w.dtype != jnp.float32 and jax.default_backend() == "cpu":
+    two = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
+    out = jnp.einsum(spec, two, w, preferred_element_type=jnp.float32)
+    return out[:1].reshape(*lead, out.shape[-1])
+  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
 def linear(x: jax.Array, w: Any) -> jax.Array:
   """x [..., In] @ w [In, Out], accumulating in float32.
 
@@ -77,8 +96,7 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
   """
   if hasattr(w, "matmul"):
     return w.matmul(x)
-  out = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-  return out.astype(x.dtype)
+  return dot_f32_accumulate("...i,io->...o", x, w).astype(x.dtype)
 
 
 def _attention_block(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
@@ -248,6 +266,5 @@ def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     emb = params["embed"]
     if hasattr(emb, "matmul"):  # quantized tied embedding: stored as the head [V, D]
       return emb.matmul(hidden).astype(jnp.float32)
-    return jnp.einsum("bd,vd->bv", hidden.astype(emb.dtype), emb,
-                      preferred_element_type=jnp.float32)
+    return dot_f32_accumulate("bd,vd->bv", hidden, emb)
   return linear(hidden, params["lm_head"]).astype(jnp.float32)
