@@ -5,11 +5,14 @@
   preemption) gives every request exactly the tokens it gets when run alone.
 - The allocator's invariants hold after every step; pages are shared only
   through the prefix cache; at the end every page is free and unreferenced.
-- Nothing compiles after warm-up, whatever the mix of sampling parameters.
+- Nothing compiles after warm-up: a fresh engine, watched from the end of its
+  warm-up, runs that same kind of workload (preemption, aborts, prefix-cache
+  hits, chunked prefill) with every kind of sampling parameter.
 - A shared system prompt hits the prefix cache and skips that prefill.
 """
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -61,7 +64,23 @@ def check_pages(engine):
       assert page in alloc._hash_of, f"page {page} shared by {n} requests without the cache"
 
 
-def random_workload(rng, n):
+# Every sampling path: greedy, top-p, top-k + min-p, penalties + logprobs, stop strings, ...
+SAMPLING_VARIANTS = [
+    SamplingParams(max_tokens=5, temperature=0.0),
+    SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, seed=3),
+    SamplingParams(max_tokens=3, temperature=1.2, top_k=5, min_p=0.05),
+    SamplingParams(max_tokens=6, temperature=0.5, repetition_penalty=1.3,
+                   presence_penalty=0.5, frequency_penalty=0.3, logprobs=5),
+    SamplingParams(max_tokens=9, temperature=0.0, stop=["a"], logprobs=0),
+    SamplingParams(max_tokens=4, temperature=0.9, top_k=100, top_p=0.5),
+]
+
+
+def random_workload(rng, n, variants=None):
+  """`n` requests: staggered arrivals, prompts up to 60 tokens (longer than a prefill chunk),
+  every third one behind a shared 24-token prefix, mixed max_tokens, every fifth-ish aborted.
+  Sampling: greedy or temperature 0.8 (seeded); or, with `variants`, request i takes
+  `variants[i % len(variants)]` with its own max_tokens."""
   shared = rng.integers(0, VOCAB, 24).tolist()
   reqs = []
   for i in range(n):
@@ -70,9 +89,12 @@ def random_workload(rng, n):
     if i % 3 == 0:
       prompt = shared + prompt[:20]
     max_tokens = int(rng.integers(1, min(30, MAX_LEN - len(prompt)) + 1))
-    sampled = i % 4 == 1
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                            temperature=0.8 if sampled else 0.0, seed=1000 + i)
+    if variants:
+      params = dataclasses.replace(variants[i % len(variants)], max_tokens=max_tokens)
+    else:
+      sampled = i % 4 == 1
+      params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                              temperature=0.8 if sampled else 0.0, seed=1000 + i)
     arrival = int(rng.integers(0, 25))
     abort_at = arrival + int(rng.integers(1, 8)) if i % 5 == 2 else None
     reqs.append(dict(id=f"q{i}", prompt=prompt, params=params, arrival=arrival,
@@ -80,25 +102,32 @@ def random_workload(rng, n):
   return reqs
 
 
-def test_randomized_workload_matches_alone(engine):
-  rng = np.random.default_rng(1234)
-  reqs = random_workload(rng, 14)
-  alone = {r["id"]: run_alone(engine, r["prompt"], r["params"]) for r in reqs}
+def drive(engine, reqs, max_steps=400):
+  """Adds each request at its arrival step (aborting at `abort_at`) and steps the engine,
+  checking the page invariants after every step, until all are done; returns
+  {request id: [outputs]}."""
   results = {r["id"]: [] for r in reqs}
-  preemptions_before = engine.scheduler.num_preemptions
-  step = 0
-  while step < 400:
+  last_arrival = max(r["arrival"] for r in reqs)
+  for step in range(max_steps):
     for r in reqs:
       if r["arrival"] == step:
         engine.add_request(r["id"], r["prompt"], r["params"], results[r["id"]].append)
       if r["abort_at"] == step:
         engine.abort(r["id"])
-    if step > max(r["arrival"] for r in reqs) and not engine.has_unfinished():
+    if step > last_arrival and not engine.has_unfinished():
       break
     engine.step()
     check_pages(engine)
-    step += 1
   assert not engine.has_unfinished()
+  return results
+
+
+def test_randomized_workload_matches_alone(engine):
+  rng = np.random.default_rng(1234)
+  reqs = random_workload(rng, 14)
+  alone = {r["id"]: run_alone(engine, r["prompt"], r["params"]) for r in reqs}
+  preemptions_before = engine.scheduler.num_preemptions
+  results = drive(engine, reqs)
   for r in reqs:
     outs = results[r["id"]]
     tokens = sum((o.token_ids for o in outs), [])
@@ -117,7 +146,11 @@ def test_randomized_workload_matches_alone(engine):
   assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def test_no_compilation_after_warm_up(engine):
+def test_no_compilation_after_warm_up(tiny_dir):
+  """A fresh engine, watched from the end of its warm-up (no earlier test has run anything
+  on it), with a pool small enough to force preemption and the prefix cache on."""
+  jax.clear_caches()  # nothing jitted by earlier tests can stand in for this warm-up
+  eng = make_engine(tiny_dir, num_pages=16, enable_prefix_caching=True)
   events = []
 
   def listener(name, *args, **kwargs):
@@ -126,25 +159,19 @@ def test_no_compilation_after_warm_up(engine):
 
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    rng = np.random.default_rng(7)
-    variants = [
-        SamplingParams(max_tokens=5, temperature=0.0),
-        SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, seed=3),
-        SamplingParams(max_tokens=3, temperature=1.2, top_k=5, min_p=0.05),
-        SamplingParams(max_tokens=6, temperature=0.5, repetition_penalty=1.3,
-                       presence_penalty=0.5, frequency_penalty=0.3, logprobs=5),
-        SamplingParams(max_tokens=9, temperature=0.0, stop=["a"], logprobs=0),
-        SamplingParams(max_tokens=4, temperature=0.9, top_k=100, top_p=0.5),
-    ]
-    for i in range(12):
-      prompt = rng.integers(0, VOCAB, int(rng.integers(1, 70))).tolist()
-      engine.add_request(f"c{i}", prompt, variants[i % len(variants)], lambda o: None)
-      if i % 3 == 2:
-        engine.run_until_idle()
-    engine.run_until_idle()
+    reqs = random_workload(np.random.default_rng(7), 18, variants=SAMPLING_VARIANTS)
+    results = drive(eng, reqs)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
-  assert events == []
+  assert events == [], f"compiled after warm-up: {sorted(set(events))}"
+  # The workload had what it is meant to cover.
+  stats = eng.stats()
+  assert stats.num_preemptions_total > 0, "pool too big: no preemption"
+  assert stats.prefix_cache_hits_total > 0, "no prefix-cache hit"
+  assert any(outs and outs[-1].finish_reason == "abort" for outs in results.values())
+  assert any(len(r["prompt"]) > eng.config.max_num_batched_tokens for r in reqs)
+  assert len({r["params"].max_tokens for r in reqs}) > 1
+  assert len({r["arrival"] for r in reqs}) > 1
 
 
 def test_prefix_cache_skips_shared_prefill(tiny_dir, engine):
