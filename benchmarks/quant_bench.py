@@ -32,12 +32,13 @@ import numpy as np
 from serving import LLM, SamplingParams
 
 FORMATS = {
-    "f32": dict(dtype="float32"),
-    "bf16": dict(dtype="bfloat16"),
-    "int8": dict(dtype="float32", quantization="int8"),
-    "int4": dict(dtype="float32", quantization="int4"),
-    "fp8": dict(dtype="float32", quantization="fp8"),
-    "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8"),
+    "f32": dict(dtype="float32", weight_dtype="float32"),
+    "bf16": dict(dtype="bfloat16", weight_dtype="bfloat16"),
+    "int8": dict(dtype="float32", quantization="int8", weight_dtype="float32"),
+    "int4": dict(dtype="float32", quantization="int4", weight_dtype="float32"),
+    "fp8": dict(dtype="float32", quantization="fp8", weight_dtype="float32"),
+    "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8",
+                     weight_dtype="float32"),
     "bf16w": dict(dtype="float32", weight_dtype="bfloat16"),
 }
 

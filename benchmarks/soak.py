@@ -38,7 +38,8 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SERVER_FLAGS = ("--max_num_seqs=8 --max_model_len=256 --num_pages=96 "
-                        "--max_num_batched_tokens=64 --unroll_layers=false --dtype=float32")
+                        "--max_num_batched_tokens=64 --unroll_layers=false --dtype=float32 "
+                        "--weight_dtype=float32")
 PROMPTS = ("Write a short poem about the sea.", "Explain what a hash table is.",
            "List three uses of copper.", "The capital of France is",
            "Translate 'good morning' into Spanish.", "Once upon a time, in a small village,",

@@ -29,10 +29,11 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# Engine options for tests on the default model: small, quick to compile.
+# Engine options for tests on the default model: small, quick to compile; float32
+# weights (the preset stores them as bfloat16) so outputs match transformers exactly.
 DEFAULT_MODEL_TEST_CONFIG = dict(max_num_seqs=8, max_model_len=256, num_pages=96,
                                  max_num_batched_tokens=64, unroll_layers=False,
-                                 dtype="float32")
+                                 dtype="float32", weight_dtype="float32")
 
 
 def engine_flags(config: dict | None = None) -> list[str]:
