@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 from collections.abc import Callable
 
@@ -258,7 +259,7 @@ class LLMEngine:
            f"max concurrency at max_model_len={c.max_model_len}: "
            f"{tokens / c.max_model_len:.1f} requests")
     log.info(msg)
-    print(msg, flush=True)
+    print(msg, file=sys.stderr, flush=True)
     from serving.quant import params_nbytes
     weights = params_nbytes(self.runner.params)
     fmt = self.config.quantization or self.runner.weight_dtype_name
@@ -266,7 +267,7 @@ class LLMEngine:
            f"KV cache {per_tok} B/token "
            f"({self.runner.kv_dtype_name})")
     log.info(msg)
-    print(msg, flush=True)
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _enable_compilation_cache(config: EngineConfig) -> None:

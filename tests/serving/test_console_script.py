@@ -27,7 +27,7 @@ from server_procs import (
 
 TIMEOUT_S = 600
 PROMPT = "The capital of France is"
-ENGINE_STDOUT_LINES = ("KV cache: ", "Weights: ")  # LLMEngine._log_capacity prints these
+ENGINE_STDERR_LINES = ("KV cache: ", "Weights: ")  # LLMEngine._log_capacity prints these
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -47,9 +47,10 @@ def test_console_script_generate():
   r = _run([script, "generate", f"--model={DEFAULT_MODEL}", f"--prompt={PROMPT}",
             "--max_tokens=8", *engine_flags()])
   assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-  # The engine also prints its capacity lines to stdout; the rest is the completion.
-  completion = "\n".join(x for x in r.stdout.splitlines()
-                          if not x.startswith(ENGINE_STDOUT_LINES)).strip()
+  # stdout is the completion alone: the engine's capacity lines go to stderr.
+  assert not any(x.startswith(ENGINE_STDERR_LINES) for x in r.stdout.splitlines()), r.stdout
+  assert any(x.startswith(ENGINE_STDERR_LINES) for x in r.stderr.splitlines()), r.stderr
+  completion = r.stdout.strip()
   assert completion, f"no completion on stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
   assert "Paris" in completion, r.stdout  # greedy; test_default_model checks the same prompt
 

@@ -25,7 +25,7 @@ def test_convert_int4_then_serve_with_int8_kv(tiny_dir, tmp_path, capsys):
   r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   llm = LLM(str(out), kv_cache_dtype="int8", **ENGINE)  # pre-quantized: no flag needed
-  report = capsys.readouterr().out
+  report = capsys.readouterr().err
   assert "Weights:" in report and "B/token (int8)" in report
   params = llm.engine.runner.params
   assert isinstance(params["layers"], list)  # unrolled on CPU
