@@ -23,8 +23,6 @@ import json
 import os
 from typing import Any
 
-import orbax.checkpoint as ocp
-
 from checkpoints.layout import LoadedModel, Params, resolve_dtype
 from checkpoints.quantize import from_saveable, to_saveable
 from serving.model_config import ModelConfig, RopeScaling
@@ -51,6 +49,8 @@ def save_orbax(loaded: LoadedModel, out_dir: str) -> str:
   leaves = [x for x in _leaves(params) if str(x.dtype) in ("float32", "bfloat16")]
   # The PyTree handler under StandardCheckpointer, with zstd off: on a 135M
   # model this saves ~4x and restores ~2x faster (decompression is CPU-bound).
+  import orbax.checkpoint as ocp  # here, not at the top: a GGUF start never pays its import
+
   handler = ocp.PyTreeCheckpointHandler(use_compression=False)
   with ocp.Checkpointer(handler) as ckptr:
     ckptr.save(os.path.join(out_dir, "params"), args=ocp.args.PyTreeSave(params),
@@ -77,6 +77,8 @@ def load_orbax(path: str, dtype: Any = None, abstract_params: Params | None = No
                      f"{meta.get('version')!r} in {path} (expected {FORMAT!r} v{VERSION})")
   config = config_from_dict(meta["config"])
   params_dir = os.path.join(path, "params")
+  import orbax.checkpoint as ocp  # here, not at the top: a GGUF start never pays its import
+
   with ocp.StandardCheckpointer() as ckptr:
     if abstract_params is None and shardings is not None:
       abstract_params = _abstract_from_metadata(ckptr.metadata(params_dir), shardings, dtype)

@@ -40,7 +40,6 @@ def test_serve_sweep_against_fake_endpoint(tmp_path):
   assert sweep["knee_concurrency"] in (1, 2)
   assert failed["levels"][0]["errors"] == 1 and "HTTP 404" in failed["levels"][0][
       "error_examples"][0]
-  pytest.importorskip("matplotlib")
   png = bench_serve.plot({"fake": levels}, str(tmp_path / "sweep.png"))
   with open(png, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
