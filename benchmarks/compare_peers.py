@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from serving import bench, bench_serve
+from serving.tools import bench, bench_serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -110,7 +110,7 @@ def main() -> None:
 
 
 def _weight_bytes(llm: LLM) -> int:
-  from serving.quant import params_nbytes
+  from serving.models.quantized import params_nbytes
   return params_nbytes(llm.engine.runner.params)
 
 

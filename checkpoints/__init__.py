@@ -22,10 +22,11 @@ import numpy as np
 
 from checkpoints import gguf as gguf_io
 from checkpoints import hf, presets
-from checkpoints.layout import LoadedModel, ParamsBuilder, param_shapes, resolve_dtype
+from checkpoints.layout import LoadedModel, ParamsBuilder, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax, save_orbax
-from serving.model_config import ModelConfig
-from serving.tokenizer import Tokenizer
+from checkpoints.tokenizer import Tokenizer
+from serving.models.layout import param_shapes
+from serving.models.model_config import ModelConfig
 
 __all__ = ["LoadedModel", "ParamsBuilder", "load_checkpoint", "load_gguf", "load_hf_dir",
            "param_shapes", "resolve_model_path", "save_orbax", "load_orbax"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from checkpoints.gguf_reader import GGUFFile, metadata_value, open_gguf
 from checkpoints.layout import Params, ParamsBuilder
-from serving.model_config import ModelConfig
+from serving.models.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 # Types we dequantize (each checked against an independent decoder in tests,

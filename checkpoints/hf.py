@@ -34,7 +34,7 @@ import numpy as np
 from safetensors import safe_open
 
 from checkpoints.layout import Params, ParamsBuilder
-from serving.model_config import ModelConfig
+from serving.models.model_config import ModelConfig
 
 _TOP_LEVEL = {
     "model.embed_tokens.weight": ("embed", False),

@@ -1,7 +1,8 @@
-"""The params pytree layout (docs/structure.md), a filler loaders share, LoadedModel.
+"""A filler loaders share, and LoadedModel, what every loader returns.
 
-`param_shapes(config)` gives the shape of every leaf, so a loader can
-allocate the stacked `[L, ...]` arrays up front and copy each checkpoint
+`serving.models.layout.param_shapes(config)` gives the shape of every leaf
+of the params pytree (docs/structure.md), so a loader can allocate the
+stacked `[L, ...]` arrays up front and copy each checkpoint
 tensor into its slot as it streams by: host memory stays at the final params
 plus one source tensor. `ParamsBuilder` does that bookkeeping and refuses to
 finish while any slot is unfilled.
@@ -15,8 +16,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from serving.model_config import ModelConfig
-from serving.tokenizer import Tokenizer
+from checkpoints.tokenizer import Tokenizer
+from serving.models.layout import param_shapes
+from serving.models.model_config import ModelConfig
 
 Params = dict[str, Any]
 
@@ -40,31 +42,6 @@ def resolve_dtype(dtype: Any) -> np.dtype:
   if dt not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
     raise ValueError(f"unsupported params dtype {dt} (supported: float32, bfloat16)")
   return dt
-
-
-def param_shapes(cfg: ModelConfig) -> Params:
-  """Shape of every params leaf for `cfg` (the tree of docs/structure.md)."""
-  L, D, V, H = cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-  NH, KH = cfg.num_heads * H, cfg.num_kv_heads * H
-  layers = {
-      "attn_norm": (L, D), "mlp_norm": (L, D),
-      "wq": (L, D, NH), "wk": (L, D, KH), "wv": (L, D, KH), "wo": (L, NH, D),
-  }
-  if cfg.qkv_bias:
-    layers.update(bq=(L, NH), bk=(L, KH), bv=(L, KH))
-  if cfg.qk_norm:
-    layers.update(q_norm=(L, H), k_norm=(L, H))
-  if cfg.is_moe:
-    E, M = cfg.num_experts, cfg.moe_intermediate_size
-    layers.update(router=(L, D, E), we_gate=(L, E, D, M), we_up=(L, E, D, M),
-                  we_down=(L, E, M, D))
-  else:
-    F = cfg.intermediate_size
-    layers.update(w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D))
-  shapes: Params = {"embed": (V, D), "final_norm": (D,), "layers": layers}
-  if not cfg.tie_word_embeddings:
-    shapes["lm_head"] = (D, V)
-  return shapes
 
 
 class ParamsBuilder:

@@ -25,9 +25,9 @@ from typing import Any
 
 from checkpoints.layout import LoadedModel, Params, resolve_dtype
 from checkpoints.quantize import from_saveable, to_saveable
-from serving.model_config import ModelConfig, RopeScaling
-from serving.quant import is_quantized
-from serving.tokenizer import Tokenizer
+from checkpoints.tokenizer import Tokenizer
+from serving.models.model_config import ModelConfig, RopeScaling
+from serving.models.quantized import is_quantized
 
 MARKER_FILE = "xlaserve_checkpoint.json"
 FORMAT = "xlaserve-orbax"

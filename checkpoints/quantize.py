@@ -1,7 +1,7 @@
 """Quantized checkpoints: GGUF blocks served as they are, quantized params for orbax.
 
 1. `gguf_quantized_weight(raw)` maps a GGUF Q8_0 / Q4_0 / Q4_1 tensor's raw
-   blocks onto a `serving.quant.QuantizedWeight` without going through float:
+   blocks onto a `serving.models.quantized.QuantizedWeight` without going through float:
    the block size 32 becomes the group, the f16 `d` the scale, Q4_1's `m` the
    offset, and the 16 packed bytes of a Q4 block keep their nibble order.
 2. `load_quantized(model, method)` loads any checkpoint for serving with
@@ -9,20 +9,17 @@
    embedding) whose GGUF type matches the method (Q8_0 for int8, Q4_0/Q4_1
    for int4; a Q8_0 embedding for both, as the LM head stays 8-bit) keep
    their blocks; every other tensor is dequantized and left for
-   `serving.quant.quantize_params` (which the runner applies) to quantize.
+   `checkpoints.quantizers.quantize_params` (which the runner applies) to quantize.
    Other formats load as usual.
 3. `to_saveable` / `from_saveable` turn a params tree with quantized leaves
    into plain nested dicts of arrays plus a JSON spec and back (orbax_io).
-4. `load_quantized(model, "int4", calibrate=True)` (what `xlaserve convert`
-   uses) quantizes the remaining float layers by GPTQ on the shipped
-   calibration text (`serving/quant_calibration.py`): ~3x lower KL than
-   rounding at group 64, but tens of seconds on CPU, so it is done once at
-   conversion and stored, not at every start-up.
+
+`xlaserve convert` additionally quantizes int4 layers by GPTQ before storing
+them (serving/tools/gptq.py): an offline step, never done at start-up.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -30,8 +27,8 @@ import numpy as np
 
 from checkpoints import gguf as gguf_io
 from checkpoints.layout import LoadedModel, Params
-from serving import quant
-from serving.model_config import ModelConfig
+from serving.models import quantized as quant
+from serving.models.model_config import ModelConfig
 
 Q = gguf_io.Q
 # GGUF types kept as blocks, per requested method.
@@ -97,12 +94,8 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)
 
 
-def load_quantized(model: str, method: str, *, calibrate: bool = False) -> LoadedModel:
-  """Loads `model` for serving with weight quantization `method` (module doc, step 2).
-
-  With `calibrate` and `method="int4"`, the float linear layers left are
-  quantized here by GPTQ on the shipped calibration text (module doc, step 4).
-  """
+def load_quantized(model: str, method: str) -> LoadedModel:
+  """Loads `model` for serving with weight quantization `method` (module doc, step 2)."""
   import checkpoints  # noqa: PLC0415  (package import cycle)
 
   if method not in quant.KINDS:
@@ -112,19 +105,7 @@ def load_quantized(model: str, method: str, *, calibrate: bool = False) -> Loade
     loaded = load_gguf_quantized(path, method)
   else:
     loaded = checkpoints.load_checkpoint(model)
-  if calibrate and method == "int4":
-    loaded = dataclasses.replace(loaded, params=calibrated_int4(loaded))
   return loaded
-
-
-def calibrated_int4(loaded: LoadedModel, group_size: int | None = None) -> Params:
-  """`loaded.params` with its float linear layers GPTQ-quantized to int4 (the head and
-  any already quantized leaves as `quantize_params` leaves them)."""
-  from serving.quant_calibration import Calibration  # noqa: PLC0415  (imports model code)
-
-  calibration = Calibration.from_text(loaded.config, loaded.tokenizer)
-  return quant.quantize_params(loaded.params, "int4", group_size=group_size,
-                               calibration=calibration)
 
 
 def to_saveable(params: Params) -> tuple[Params, dict[str, Any]]:

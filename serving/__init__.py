@@ -12,6 +12,6 @@ def __getattr__(name):
   # LLM pulls in jax and the engine; import it lazily so light modules
   # (types, protocol models) stay cheap to import.
   if name == "LLM":
-    from serving.llm import LLM
+    from serving.entrypoints.llm import LLM
     return LLM
   raise AttributeError(name)

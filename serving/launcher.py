@@ -4,177 +4,50 @@
     xlaserve generate --prompt="Hello" --max_tokens=32
     xlaserve batch    --input=in.jsonl --output=out.jsonl
     xlaserve convert  --model=... --output=DIR
-    xlaserve bench    ...            (flags and behaviour owned by serving.bench)
+    xlaserve bench    ...            (flags and behaviour owned by serving.tools.bench)
 
-Flags live only here. `main()` turns them into frozen configs (`EngineConfig`,
-`ServeConfig`, `BatchConfig`) that are passed down. Engine options resolve, last
-one wins: EngineConfig defaults < the model preset's `engine` block <
-`--config` preset (configs/<name>.json or a JSON path) < flags given.
+The flags live in serving/entrypoints/flags.py; `main()` turns them into frozen
+configs (`EngineConfig`, `ServeConfig`, `BatchConfig`) that are passed down.
+`run(build_engine=...)` takes the function that makes the engine from the model
+name and the `EngineConfig` (default: load the checkpoint); tests pass one that
+builds the real engine over a fake or fault-injecting runner.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import importlib
-import importlib.util
+import functools
 import json
-import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from absl import app, flags
+from absl import app
 
-from serving import config as config_lib
 from serving.config import EngineConfig
+from serving.entrypoints.flags import (
+    FLAGS,
+    batch_config_from_flags,
+    engine_config_from_flags,
+    serve_config_from_flags,
+)
 
-if __name__ == "__main__":
-  # `python -m serving.launcher`: modules that import serving.launcher (serving.bench) must get
-  # this one, not a second copy that would define every flag again.
-  sys.modules.setdefault("serving.launcher", sys.modules[__name__])
-
-FLAGS = flags.FLAGS
 COMMANDS = ("serve", "generate", "batch", "convert", "bench")
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-
-# Shared.
-flags.DEFINE_string("model", "smollm2-135m-instruct", "Model: preset name, HF dir, .gguf, orbax.")
-flags.DEFINE_string("config", None, "Engine preset: a name in configs/ (e.g. cpu-small) or a path.")
-flags.DEFINE_string("engine_class", "serving.engine:LLMEngine",
-                    "module:Class implementing the LLMEngine API (tests pass a fake).")
-# Engine (names and meaning of EngineConfig's fields; unset -> preset or default).
-flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests run together).")
-flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion, in tokens.")
-flags.DEFINE_integer("page_size", None, "Tokens per KV cache page.")
-flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from the memory fraction).")
-flags.DEFINE_float("kv_cache_memory_fraction", None, "Device memory share for the KV cache.")
-flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget of one prefill step.")
-flags.DEFINE_bool("enable_prefix_caching", None, "Share KV pages of common prompt prefixes.")
-flags.DEFINE_enum("attention_backend", None, config_lib.ATTENTION_BACKENDS, "Attention kernel.")
-flags.DEFINE_enum("dtype", None, config_lib.DTYPES, "Weight / activation dtype.")
-flags.DEFINE_enum("weight_dtype", None, config_lib.DTYPES,
-                  "Dtype of unquantized weights (default: --dtype); e.g. bfloat16 weights with "
-                  "float32 activations.")
-flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
-flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8"], "Weight quantization.")
-flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
-flags.DEFINE_integer("ep", None, "Expert parallel degree.")
-flags.DEFINE_integer("dp", None, "Data parallel replicas.")
-flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
-flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
-flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
-flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
-flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none.")
-flags.DEFINE_bool("unroll_layers", None, "Unroll the layer loop (default: on CPU only).")
-ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
-                "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
-                "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
-                "tp", "ep", "dp",
-                "prefill_buckets", "attention_block_tokens", "compilation_cache",
-                "compilation_cache_dir", "seed", "unroll_layers")
-# serve.
-# Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
-flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
-flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
-flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (0 serves).")
-flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 / :: for all).")
-flags.DEFINE_integer("http_port", 8000, "OpenAI-compatible HTTP port (-1 disables).")
-flags.DEFINE_integer("grpc_port", 9000, "gRPC port (-1 disables).")
-flags.DEFINE_string("served_model_name", None, "Model id clients use (default: --model).")
-flags.DEFINE_string("api_key", None, "Require this Bearer key (default: $XLASERVE_API_KEY).")
-flags.DEFINE_string("tls_cert", None, "PEM certificate: serve HTTPS and gRPC over TLS.")
-flags.DEFINE_string("tls_key", None, "PEM private key for --tls_cert.")
-flags.DEFINE_integer("max_queued_requests", 256, "Requests queued beyond max_num_seqs "
-                     "before HTTP 429 / RESOURCE_EXHAUSTED (-1: unlimited).")
-flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024,
-                     "Largest HTTP request body / gRPC request message.")
-flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, time allowed for in-flight requests.")
-# generate.
-flags.DEFINE_string("prompt", None, "generate: the prompt.")
-flags.DEFINE_bool("chat", False, "generate: treat --prompt as a user message (chat template).")
-flags.DEFINE_integer("max_tokens", 64, "generate: tokens to generate.")
-flags.DEFINE_float("temperature", 0.0, "generate: sampling temperature (0 = greedy).")
-flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling.")
-flags.DEFINE_integer("top_k", -1, "generate: top-k (-1 disables).")
-# batch / convert.
-flags.DEFINE_string("input", None, "batch: input JSONL (OpenAI batch format).")
-flags.DEFINE_string("output", None, "batch: output JSONL; convert: output directory.")
-flags.DEFINE_integer("max_concurrency", None, "batch: requests in flight (default 2 x slots).")
+EngineFactory = Callable[[str, EngineConfig], Any]
 
 
-def load_engine_preset(name_or_path: str) -> dict[str, Any]:
-  """EngineConfig kwargs from configs/<name>.json or a JSON file path."""
-  path = name_or_path
-  if not os.path.exists(path):
-    path = os.path.join(CONFIGS_DIR, f"{name_or_path.removesuffix('.json')}.json")
-  if not os.path.exists(path):
-    names = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json"))
-    raise app.UsageError(f"--config={name_or_path}: no such preset (configs/: {names})")
-  with open(path, encoding="utf-8") as f:
-    raw = json.load(f)
-  values = raw.get("engine", raw) if "package" in raw else raw
-  known = {f.name for f in dataclasses.fields(EngineConfig)}
-  unknown = sorted(set(values) - known - {"description"})
-  if unknown:
-    raise app.UsageError(f"--config={name_or_path}: unknown engine options {unknown}")
-  return {k: v for k, v in values.items() if k in known}
+def default_build_engine(model: str, config: EngineConfig) -> Any:
+  from serving.entrypoints.engine_builder import build_engine
+
+  return build_engine(model, config)
 
 
-def model_preset_engine_defaults(model: str) -> dict[str, Any]:
-  """The `engine` block of a model preset configs/<model>.json ({} for other models)."""
-  path = os.path.join(CONFIGS_DIR, f"{model}.json")
-  if os.path.sep in model or not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    raw = json.load(f)
-  return dict(raw.get("engine", {})) if "package" in raw else {}
-
-
-def engine_config_from_flags() -> EngineConfig:
-  """EngineConfig from model preset defaults, --config and the flags given."""
-  values = model_preset_engine_defaults(FLAGS.model)
-  if FLAGS.config:
-    values.update(load_engine_preset(FLAGS.config))
-  for name in ENGINE_FLAGS:
-    if FLAGS[name].value is not None:
-      values[name] = FLAGS[name].value
-  if "quantization" in values and values["quantization"] == "none":
-    values["quantization"] = None
-  if values.get("prefill_buckets") is not None:
-    values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
-  try:
-    return EngineConfig(**values)
-  except (TypeError, ValueError) as e:
-    raise app.UsageError(f"invalid engine options: {e}") from None
-
-
-def make_engine(config: EngineConfig) -> Any:
-  module_name, _, cls_name = FLAGS.engine_class.partition(":")
-  cls = getattr(importlib.import_module(module_name), cls_name)
-  return cls(FLAGS.model, config)
-
-
-def serve_config_from_flags(config: EngineConfig) -> Any:
-  from serving.api_server import ServeConfig
-
-  queued = None if FLAGS.max_queued_requests < 0 else FLAGS.max_queued_requests
-  try:
-    return ServeConfig(
-        served_model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
-        http_port=FLAGS.http_port, grpc_port=FLAGS.grpc_port,
-        api_key=FLAGS.api_key or os.environ.get("XLASERVE_API_KEY") or None,
-        tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_queued_requests=queued,
-        max_body_bytes=FLAGS.max_body_bytes, drain_timeout_s=FLAGS.drain_timeout_s)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-
-
-def cmd_serve() -> int:
-  from serving.api_server import serve
+def cmd_serve(build_engine: EngineFactory) -> int:
+  from serving.entrypoints.api_server import serve
 
   config = engine_config_from_flags()
-  serve_cfg = serve_config_from_flags(config)
+  serve_cfg = serve_config_from_flags()
   # Until the servers run, SIGTERM has nothing to drain: exit cleanly.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
   from sharding.distributed import initialize_from
@@ -182,12 +55,12 @@ def cmd_serve() -> int:
   dist = initialize_from(FLAGS)
   if dist.num_processes > 1:
     # Every process runs the steps in lock-step; only process 0 serves.
-    from serving import multihost
-    engine = multihost.start(FLAGS.model, config)
+    from serving.entrypoints.engine_builder import start_multihost
+    engine = start_multihost(FLAGS.model, config)
     if engine is None:
       return 0
   else:
-    engine = make_engine(config)
+    engine = build_engine(FLAGS.model, config)
 
   def ready(http_port: int | None, grpc_port: int | None) -> None:
     print(f"xlaserve ready: model={serve_cfg.served_model_name} host={serve_cfg.host} "
@@ -201,20 +74,17 @@ def cmd_serve() -> int:
     await serve(engine, serve_cfg, stop, ready)
 
   asyncio.run(main())
-  stop_followers = getattr(getattr(engine, "runner", None), "stop", None)
-  if stop_followers is not None:  # multi-host: release the followers
-    stop_followers()
   print("xlaserve: drained, exiting", flush=True)
   return 0
 
 
-def cmd_generate() -> int:
-  from serving.llm import LLM
+def cmd_generate(build_engine: EngineFactory) -> int:
+  from serving.entrypoints.llm import LLM
   from serving.types import SamplingParams
 
   if not FLAGS.prompt:
     raise app.UsageError("generate needs --prompt")
-  llm = LLM(FLAGS.model, **dataclasses.asdict(engine_config_from_flags()))
+  llm = LLM(engine=build_engine(FLAGS.model, engine_config_from_flags()))
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                           top_p=FLAGS.top_p, top_k=FLAGS.top_k)
   if FLAGS.chat:
@@ -225,55 +95,35 @@ def cmd_generate() -> int:
   return 0
 
 
-def cmd_batch() -> int:
-  from serving.batch import BatchConfig, run_batch
+def cmd_batch(build_engine: EngineFactory) -> int:
+  from serving.entrypoints.batch import run_batch
 
-  if not FLAGS.input or not FLAGS.output:
-    raise app.UsageError("batch needs --input and --output")
   config = engine_config_from_flags()
-  batch_cfg = BatchConfig(
-      input_path=FLAGS.input, output_path=FLAGS.output,
-      served_model_name=FLAGS.served_model_name or FLAGS.model,
-      max_concurrency=FLAGS.max_concurrency or 2 * config.max_num_seqs)
-  engine = make_engine(config)
+  batch_cfg = batch_config_from_flags(config)
+  engine = build_engine(FLAGS.model, config)
   summary = asyncio.run(run_batch(engine, batch_cfg))
   print(json.dumps(summary), flush=True)
   return 0
 
 
 def cmd_convert() -> int:
-  import checkpoints
-  from checkpoints.orbax_io import save_orbax
+  from serving.tools.convert import convert
 
   if not FLAGS.output:
     raise app.UsageError("convert needs --output=DIR")
   method = FLAGS.quantization if FLAGS.quantization != "none" else None
-  if method:  # stored pre-quantized; GGUF blocks of the matching type are kept as is
-    from checkpoints.quantize import load_quantized
-    from serving.quant import quantize_params
-    loaded = load_quantized(FLAGS.model, method, calibrate=True)  # int4: GPTQ (quant_calibration)
-    loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, method))
-  else:
-    loaded = checkpoints.load_checkpoint(FLAGS.model)
-  out = save_orbax(loaded, FLAGS.output)
+  out = convert(FLAGS.model, FLAGS.output, method)
   print(f"wrote orbax checkpoint {out}", flush=True)
   return 0
 
 
 def cmd_bench(argv: list[str]) -> int:
-  bench = _bench_module()
-  if bench is None:
-    raise app.UsageError("bench is not available: the serving.bench module is not installed")
+  from serving.tools import bench
+
   return bench.main(argv) or 0
 
 
-def _bench_module() -> Any:
-  if importlib.util.find_spec("serving.bench") is None:
-    return None
-  return importlib.import_module("serving.bench")
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str], build_engine: EngineFactory = default_build_engine) -> int:
   if len(argv) < 2 or argv[1] not in COMMANDS:
     raise app.UsageError(f"usage: xlaserve {{{'|'.join(COMMANDS)}}} [--flags]")
   command, rest = argv[1], argv[2:]
@@ -281,20 +131,21 @@ def main(argv: list[str]) -> int:
     return cmd_bench(argv[1:])
   if rest:
     raise app.UsageError(f"unexpected arguments {rest}")
-  return {"serve": cmd_serve, "generate": cmd_generate, "batch": cmd_batch,
-          "convert": cmd_convert}[command]()
+  if command == "convert":
+    return cmd_convert()
+  return {"serve": cmd_serve, "generate": cmd_generate, "batch": cmd_batch}[command](build_engine)
 
 
-def run() -> None:
+def run(build_engine: EngineFactory = default_build_engine) -> None:
   """Console-script entry point (`xlaserve`)."""
   if len(sys.argv) > 1 and sys.argv[1] == "bench":
-    _bench_module()  # imported before parsing so that its flags exist
+    from serving.tools import bench  # noqa: F401  (imported before parsing: its flags exist)
   # `--help` lists the main module's flags and docstring; the console script has neither.
   main_module = sys.modules["__main__"]
   main_module.__doc__ = main_module.__doc__ or __doc__
-  for flag in FLAGS.get_key_flags_for_module(__name__):
+  for flag in FLAGS.get_key_flags_for_module("serving.entrypoints.flags"):
     FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-  app.run(main)
+  app.run(functools.partial(main, build_engine=build_engine))
 
 
 if __name__ == "__main__":

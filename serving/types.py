@@ -1,12 +1,27 @@
-"""Shared vocabulary of the engine: sampling parameters and request outputs.
+"""The shared vocabulary: what front ends, the engine and the runner exchange.
 
-Everything a front end, the scheduler and the LLM API exchange lives here, so
-that the names (OpenAI / vLLM style) are defined once.
+One module, so that each name is defined once and every layer (runner,
+engine, entry points) can import it without importing the others:
+
+- requests: `SamplingParams` (OpenAI / vLLM names), `RequestOutput`,
+  `TokenLogprob`, `FinishReason`;
+- the scheduler's view of a request: `Sequence` and its `SequenceStatus`;
+- one engine iteration: `StepPlan` (prefill `PrefillChunk`s and a decode
+  batch, decided on the host) and `StepResult` (what the runner sampled for
+  each sequence, by request id);
+- `EngineStats`, the counters that metrics and health read.
+
+Words used throughout: a *position* is the index of a token in a sequence's
+prompt + output; the KV of position p lives at *KV index*
+`pages[p // page_size] * page_size + p % page_size` of the page pool; a
+*decode slot* is a running sequence's row in the runner's per-request device
+state (last sampled token, penalty counters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -115,3 +130,142 @@ class RequestOutput:
   @property
   def num_prompt_tokens(self) -> int:
     return len(self.prompt_token_ids)
+
+
+# ---- the scheduler's view of a request --------------------------------------
+
+
+class SequenceStatus(enum.Enum):
+  WAITING = 1
+  RUNNING = 2
+  FINISHED = 3
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """One request as the scheduler and runner see it (host state only).
+
+  `num_computed` counts positions whose KV is written or being written by an
+  in-flight step; `pending` counts tokens sampled by in-flight steps that
+  have not reached `output_ids` yet (the next decode reads them on the
+  device). `pages[i]` holds positions `[i * page_size, (i + 1) * page_size)`;
+  `page_hashes[i]` is the prefix hash of page i once its KV is known written.
+  """
+
+  request_id: str
+  prompt_ids: list[int]
+  params: SamplingParams
+  eos_ids: frozenset[int] = frozenset()
+  seed: int = 0
+  output_ids: list[int] = dataclasses.field(default_factory=list)
+  status: SequenceStatus = SequenceStatus.WAITING
+  pages: list[int] = dataclasses.field(default_factory=list)
+  page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  num_computed: int = 0
+  pending: int = 0
+  decode_slot: int | None = None
+  finish_reason: FinishReason | None = None
+  stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+  admit_order: int = 0
+
+  @property
+  def num_tokens(self) -> int:
+    """Known tokens plus pending ones."""
+    return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+  @property
+  def num_known(self) -> int:
+    """Tokens whose ids the host knows (prompt + output)."""
+    return len(self.prompt_ids) + len(self.output_ids)
+
+  @property
+  def num_generated(self) -> int:
+    return len(self.output_ids) + self.pending
+
+  @property
+  def in_prefill(self) -> bool:
+    """Still has known tokens whose KV is not computed."""
+    return self.num_computed < self.num_known
+
+  def token_ids(self) -> list[int]:
+    return self.prompt_ids + self.output_ids
+
+
+# ---- one engine iteration ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+  """Prefill of a sequence's known positions [start, end)."""
+
+  seq: Sequence
+  start: int
+  end: int
+  sample: bool  # the chunk ends at the last known token: sample the next one
+  admission: int = 0  # seq.admit_order when planned (a later admission owns other pages)
+
+
+@dataclasses.dataclass
+class DecodeRow:
+  """One decode token: the input token at `position` was sampled by an earlier step
+  (it is on the device, maybe not yet on the host); the step samples the next one."""
+
+  seq: Sequence
+  position: int
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """What one step runs: prefill chunks, then one decode batch."""
+
+  prefills: list[PrefillChunk]
+  decodes: list[DecodeRow]
+
+  @property
+  def empty(self) -> bool:
+    return not self.prefills and not self.decodes
+
+  @property
+  def sequences(self) -> list[Sequence]:
+    """Every sequence the step touches (each appears once)."""
+    return [c.seq for c in self.prefills] + [r.seq for r in self.decodes]
+
+  @property
+  def sampled(self) -> list[Sequence]:
+    """Sequences the step samples a token for: final prefill chunks, then decodes."""
+    return [c.seq for c in self.prefills if c.sample] + [r.seq for r in self.decodes]
+
+
+@dataclasses.dataclass
+class SampledToken:
+  """A token the runner sampled for one sequence, with its logprobs if asked for."""
+
+  token_id: int
+  logprob: TokenLogprob | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+  """The runner's answer to a `StepPlan`: sampled tokens by request id."""
+
+  tokens: dict[str, SampledToken]
+
+
+# ---- counters ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Engine counters at one moment (read by metrics, health and benchmarks)."""
+
+  num_running: int
+  num_waiting: int
+  kv_cache_usage: float
+  num_pages_total: int
+  num_pages_free: int
+  num_preemptions_total: int
+  prompt_tokens_total: int
+  generation_tokens_total: int
+  prefix_cache_queries_total: int
+  prefix_cache_hits_total: int
+  prefill_tokens_computed_total: int

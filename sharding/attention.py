@@ -22,7 +22,7 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
-from serving.model_config import ModelConfig
+from serving.models.model_config import ModelConfig
 from sharding import rules
 
 

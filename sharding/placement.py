@@ -14,7 +14,7 @@ than one device:
      shardings they were placed with, the returned state is pinned to the
      same shardings (so donation aliases and nothing recompiles), logits and
      samples come back replicated, and the step is traced under the mesh so
-     `llama.moe_mlp` can `shard_map` over it.
+     `head_parallel` / `expert_parallel` can `shard_map` over it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from serving.model_config import ModelConfig
+from serving.models.model_config import ModelConfig
 from sharding import rules
 from sharding.mesh import axis_size
 

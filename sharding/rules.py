@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from serving.model_config import ModelConfig
+from serving.models.model_config import ModelConfig
 from sharding.mesh import axis_size
 
 Params = dict[str, Any]

@@ -13,12 +13,14 @@ per-layer weights (`unstack_layers`; faster on XLA:CPU, slower to compile).
 Attention is a callback
 `attend(layer, q[T,N,H], k[T,K,H], v[T,K,H], kv) -> (out[T,N,H], kv)` that
 owns the KV cache write and the paged read, so the same forward serves
-prefill chunks and decode batches.
+prefill chunks and decode batches. MoE experts likewise run through a
+callback `experts(x, weights, ids, (we_gate, we_up, we_down)) -> [T, D] f32`
+(default `moe_experts`, every expert here); the runner passes the
+expert-parallel one from `sharding`. This module knows no mesh.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -27,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.model_config import ModelConfig
-from sharding import rules as sharding_rules
+from serving.models.model_config import ModelConfig
 
 Params = dict[str, Any]
 AttendFn = Callable[..., tuple[jax.Array, Any]]
+ExpertsFn = Callable[..., jax.Array]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -141,25 +143,21 @@ def moe_route(cfg: ModelConfig, router_logits: jax.Array) -> tuple[jax.Array, ja
   return weights, ids
 
 
-def moe_mlp(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
-  """Mixture of SwiGLU experts with grouped (ragged) matmuls.
+def moe_mlp(cfg: ModelConfig, lp: Params, x: jax.Array, experts_fn: ExpertsFn | None = None
+            ) -> jax.Array:
+  """Mixture of SwiGLU experts: route, then `experts_fn` (default `moe_experts`).
 
-  Token-expert pairs are sorted by expert and each expert multiplies only its
-  own rows (`lax.ragged_dot`): a grouped matmul where the backend has one.
+  `moe_experts` sorts token-expert pairs by expert and multiplies each expert's
+  rows only (`lax.ragged_dot`): a grouped matmul where the backend has one.
   XLA:CPU expands it into a masked dot over all experts (k times the FLOPs of
-  a dense all-expert MLP, same weight traffic; see docs/sharding.md).
-  Traced under a mesh (the runner's sharded steps) whose rules split experts
-  over `ep` and/or expert columns over `tp`, it runs as a `shard_map`: every
-  device routes all tokens, computes its local experts' column slice, and one
-  psum over those axes adds the partial outputs (`moe_sharded`).
+  a dense all-expert MLP, same weight traffic; see docs/sharding.md). Under a
+  mesh the runner passes `sharding.expert_parallel(cfg)`, which runs it as a
+  `shard_map` over the devices' experts.
   """
   weights, ids = moe_route(cfg, linear(x, lp["router"]))
   experts = (lp["we_gate"], lp["we_up"], lp["we_down"])
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    rules = sharding_rules.resolve_rules(cfg, mesh)
-    if rules["expert"] or rules["expert_mlp"]:
-      return moe_sharded(mesh, rules["expert"], rules["expert_mlp"], x, weights, ids, experts)
+  if experts_fn is not None:
+    return experts_fn(x, weights, ids, experts)
   return moe_experts(x, weights, ids, *experts).astype(x.dtype)
 
 
@@ -195,38 +193,19 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.A
   return jnp.zeros((t, d), jnp.float32).at[token_of].add(ys)
 
 
-def moe_sharded(mesh, ep_axis: str | None, tp_axis: str | None, x: jax.Array,
-                weights: jax.Array, ids: jax.Array, experts: tuple[jax.Array, ...]) -> jax.Array:
-  """`moe_experts` as a shard_map: experts over `ep_axis`, their columns over `tp_axis`.
-
-  Tokens and routing are replicated; each device's output is a partial sum
-  (other experts' pairs and other columns are zero there), psum'd once.
-  """
-  P = jax.sharding.PartitionSpec
-  gate_up, down = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
-  axes = tuple(a for a in (ep_axis, tp_axis) if a)
-
-  def local(x, weights, ids, we_gate, we_up, we_down):
-    first = jax.lax.axis_index(ep_axis) * we_gate.shape[0] if ep_axis else 0
-    return jax.lax.psum(moe_experts(x, weights, ids, we_gate, we_up, we_down, first), axes)
-
-  out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), gate_up, gate_up, down),
-                      out_specs=P())(x, weights, ids, *experts)
-  return out.astype(x.dtype)
-
-
 def decoder_layer(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array,
-                  inv_freq: jax.Array, layer: jax.Array, kv: Any, attend: AttendFn
-                  ) -> tuple[jax.Array, Any]:
+                  inv_freq: jax.Array, layer: jax.Array, kv: Any, attend: AttendFn,
+                  experts_fn: ExpertsFn | None = None) -> tuple[jax.Array, Any]:
   """One pre-norm layer (attention, then dense or MoE MLP): h [T, D] -> (h, kv)."""
   delta, kv = _attention_block(cfg, lp, h, positions, inv_freq, layer, kv, attend)
   h = h + delta
-  mlp = functools.partial(moe_mlp, cfg) if cfg.is_moe else dense_mlp
-  return h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)), kv
+  hn = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+  return h + (moe_mlp(cfg, lp, hn, experts_fn) if cfg.is_moe else dense_mlp(lp, hn)), kv
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            kv: Any, attend: AttendFn, *, act_dtype=jnp.float32) -> tuple[jax.Array, Any]:
+            kv: Any, attend: AttendFn, *, act_dtype=jnp.float32,
+            experts_fn: ExpertsFn | None = None) -> tuple[jax.Array, Any]:
   """Runs the layer stack. tokens/positions [T] -> (final-normed hidden [T, D], kv)."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   x = embed_tokens(params["embed"], tokens).astype(act_dtype)  # [T, D]
@@ -234,7 +213,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   def layer_fn(carry, xs):
     h, kv = carry
     lp, layer = xs
-    return decoder_layer(cfg, lp, h, positions, inv_freq, layer, kv, attend), None
+    return decoder_layer(cfg, lp, h, positions, inv_freq, layer, kv, attend, experts_fn), None
 
   layers = params["layers"]
   if isinstance(layers, (list, tuple)):

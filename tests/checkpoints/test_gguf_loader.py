@@ -16,7 +16,7 @@ from ckpt_testutil import (
 from checkpoints import gguf as gguf_io
 from checkpoints import load_checkpoint
 from checkpoints.gguf_reader import GGUFFile, metadata_value
-from serving.model_config import ModelConfig
+from serving.models.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 6, 512

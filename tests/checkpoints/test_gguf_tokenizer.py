@@ -7,7 +7,7 @@ import gguf
 import pytest
 
 from checkpoints.gguf_reader import GGUFFile
-from serving.tokenizer import Tokenizer
+from checkpoints.tokenizer import Tokenizer
 
 SAMPLES = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

@@ -9,7 +9,7 @@ import pytest
 from ckpt_testutil import assert_params_equal, expected_params, tiny_model
 
 from checkpoints import hf, load_checkpoint
-from checkpoints.layout import param_shapes
+from serving.models.layout import param_shapes
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral",

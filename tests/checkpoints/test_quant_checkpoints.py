@@ -6,10 +6,10 @@ import pytest
 from ckpt_testutil import tiny_model
 
 from checkpoints import gguf as gguf_io
-from checkpoints import load_hf_dir, load_orbax, save_orbax
+from checkpoints import load_hf_dir, load_orbax, quantizers, save_orbax
 from checkpoints.layout import LoadedModel
 from checkpoints.quantize import gguf_quantized_weight, load_quantized
-from serving import quant
+from serving.models import quantized as quant
 
 Q = gguf.GGMLQuantizationType
 
@@ -53,7 +53,7 @@ def test_orbax_round_trip_quantized(method, tmp_path):
   path = tmp_path / "hf"
   tiny_model("llama").save_pretrained(path)
   loaded = load_hf_dir(str(path))
-  params = quant.quantize_params(loaded.params, method, group_size=32)
+  params = quantizers.quantize_params(loaded.params, method, group_size=32)
   save_orbax(LoadedModel(config=loaded.config, params=params, tokenizer=None,
                          source=loaded.source), str(tmp_path / "ckpt"))
   back = load_orbax(str(tmp_path / "ckpt"), dtype="bfloat16")

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import httpx
 
-from serving.proto.xlaserve.v1 import xlaserve_pb2 as pb
-from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 MODEL = "smollm2-135m-instruct"
 

@@ -8,8 +8,8 @@ the server with `--engine_class=ops_faults:FaultInjectingEngine`.
 
 from __future__ import annotations
 
-from serving.engine import LLMEngine
-from serving.output_processor import OutputProcessor
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.output_processor import OutputProcessor
 
 POISON_PREFIX = [13, 13, 13, 13, 13, 13, 13]
 

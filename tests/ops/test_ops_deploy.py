@@ -115,7 +115,7 @@ def test_deployment_service_and_probes_fit_together():
 
 
 def test_hpa_scales_the_deployment_on_exported_metrics():
-  from serving import metrics
+  from serving.entrypoints import metrics
 
   (hpa,) = by_kind("HorizontalPodAutoscaler")
   (dep,) = by_kind("Deployment")

@@ -32,7 +32,7 @@ from ops_faults import POISON_PREFIX
 from ops_procs import REPO, OpsServer, idle_state, metrics, rss_bytes, wait_idle
 from server_procs import DEFAULT_MODEL_TEST_CONFIG
 
-from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 MAX_NUM_SEQS = DEFAULT_MODEL_TEST_CONFIG["max_num_seqs"]
 QUEUE = 200  # --max_queued_requests: capacity is MAX_NUM_SEQS + QUEUE in-flight requests

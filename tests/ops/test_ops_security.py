@@ -22,8 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ops_procs import MODEL, OpsServer
 
-from serving.proto.xlaserve.v1 import xlaserve_pb2 as pb
-from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 API_KEY = secrets.token_urlsafe(24)
 MAX_BODY = 64 * 1024
@@ -93,7 +93,7 @@ GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 
 
 def test_binds_loopback_by_default(srv):
-  from serving.api_server import ServeConfig
+  from serving.entrypoints.api_server import ServeConfig
   from serving.launcher import FLAGS
 
   assert FLAGS["host"].default == "127.0.0.1"
@@ -173,7 +173,7 @@ def test_request_size_limits(client, channel):
 def test_api_keys_compared_in_constant_time():
   import inspect
 
-  from serving import grpc_server, http_server
+  from serving.entrypoints import grpc_server, http_server
 
   for module in (http_server, grpc_server):
     src = inspect.getsource(module)
@@ -188,7 +188,7 @@ def fuzz_schema(served: dict) -> dict:
   """
   from pydantic.json_schema import models_json_schema
 
-  from serving import openai_protocol as p
+  from serving.entrypoints import openai_protocol as p
 
   models = {"/v1/completions": p.CompletionRequest, "/v1/chat/completions":
             p.ChatCompletionRequest, "/tokenize": p.TokenizeRequest,

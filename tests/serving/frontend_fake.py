@@ -217,7 +217,7 @@ class InProcessServer:
   """
 
   def __init__(self, engine: FakeEngine | None = None, **serve_kwargs):
-    from serving.api_server import ServeConfig
+    from serving.entrypoints.api_server import ServeConfig
 
     self.engine = engine or FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64)
     kwargs = {"served_model_name": "fake", "http_port": 0, "grpc_port": 0, **serve_kwargs}
@@ -229,7 +229,7 @@ class InProcessServer:
   def _run(self) -> None:
     import asyncio
 
-    from serving.api_server import serve
+    from serving.entrypoints.api_server import serve
 
     async def main() -> None:
       self._loop = asyncio.get_running_loop()

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving import runner as runner_lib
 from serving.config import EngineConfig
 from serving.models import llama
+from serving.runner import model_runner as runner_lib
+from serving.runner import steps
 
 SAMPLE_PATH = os.path.join(os.path.dirname(__file__), "..", "data", "quality_sample.txt")
 
@@ -35,11 +36,11 @@ def eval_config(**kw) -> EngineConfig:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "block_tokens", "act_dtype"))
-def _forward(params, kv, tokens, slot_mapping, table, n, *, cfg, backend, block_tokens,
+def _forward(params, kv, tokens, kv_index, table, n, *, cfg, backend, block_tokens,
              act_dtype):
-  meta = dict(slot_mapping=slot_mapping, block_tables=table,
+  meta = dict(kv_index=kv_index, block_tables=table,
               cu_q_lens=jnp.stack([0, n]).astype(jnp.int32), kv_lens=n[None])
-  attend = runner_lib._attend_fn(backend, cfg, kv.num_pages, "prefill", meta, block_tokens)
+  attend = steps.attend_fn(backend, cfg, kv.num_pages, "prefill", meta, block_tokens)
   positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
   hidden, _ = llama.forward(params, cfg, tokens, positions, kv, attend, act_dtype=act_dtype)
   return llama.logits(params, cfg, hidden)
@@ -52,12 +53,12 @@ def teacher_forced_logits(runner: runner_lib.ModelRunner, tokens: np.ndarray) ->
   padded = np.zeros((ec.max_num_batched_tokens,), np.int32)
   padded[:t] = tokens
   pos = np.arange(len(padded))
-  slot_mapping = np.where(pos < t, (1 + pos // ec.page_size) * ec.page_size + pos % ec.page_size,
+  kv_index = np.where(pos < t, (1 + pos // ec.page_size) * ec.page_size + pos % ec.page_size,
                           0).astype(np.int32)
   table = np.zeros((1, ec.block_table_width), np.int32)
   used = -(-t // ec.page_size)
   table[0, :used] = np.arange(1, used + 1)
-  out = _forward(runner.params, runner.state.kv, padded, slot_mapping, table, np.int32(t),
+  out = _forward(runner.params, runner.state.kv, padded, kv_index, table, np.int32(t),
                  cfg=runner.model_cfg, backend=runner.backend,
                  block_tokens=ec.attention_block_tokens, act_dtype=jnp.dtype(runner.dtype_name))
   return np.asarray(out[:t], np.float32)

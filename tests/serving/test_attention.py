@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving import attention
-from serving.kv_cache import KVCache
+from serving.runner import attention
+from serving.runner.kv_cache import KVCache
 
 
 def dense_causal(q, k, v, q_pos, scale, window=None):

@@ -9,7 +9,7 @@ import pytest
 from frontend_fake import FakeEngine
 from frontend_procs import FAKE_ENGINE_FLAGS, REPO, launcher_cmd, subprocess_env
 
-from serving.batch import BatchConfig, resume_point, run_batch
+from serving.entrypoints.batch import BatchConfig, resume_point, run_batch
 
 
 def write_input(path, n: int, max_tokens: int = 3) -> list[dict]:

@@ -11,7 +11,7 @@ import os
 import pytest
 from frontend_fake import FakeEngine, InProcessServer
 
-from serving import bench, bench_serve
+from serving.tools import bench, bench_serve
 from tiny_models import save_tiny_model
 
 
@@ -47,7 +47,7 @@ def test_serve_sweep_against_fake_endpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
-  from serving.llm import LLM
+  from serving.entrypoints.llm import LLM
 
   path = str(tmp_path_factory.mktemp("bench_tiny"))
   save_tiny_model("llama", path)

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints import load_checkpoint
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
+from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
 from tiny_models import VOCAB, save_tiny_model
 
@@ -38,7 +38,7 @@ def make_engine(path, **kw) -> LLMEngine:
   base = dict(max_num_seqs=4, max_model_len=MAX_LEN, page_size=8, num_pages=24,
               max_num_batched_tokens=32, attention_block_tokens=16, unroll_layers=False,
               compilation_cache=False)
-  return LLMEngine(load_checkpoint(path), EngineConfig(**{**base, **kw}))
+  return build_engine(path, EngineConfig(**{**base, **kw}))
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ import sys
 import numpy as np
 import pytest
 
-from checkpoints import load_checkpoint
-from serving import executable_store
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
-from serving.executable_store import ExecutableStore, StepProgram
+from serving.entrypoints.engine_builder import build_engine
+from serving.runner import executable_store
+from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.types import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +43,7 @@ def make_engine(path, cache_dir) -> LLMEngine:
   cfg = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=24,
                      max_num_batched_tokens=16, unroll_layers=False,
                      compilation_cache_dir=str(cache_dir))
-  return LLMEngine(load_checkpoint(path), cfg)
+  return build_engine(path, cfg)
 
 
 def generate(engine) -> list[list[int]]:

@@ -6,8 +6,8 @@ from frontend_procs import metric_value, shared_real_server, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from serving.proto.xlaserve.v1 import xlaserve_pb2 as pb
-from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")

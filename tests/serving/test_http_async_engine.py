@@ -6,8 +6,8 @@ import contextlib
 import pytest
 from frontend_fake import FakeEngine
 
-from serving.async_engine import AsyncEngine, ServerBusyError, ServerDrainingError
-from serving.metrics import Metrics
+from serving.entrypoints.async_engine import AsyncEngine, ServerBusyError, ServerDrainingError
+from serving.entrypoints.metrics import Metrics
 from serving.types import SamplingParams
 
 

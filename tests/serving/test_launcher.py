@@ -22,8 +22,8 @@ from frontend_procs import (
 )
 
 from serving import launcher
-from serving.proto.xlaserve.v1 import xlaserve_pb2 as pb
-from serving.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
+from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ from frontend_fake import FakeEngine, FakeStats, InProcessServer
 from frontend_procs import metric_value
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import metrics as metrics_lib
-from serving.metrics import Metrics
+from serving.entrypoints import metrics as metrics_lib
+from serving.entrypoints.metrics import Metrics
 
 REQUIRED = [
     "xlaserve_num_requests_running", "xlaserve_num_requests_waiting",

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import load_checkpoint
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
+from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
 from tiny_models import VOCAB, save_tiny_model
 
@@ -55,7 +55,7 @@ def run_engine(engine: LLMEngine, prompts, params: SamplingParams):
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_family_matches_transformers(family, tmp_path):
   model = save_tiny_model(family, str(tmp_path))
-  engine = LLMEngine(load_checkpoint(str(tmp_path)), engine_config())
+  engine = build_engine(str(tmp_path), engine_config())
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
   params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=20)

@@ -1,19 +1,15 @@
 """Stop strings, hold-back while streaming, EOS and logprob deltas."""
 
-import numpy as np
-
-from serving.output_processor import OutputProcessor
-from serving.scheduler import Sequence
-from serving.tokenizer import Tokenizer
-from serving.types import SamplingParams
+from checkpoints.tokenizer import Tokenizer
+from serving.engine.output_processor import OutputProcessor
+from serving.types import SampledToken, SamplingParams, Sequence, TokenLogprob
 from tiny_models import byte_tokenizer
 
 
-class _Out:  # one sampled row as the runner returns it
-  def __init__(self, token):
-    self.logprob = np.array([-0.5])
-    self.top_ids = np.array([[token, 7]])
-    self.top_logprobs = np.array([[-0.5, -1.5]])
+def _sampled(token, params):  # one sampled token as the runner reports it
+  n = params.logprobs
+  lp = None if n is None else TokenLogprob(token, -0.5, [(token, -0.5), (7, -1.5)][:n])
+  return SampledToken(token_id=token, logprob=lp)
 
 
 def run(text, params, eos=frozenset()):
@@ -24,7 +20,7 @@ def run(text, params, eos=frozenset()):
   proc.add(seq, deltas.append)
   stopped = False
   for t in tok.encode(text) + [tok.token_to_id("</s>")]:
-    stopped = proc.on_token(seq, t, _Out(t), 0)
+    stopped = proc.on_token(seq, _sampled(t, params))
     if stopped or t in eos:
       proc.emit(seq, "stop")
       break

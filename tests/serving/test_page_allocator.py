@@ -2,7 +2,7 @@
 
 import pytest
 
-from serving.page_allocator import PageAllocator, page_hash
+from serving.engine.page_allocator import PageAllocator, page_hash
 
 
 def test_allocate_release_and_reserved_page():

@@ -1,4 +1,6 @@
-"""Unit tests of serving/quant.py and the quantized KV cache rows (small, random)."""
+"""Unit tests of the quantized weight leaf (serving/models/quantized.py), the host
+quantizers (checkpoints/quantizers.py), GPTQ (serving/tools/gptq.py) and the quantized
+KV cache rows (small, random)."""
 
 import functools
 
@@ -7,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving import kv_cache, quant
+from checkpoints import quantizers
+from serving.models import quantized as quant
+from serving.runner import kv_cache
+from serving.runner.model_runner import put_params
 
 RNG = np.random.default_rng(0)
 
@@ -27,15 +32,15 @@ def _rel_err(w, qw):
     ("fp8", {}, 0.05)])
 def test_round_trip_error(method, kw, bound):
   w = _w()
-  qw = quant.quantize_weight(w, method, **kw)
+  qw = quantizers.quantize_weight(w, method, **kw)
   assert qw.shape == w.shape
   assert _rel_err(w, qw) < bound
 
 
 def test_symmetric_int4_and_group_fallback():
   w = _w((96, 32))
-  assert _rel_err(w, quant.quantize_int4(w, 32, asymmetric=False)) < 0.15
-  assert quant.quantize_weight(w, "int4", group_size=128).group_size == 32  # 96 % 64 != 0
+  assert _rel_err(w, quantizers.quantize_int4(w, 32, asymmetric=False)) < 0.15
+  assert quantizers.quantize_weight(w, "int4", group_size=128).group_size == 32  # 96 % 64 != 0
 
 
 def test_int4_nibble_order_is_gguf():
@@ -55,7 +60,7 @@ def test_int4_nibble_order_is_gguf():
 @pytest.mark.parametrize("rows", [1, 5])
 def test_matmul_and_lookup_match_dequantized(method, kw, rows):
   w = _w()
-  qw = jax.tree.map(jnp.asarray, quant.quantize_weight(w, method, **kw))
+  qw = jax.tree.map(jnp.asarray, quantizers.quantize_weight(w, method, **kw))
   dense = np.swapaxes(np.asarray(qw.dequantize()), -1, -2)  # [In, Out]
   x = RNG.standard_normal((rows, w.shape[0])).astype(np.float32)
   out = jax.jit(lambda q, x: q.matmul(x))(qw, x)
@@ -66,17 +71,17 @@ def test_matmul_and_lookup_match_dequantized(method, kw, rows):
 
 def test_stacked_indexing_and_params_tree():
   w = _w((3, 64, 32))  # [L, In, Out]
-  qw = quant.quantize_int4(w, 32)
+  qw = quantizers.quantize_int4(w, 32)
   assert qw.shape == (3, 64, 32) and qw[1].shape == (64, 32)
   np.testing.assert_array_equal(np.asarray(qw[1].dequantize()), np.asarray(qw.dequantize())[1])
   params = {"embed": _w((50, 64)), "final_norm": np.ones(64, np.float32),
             "layers": {"attn_norm": np.ones((3, 64), np.float32), "wq": w}}
-  qp = quant.quantize_params(params, "int8")
+  qp = quantizers.quantize_params(params, "int8")
   assert quant.is_quantized(qp["layers"]["wq"]) and quant.is_quantized(qp["embed"])
   assert not quant.is_quantized(qp["layers"]["attn_norm"])
-  dev = quant.put_params(qp, jnp.bfloat16)
+  dev = put_params(qp, jnp.bfloat16)
   assert dev["layers"]["wq"].q.dtype == jnp.int8 and dev["final_norm"].dtype == jnp.bfloat16
-  assert quant.quantize_params(qp, "int8")["layers"]["wq"] is qp["layers"]["wq"]
+  assert quantizers.quantize_params(qp, "int8")["layers"]["wq"] is qp["layers"]["wq"]
 
 
 @pytest.mark.parametrize("dtype,bound", [("int8", 0.01), ("fp8", 0.05)])
@@ -90,7 +95,7 @@ def test_kv_rows_round_trip(dtype, bound):
   assert err < bound and bool(jnp.all(back[2, 1] == 0))
 
 
-# ---- GPTQ (serving/quant_calibration.py) against a pure-numpy reference ----
+# ---- GPTQ (serving/tools/gptq.py) against a pure-numpy reference ----
 
 
 def _numpy_gptq(w_rows, hess, g, damp, shrink, refine):
@@ -104,7 +109,7 @@ def _numpy_gptq(w_rows, hess, g, damp, shrink, refine):
   deq = np.zeros_like(w)
   for start in range(0, i, g):
     cost = 1.0 / np.diag(u)[start:start + g] ** 2
-    scale, off = quant._fit_min_scale(w[:, None, start:start + g], refine, weights=cost)
+    scale, off = quantizers.fit_min_scale(w[:, None, start:start + g], refine, weights=cost)
     scale, off = scale.astype(np.float64)[:, 0], off.astype(np.float64)[:, 0]
     for j in range(start, start + g):
       q = np.clip(np.rint((w[:, j] - off) / np.where(scale == 0, 1, scale)), 0, 15)
@@ -129,7 +134,7 @@ def _proxy_loss(w_rows, deq_rows, x):
 
 
 def test_hessian_inverse_factor_matches_numpy():
-  from serving import quant_calibration as qc
+  from serving.tools import gptq as qc
   x = _correlated_inputs(300, 96, 0)
   hess = x.T @ x / len(x)
   u, dead = qc.hessian_inverse_factor(hess, 0.1, 0.3)
@@ -142,7 +147,7 @@ def test_hessian_inverse_factor_matches_numpy():
 
 
 def test_gptq_matches_numpy_reference_and_beats_rounding():
-  from serving import quant_calibration as qc
+  from serving.tools import gptq as qc
   w = RNG.standard_normal((128, 24)).astype(np.float32) * 0.05  # [In, Out]
   rows = w.T.astype(np.float64)
   x_cal, x_test = _correlated_inputs(400, 128, 1), _correlated_inputs(400, 128, 2)
@@ -153,7 +158,7 @@ def test_gptq_matches_numpy_reference_and_beats_rounding():
   ref = _numpy_gptq(rows, hess, 32, 0.1, 0.3, 4)
   # float32 vs float64 can flip a rounding and its feedback; nearly all values agree.
   assert np.mean(np.isclose(ours, ref, rtol=0, atol=1e-3)) > 0.95
-  rtn = np.asarray(quant.quantize_int4(w, 32).dequantize(), np.float64)
+  rtn = np.asarray(quantizers.quantize_int4(w, 32).dequantize(), np.float64)
   for x in (x_cal, x_test):  # on the calibration inputs and on unseen ones
     loss_ours, loss_ref = _proxy_loss(rows, ours, x), _proxy_loss(rows, ref, x)
     assert abs(loss_ours - loss_ref) < 0.05 * loss_ref
@@ -164,8 +169,8 @@ def test_weighted_group_fit():
   """The (scale, min) fit with per-element costs: uniform costs change nothing, a heavy
   cost on one element makes that element (nearly) exact."""
   grouped = RNG.standard_normal((40, 1, 32)).astype(np.float32)
-  plain = quant._fit_min_scale(grouped, 4)
-  uniform = quant._fit_min_scale(grouped, 4, weights=np.ones(32))
+  plain = quantizers.fit_min_scale(grouped, 4)
+  uniform = quantizers.fit_min_scale(grouped, 4, weights=np.ones(32))
   np.testing.assert_allclose(np.float32(plain[0]), np.float32(uniform[0]), rtol=2e-3)
 
   def err(scale, off, k):
@@ -175,14 +180,14 @@ def test_weighted_group_fit():
 
   cost = np.ones(32)
   cost[7] = 1e4
-  assert np.mean(err(*quant._fit_min_scale(grouped, 4, weights=cost), 7)) < 0.5 * np.mean(
+  assert np.mean(err(*quantizers.fit_min_scale(grouped, 4, weights=cost), 7)) < 0.5 * np.mean(
       err(*plain, 7))
 
 
 def test_value_hessian_is_attention_weighted():
   """wv's statistic: per KV head, sum over queries and heads of y y^T, y_t = sum_s p_ts x_s."""
-  from serving import quant_calibration as qc
-  from serving.model_config import ModelConfig
+  from serving.models.model_config import ModelConfig
+  from serving.tools import gptq as qc
   cfg = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
                     num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4)
   t = 6
@@ -204,7 +209,7 @@ def test_value_hessian_is_attention_weighted():
 
 
 def _tiny_llama(stacked: bool):
-  from serving.model_config import ModelConfig
+  from serving.models.model_config import ModelConfig
   cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, bos_token_id=1,
                     tie_word_embeddings=True)
@@ -225,8 +230,8 @@ def _tiny_llama(stacked: bool):
 def test_gptq_quantize_params_tiny_model(stacked):
   """All dense linears become int4 g32 (GPTQ), the tied head int8; the model's output on
   the calibration tokens is closer to float than with rounding."""
-  from serving import quant_calibration as qc
   from serving.models import llama
+  from serving.tools import gptq as qc
   cfg, params = _tiny_llama(stacked)
 
   class Tok:
@@ -235,14 +240,14 @@ def test_gptq_quantize_params_tiny_model(stacked):
   cal = qc.Calibration.from_text(cfg, Tok(), "calibration text. " * 60, seq_len=128,
                                  max_sequences=4)
   assert cal.sequences.shape == (4, 128) and (cal.sequences[:, 0] == 1).all()
-  qp = quant.quantize_params(params, "int4", group_size=32, calibration=cal)
-  rtn = quant.quantize_params(params, "int4", group_size=32)
+  qp = qc.gptq_quantize_params(params, cal, group_size=32)
+  rtn = quantizers.quantize_params(params, "int4", group_size=32)
   leaves = qp["layers"] if stacked else qp["layers"][1]
   for k in quant.LINEAR_KEYS:
     assert (leaves[k].kind, leaves[k].group_size) == ("int4", 32), k
     assert leaves[k].shape == np.shape((params["layers"] if stacked else params["layers"][1])[k])
   assert qp["embed"].kind == "int8"
-  assert quant.quantize_params(qp, "int4", calibration=cal)["layers"] is not None  # no-op
+  assert qc.gptq_quantize_params(qp, cal)["layers"] is not None  # no-op
 
   def hidden(p):
     attend = functools.partial(qc._dense_attend, cfg, None)

@@ -5,7 +5,8 @@ import subprocess
 import pytest
 from frontend_procs import launcher_cmd, subprocess_env
 
-from serving import LLM, SamplingParams, quant
+from serving import LLM, SamplingParams
+from serving.models import quantized as quant
 
 ENGINE = dict(max_num_seqs=2, max_model_len=128, num_pages=32, max_num_batched_tokens=32,
               dtype="float32")

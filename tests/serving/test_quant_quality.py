@@ -17,9 +17,11 @@ import pytest
 import quant_testutil as qt
 
 import checkpoints
-from checkpoints.quantize import calibrated_int4, load_quantized
-from serving import quant
-from serving.runner import ModelRunner
+from checkpoints import quantizers
+from checkpoints.quantize import load_quantized
+from serving.models import quantized as quant
+from serving.runner.model_runner import ModelRunner
+from serving.tools.gptq import calibrated_int4
 
 PRESET = "smollm2-135m-instruct"
 _RESULTS: dict[str, tuple[np.ndarray, dict]] = {}
@@ -69,7 +71,7 @@ def _int4_g64(smollm, how):
   """int4 group 64 by GPTQ (as `xlaserve convert` stores it) or by plain rounding."""
   if how == "gptq":
     return calibrated_int4(smollm, group_size=64)
-  return quant.quantize_params(smollm.params, "int4", group_size=64)
+  return quantizers.quantize_params(smollm.params, "int4", group_size=64)
 
 
 @pytest.mark.parametrize("name,kw,how,max_kl,min_agree", CASES, ids=[c[0] for c in CASES])
@@ -98,7 +100,7 @@ def test_gguf_blocks_served_as_is(smollm, tokens, reference):
 def test_weight_bytes(smollm, tokens, reference):
   """int8 is ~1/2 of bf16; int4 layers ~1/4 plus group scales and mins."""
   bf16 = {k: v // 2 for k, v in reference[1].items()}  # every float32 leaf at 2 bytes
-  int8 = _evaluate("int8", quant.quantize_params(smollm.params, "int8"), smollm, tokens,
+  int8 = _evaluate("int8", quantizers.quantize_params(smollm.params, "int8"), smollm, tokens,
                    quantization="int8")[1]
   int4 = _evaluate("int4-g64-rtn", _int4_g64(smollm, "rtn"), smollm, tokens,
                    quantization="int4")[1]

@@ -1,4 +1,4 @@
-"""Tests of serving/sampling.py against a row-by-row numpy reference with vLLM semantics.
+"""Tests of serving/runner/sampling/ against a row-by-row numpy reference with vLLM semantics.
 
 The reference draws by inverse CDF in vocabulary order with the same uniform
 `jax.random.uniform(fold_in(key(seed), step))` that the contract prescribes, so
@@ -8,12 +8,10 @@ sampled tokens are compared exactly, not only in distribution.
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving import sampling
-from serving.sampling import SamplingTensors, sample
+from serving.runner.sampling import SamplingTensors, reductions, sample, thresholds
 from serving.types import MAX_LOGPROBS, SamplingParams
 
 B, V = 16, 1000  # the shape most tests share, so `_sample` compiles once
@@ -221,7 +219,7 @@ def test_random_batches_match_reference():
 def test_search_fallback_matches_reference(kw, n_wide):
   """Flat logits (a nucleus wider than TOP_K_CAP) and top_k > TOP_K_CAP take the search,
   for a few rows (one chunk), several chunks, and most of the batch."""
-  assert sampling.TOP_K_CAP < 300 and sampling._SEARCH_CHUNK < 11
+  assert thresholds.TOP_K_CAP < 300 and thresholds.SEARCH_CHUNK < 11
   rng = np.random.default_rng(2)
   logits = make_logits(rng, scale=0.5)
   prompt, counts = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
@@ -235,11 +233,11 @@ def test_search_thresholds_match_reference():
   """The search alone (no fast path) finds the smallest kept logit of the reference."""
   rng = np.random.default_rng(3)
   z = make_logits(rng) * rng.choice([0.1, 1.0, 3.0], size=(B, 1)).astype(np.float32)
-  k = rng.integers(1, 2 * sampling.TOP_K_CAP, B).astype(np.int32)
+  k = rng.integers(1, 2 * thresholds.TOP_K_CAP, B).astype(np.int32)
   k[::3] = V  # top-p only
   p = rng.uniform(0.05, 1.0, B).astype(np.float32)
   p[1::3] = 1.0  # top-k only
-  thr = jax.jit(sampling._search_thresholds)(z, z.max(-1), k, p, np.full(B, -np.inf, np.float32),
+  thr = jax.jit(thresholds.search_thresholds)(z, z.max(-1), k, p, np.full(B, -np.inf, np.float32),
                                              np.zeros(B, bool))
   neutral = np.zeros(V, bool), np.zeros(V, np.int32)
   for i in range(B):
@@ -429,8 +427,8 @@ def test_top_n_two_level_equals_lax_top_k():
   x = make_logits(rng, 3, 49152)
   x[0, :40000] = -np.inf
   x[1, 5:9] = x[1].max()  # ties at the top
-  for n in (20, sampling.TOP_K_CAP):
-    vals, ids = jax.jit(sampling._top_n, static_argnums=1)(x, n)
+  for n in (20, thresholds.TOP_K_CAP):
+    vals, ids = jax.jit(reductions.top_n, static_argnums=1)(x, n)
     want, _ = jax.lax.top_k(x, n)
     np.testing.assert_array_equal(vals, want)
     np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1), want)
@@ -441,29 +439,3 @@ def test_build_validates():
     SamplingTensors.build([None] * 3, [0] * 3, [0] * 3, 2)
   with pytest.raises(ValueError, match="one seed"):
     SamplingTensors.build([None] * 2, [0], [0, 0], 2)
-
-
-# ---------------------------------------------------------------------------
-# Per-slot penalty state.
-
-
-def test_penalty_state_updates():
-  record_prompt, record_outputs, reset_slots = map(
-      jax.jit, (sampling.record_prompt, sampling.record_outputs, sampling.reset_slots))
-  s, v = 4, 10
-  mask = jnp.zeros((s, v), bool)
-  counts = jnp.zeros((s, v), jnp.int32)
-  mask = record_prompt(mask, jnp.array([1, 3, s]), jnp.array([[2, 5, -1], [0, 0, 9], [1, 1, 1]]))
-  counts = record_outputs(counts, jnp.array([1, 1, 2, s, 0]), jnp.array([4, 4, 9, 3, -1]))
-  counts = record_outputs(counts, jnp.array([1]), jnp.array([7]))
-  want_mask = np.zeros((s, v), bool)
-  want_mask[1, [2, 5]] = want_mask[3, [0, 9]] = True
-  want_counts = np.zeros((s, v), np.int32)
-  want_counts[1, 4], want_counts[2, 9], want_counts[1, 7] = 2, 1, 1
-  np.testing.assert_array_equal(mask, want_mask)
-  np.testing.assert_array_equal(counts, want_counts)
-  mask, counts = reset_slots(mask, counts, jnp.array([1, s, -1]))
-  want_mask[1] = False
-  want_counts[1] = 0
-  np.testing.assert_array_equal(mask, want_mask)
-  np.testing.assert_array_equal(counts, want_counts)

@@ -7,7 +7,8 @@ import pytest
 
 from checkpoints import presets
 from checkpoints.gguf_reader import GGUFFile
-from serving.tokenizer import IncrementalDetokenizer, Tokenizer
+from checkpoints.tokenizer import Tokenizer
+from serving.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! 안녕하세요 😀👍🏽 你好，世界。 naïve café — “quoted” …",

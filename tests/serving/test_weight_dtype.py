@@ -13,8 +13,8 @@ import quant_testutil as qt
 
 import checkpoints
 from serving.config import EngineConfig
-from serving.quant import params_nbytes
-from serving.runner import ModelRunner
+from serving.models.quantized import params_nbytes
+from serving.runner.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

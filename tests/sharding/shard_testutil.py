@@ -58,18 +58,18 @@ def engine_config(**kw):
 
 
 def make_runner(loaded, **kw):
-  from serving.runner import ModelRunner
+  from serving.runner.model_runner import ModelRunner
 
   return ModelRunner(loaded.params, loaded.config, engine_config(**kw),
                      num_pages=ENGINE_KW["num_pages"])
 
 
 def hf_sliced_equal(path: str, loaded, parallel) -> bool:
-  """`sharding.hf_slices.load_hf_sharded` on a mesh gives the loader's params exactly."""
+  """`checkpoints.hf_sharded.load_hf_sharded` on a mesh gives the loader's params exactly."""
   import jax
 
+  from checkpoints.hf_sharded import load_hf_sharded
   from sharding import make_mesh
-  from sharding.hf_slices import load_hf_sharded
 
   got = load_hf_sharded(path, make_mesh(parallel))
   same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), b)), got.params,
@@ -110,10 +110,10 @@ class Driver:
 
   def generate(self, prompts: list[list[int]], max_tokens: int):
     """-> (tokens per prompt, prefill logits [n, V], decode logits [steps, n, V])."""
-    from serving.runner import DecodeInput, PrefillInput
-    from serving.sampling import SamplingTensors
+    from serving.runner.sampling import SamplingTensors
+    from serving.runner.steps import DecodeInput, PrefillInput
 
-    ec, r = self.runner.engine_cfg, self.runner
+    ec = self.runner.engine_cfg
     ps, width, t = ec.page_size, ec.block_table_width, ec.prefill_token_buckets[-1]
     pages = [np.arange(PAGES_PER_SEQ, dtype=np.int32) + 1 + i * PAGES_PER_SEQ
              for i in range(len(prompts))]
@@ -126,9 +126,10 @@ class Driver:
       tokens[:n] = prompt
       slots = np.where(pos < n, pages[i][pos // ps] * ps + pos % ps, 0).astype(np.int32)
       inp = PrefillInput(tokens=tokens, positions=np.where(pos < n, pos, 0).astype(np.int32),
-                         slot_mapping=slots, is_output=np.zeros(t, bool),
+                         kv_index=slots, is_output=np.zeros(t, bool),
                          num_tokens=np.int32(n), block_table=tables[i:i + 1],
-                         kv_len=np.array([n], np.int32), slot=np.int32(i), reset=np.bool_(True),
+                         kv_len=np.array([n], np.int32), decode_slot=np.int32(i),
+                         reset=np.bool_(True),
                          sampling=SamplingTensors.build([], [], [], 1))
       first.append(self._step("prefill", inp)[0])
     out = [[int(np.argmax(lg))] for lg in first]
@@ -139,13 +140,13 @@ class Driver:
       pos = np.zeros(b, np.int32)
       lens = [len(p) + len(o) - 1 for p, o in zip(prompts, out, strict=True)]
       pos[:len(lens)] = lens
-      slots = np.full(b, r.dummy_slot, np.int32)
+      slots = np.full(b, ec.max_num_seqs, np.int32)  # padding rows: the dummy slot
       slots[:len(prompts)] = np.arange(len(prompts))
       bt = np.zeros((b, width), np.int32)
       bt[:len(prompts)] = tables
       smap = np.where(np.arange(b) < len(prompts), bt[np.arange(b), pos // ps] * ps + pos % ps, 0)
       seq_lens = np.where(np.arange(b) < len(prompts), pos + 1, 0).astype(np.int32)
-      inp = DecodeInput(slots=slots, positions=pos, slot_mapping=smap.astype(np.int32),
+      inp = DecodeInput(decode_slots=slots, positions=pos, kv_index=smap.astype(np.int32),
                         block_tables=bt, seq_lens=seq_lens,
                         sampling=SamplingTensors.build([], [], [], b))
       logits = self._step("decode", inp)[:len(prompts)]

@@ -50,8 +50,8 @@ def _worker(hf_path: str, out_dir: str) -> None:
   import jax
 
   import checkpoints
+  from checkpoints.sharded import restore_sharded, save_sharded
   from sharding import ParallelConfig, make_mesh
-  from sharding.checkpoint import restore_sharded, save_sharded
 
   loaded = checkpoints.load_checkpoint(hf_path)
   runner2 = stu.make_runner(loaded, tp=2)

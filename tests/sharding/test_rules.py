@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from checkpoints.layout import param_shapes
-from serving.model_config import ModelConfig
+from serving.models.layout import param_shapes
+from serving.models.model_config import ModelConfig
 from sharding import ParallelConfig, make_mesh, rules
 from sharding.distributed import DistributedConfig
 

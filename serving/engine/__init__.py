@@ -1,0 +1,10 @@
+"""The host side: the engine loop, scheduler, page allocator and output processing.
+
+No module here touches a device: the engine drives one through the `Runner`
+interface (runner_api.py), and the scheduler and allocator are plain Python.
+"""
+
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.runner_api import Runner, RunnerDeadError, StepError
+
+__all__ = ["LLMEngine", "Runner", "RunnerDeadError", "StepError"]

@@ -1,0 +1,225 @@
+"""The engine loop: schedule, run, postprocess, emit — one thread.
+
+Lifecycle of `step()`:
+  1. Take requests added / aborted from other threads (inbox under a lock).
+  2. `scheduler.schedule()` -> StepPlan (host only).
+  3. `runner.execute(plan=...)` dispatches it (asynchronous: returns at once).
+  4. Postprocess the *previous* step while the device computes this one:
+     `runner.fetch(...)` -> StepResult, append tokens, detokenize, check stop
+     strings, emit deltas.
+
+The engine owns no device and loads nothing: it is given a `Runner`
+(runner_api.py), a tokenizer and an `EngineConfig`. Front ends call
+`add_request(...)` with an `on_output` callback that receives delta
+`RequestOutput`s on the engine thread; `LLM` and the async front ends
+(serving/entrypoints/) build on this.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from serving.config import EngineConfig
+from serving.engine.output_processor import OutputProcessor
+from serving.engine.page_allocator import PageAllocator
+from serving.engine.runner_api import Runner, StepError
+from serving.engine.scheduler import Scheduler
+from serving.types import EngineStats, RequestOutput, SamplingParams, Sequence, StepPlan
+
+log = logging.getLogger(__name__)
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class LLMEngine:
+  """Continuous-batching engine over one runner (see module doc)."""
+
+  def __init__(self, *, runner: Runner, tokenizer: Any, config: EngineConfig,
+               model_name: str = ""):
+    self.runner, self.tokenizer, self.config = runner, tokenizer, config
+    self.model_name = model_name
+    self.allocator = PageAllocator(runner.num_pages, config.page_size,
+                                   config.enable_prefix_caching)
+    self.scheduler = Scheduler(config, self.allocator)
+    self.outputs = OutputProcessor(tokenizer)
+    self.num_programs = runner.warm_up()
+    self._lock = threading.Lock()
+    self._inbox: list[tuple[Sequence, OutputCallback]] = []
+    self._aborts: list[str] = []
+    self._seqs: dict[str, Sequence] = {}
+    self._inflight: tuple[StepPlan, Any] | None = None
+    self._rng = np.random.default_rng(config.seed)
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    self._wake = threading.Event()
+    self.prompt_tokens_total = 0
+
+  # ---- requests (any thread) ----
+
+  def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  on_output: OutputCallback) -> None:
+    """Validates and queues a request; raises ValueError with a message if invalid."""
+    ids = self._prompt_ids(prompt)
+    self._validate(ids, params)
+    seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+    eos = frozenset(self.tokenizer.eos_token_ids)
+    seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, eos_ids=eos, seed=seed)
+    with self._lock:
+      if request_id in self._seqs or any(s.request_id == request_id for s, _ in self._inbox):
+        raise ValueError(f"duplicate request id {request_id!r}")
+      self._inbox.append((seq, on_output))
+    self._wake.set()
+
+  def abort(self, request_id: str) -> None:
+    with self._lock:
+      self._aborts.append(request_id)
+    self._wake.set()
+
+  def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+      if not prompt:
+        raise ValueError("prompt must not be empty")
+      ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+      ids = [int(t) for t in prompt]
+    if not ids:
+      raise ValueError("prompt must not be empty")
+    return ids
+
+  def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    params.validate()
+    vocab = self.runner.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+      raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    limit = self.config.max_model_len
+    if len(ids) >= limit:
+      raise ValueError(f"prompt has {len(ids)} tokens; the maximum context length is {limit} "
+                       "tokens including at least one generated token")
+    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+      raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                       f"the maximum context length of {limit} tokens")
+    total = len(ids) + (params.max_tokens or limit - len(ids))
+    need = -(-total // self.config.page_size)
+    if need > self.allocator.num_usable:
+      raise ValueError(f"request needs {need} KV pages but the cache holds only "
+                       f"{self.allocator.num_usable}; lower max_tokens or the prompt length")
+
+  # ---- the loop (engine thread) ----
+
+  def has_unfinished(self) -> bool:
+    with self._lock:
+      return bool(self._inbox or self._seqs or self._inflight)
+
+  def step(self) -> None:
+    """One iteration: admit, schedule, dispatch, postprocess the previous step."""
+    self._drain_inbox()
+    plan = self.scheduler.schedule()
+    inflight = None
+    if not plan.empty:
+      try:
+        inflight = (plan, self.runner.execute(plan=plan))
+      except Exception as e:  # nothing of this plan reached the device
+        self._fail_step(plan, e)
+    previous, self._inflight = self._inflight, inflight
+    if previous is not None:
+      self._postprocess(*previous)
+
+  def _drain_inbox(self) -> None:
+    with self._lock:
+      inbox, self._inbox = self._inbox, []
+      aborts, self._aborts = self._aborts, []
+    for seq, cb in inbox:
+      self._seqs[seq.request_id] = seq
+      self.outputs.add(seq, cb)
+      self.scheduler.add(seq)
+      self.prompt_tokens_total += len(seq.prompt_ids)
+    for rid in aborts:
+      seq = self._seqs.get(rid)
+      if seq is not None:
+        self._finish(seq, "abort")
+
+  def _postprocess(self, plan: StepPlan, handle: Any) -> None:
+    try:
+      result = self.runner.fetch(handle=handle)
+    except Exception as e:
+      self._fail_step(plan, e)
+      return
+    for seq, sampled in self.scheduler.postprocess(plan, result):
+      try:
+        if self.outputs.on_token(seq, sampled):
+          self.scheduler.finish(seq, "stop")
+      except Exception as e:  # e.g. an undecodable token: fail this request only
+        log.exception("output processing failed for request %s", seq.request_id)
+        self._finish(seq, "error", error=f"output processing failed: {e}")
+        continue
+      if seq.finish_reason is not None:
+        self._finish(seq, seq.finish_reason)
+      else:
+        self.outputs.emit(seq)
+
+  def _fail_step(self, plan: StepPlan, error: Exception) -> None:
+    """Fails the requests of a step that raised: those it names, else all of the step.
+
+    `scheduler.fail` rolls every sequence of the step back to the queue (pages
+    freed, no prefix hash published); the blameless ones are recomputed.
+    """
+    named = set(error.request_ids) if isinstance(error, StepError) else None
+    log.error("step failed (%s): %s", "requests " + ", ".join(sorted(named)) if named else
+              "whole step", error)
+    for seq in self.scheduler.fail(plan):
+      if named is None or seq.request_id in named:
+        self._finish(seq, "error", error=f"step failed: {error}")
+
+  def _finish(self, seq: Sequence, reason, error: str | None = None) -> None:
+    self.scheduler.finish(seq, reason)
+    self.outputs.emit(seq, reason, error=error)
+    self._seqs.pop(seq.request_id, None)
+
+  def run_until_idle(self) -> None:
+    """Steps until every request has finished (the caller's thread)."""
+    while self.has_unfinished():
+      self.step()
+
+  def start(self) -> None:
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._loop, name="xlaserve-engine", daemon=True)
+      self._thread.start()
+
+  def _loop(self) -> None:
+    while not self._stop.is_set():
+      if self.has_unfinished():
+        try:
+          self.step()
+        except Exception:  # a broken step must not leave requests hanging
+          log.exception("engine step failed; failing in-flight requests")
+          self._fail_all("engine error")
+      else:
+        self._wake.wait(0.05)
+        self._wake.clear()
+
+  def _fail_all(self, message: str) -> None:
+    self._inflight = None
+    for seq in list(self._seqs.values()):
+      self._finish(seq, "error", error=message)
+
+  def shutdown(self) -> None:
+    self._stop.set()
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join(timeout=10)
+      self._thread = None
+    self.runner.close()
+
+  def stats(self) -> EngineStats:
+    s, a = self.scheduler, self.allocator
+    return EngineStats(
+        num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=a.usage,
+        num_pages_total=a.num_usable, num_pages_free=a.num_free,
+        num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
+        generation_tokens_total=self.outputs.generation_tokens_total,
+        prefix_cache_queries_total=a.stats.queries, prefix_cache_hits_total=a.stats.hits,
+        prefill_tokens_computed_total=s.prefill_tokens_computed)

@@ -1,0 +1,65 @@
+"""The seam between the host engine and the device: the `Runner` interface.
+
+The engine decides *what* runs (a `StepPlan` from the scheduler); a runner
+decides *how*: it turns the plan into fixed-shape device arrays, dispatches
+the jitted steps and reports what was sampled. `serving.runner.ModelRunner`
+is the real one; `serving.engine.fake_runner.FakeRunner` computes tokens by
+hand with no jax, for scheduler, engine and front-end tests. Multi-host
+lock-step and the benchmark's step timer wrap a runner through this same
+interface.
+
+Contract:
+  * `execute(plan=...)` is called right after `schedule()` and must read
+    everything it needs from the plan and its sequences before returning
+    (the scheduler mutates them for the next step). It may return before the
+    device finishes (asynchronous dispatch); the engine overlaps host work
+    for the next step with it.
+  * `fetch(handle=...)` blocks until that step is done and returns a
+    `StepResult` with one `SampledToken` per `plan.sampled` sequence.
+    Handles are fetched in the order they were executed.
+  * Either may raise. `StepError.request_ids` names the requests that caused
+    the failure when the runner can tell (the engine then fails only those);
+    any other exception fails every request of that step. A runner that can
+    no longer run anything raises `RunnerDeadError`: the engine stops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from serving.types import StepPlan, StepResult
+
+
+class StepError(RuntimeError):
+  """A step failed because of some of its requests (`request_ids`)."""
+
+  def __init__(self, message: str, request_ids: list[str]):
+    super().__init__(message)
+    self.request_ids = list(request_ids)
+
+
+class RunnerDeadError(RuntimeError):
+  """The runner's device state is lost: nothing can run any more."""
+
+
+class Runner(Protocol):
+  """What `LLMEngine` needs from the device side (see module doc)."""
+
+  num_pages: int  # KV pages the runner's cache holds, page 0 (the padding page) included
+  vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+
+  def warm_up(self) -> int:
+    """Compiles (or loads) every program serving can run; returns how many."""
+    ...
+
+  def execute(self, *, plan: StepPlan) -> Any:
+    """Dispatches one step; returns a handle for `fetch`."""
+    ...
+
+  def fetch(self, *, handle: Any) -> StepResult:
+    """Waits for an executed step and returns its sampled tokens."""
+    ...
+
+  def close(self) -> None:
+    """Releases what the runner holds beyond memory (e.g. multi-host followers)."""
+    ...

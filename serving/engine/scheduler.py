@@ -1,0 +1,248 @@
+"""Host-side continuous-batching scheduler: plain Python, no device calls.
+
+Lifecycle of a sequence:
+  1. `add(seq)` queues it (WAITING).
+  2. `schedule()` admits waiting sequences into free decode slots (FCFS),
+     reusing cached prefix pages, and splits prompts into chunks within the
+     per-step token budget (`max_num_batched_tokens`) after reserving one
+     token per decoding sequence. It returns a `StepPlan` of prefill chunks
+     and one decode batch, and only mutates host state.
+  3. The engine runs the plan; one step later (host/device overlap) it calls
+     `postprocess(plan, result)`, which appends sampled tokens, finishes
+     sequences on EOS / stop ids / max_tokens / max_model_len, and only then
+     publishes the prefix hashes of pages the step filled: a page is never
+     shared before the step that writes it has completed, so a failed step
+     leaves no hash behind (its pages are freed by `finish(seq, "error")`).
+  4. When pages run out, the most recently admitted running sequence is
+     preempted (pages freed, back to the front of the queue) and later
+     recomputed — requests are never failed for lack of memory.
+
+Tokens sampled by an in-flight step are "pending": the next decode step
+reads them on the device, so the host need not wait for them. A sequence
+with a pending token cannot be (re)prefilled until that token arrives.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+from serving.config import EngineConfig
+from serving.engine.page_allocator import PageAllocator, page_hash
+from serving.types import (
+  DecodeRow,
+  FinishReason,
+  PrefillChunk,
+  SampledToken,
+  SamplingParams,
+  Sequence,
+  StepPlan,
+  StepResult,
+)
+from serving.types import SequenceStatus as Status
+
+
+class Scheduler:
+  """Continuous batching over `max_num_seqs` slots (see module doc)."""
+
+  def __init__(self, config: EngineConfig, allocator: PageAllocator):
+    self.config = config
+    self.allocator = allocator
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.running: list[Sequence] = []
+    self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+    self.num_preemptions = 0
+    self.prefill_tokens_computed = 0
+    self._order = itertools.count()
+
+  def add(self, seq: Sequence) -> None:
+    self.waiting.append(seq)
+
+  def schedule(self) -> StepPlan:
+    """The next step's plan (host state only; see module doc)."""
+    decodes = self._schedule_decodes()
+    budget = self.config.max_num_batched_tokens - len(decodes)
+    prefills: list[PrefillChunk] = []
+    for seq in sorted(self.running, key=lambda s: s.admit_order):
+      if budget <= 0:
+        break
+      if seq.status is not Status.RUNNING or not seq.in_prefill or seq.pending:
+        continue
+      end = min(seq.num_computed + budget, seq.num_known)
+      protected = {r.seq for r in decodes} | {c.seq for c in prefills}
+      if self._ensure_pages_or_preempt(seq, end, protected):
+        prefills.append(self._chunk(seq, end))
+        budget -= end - prefills[-1].start
+    while budget > 0 and self.waiting and self.free_slots and not self.waiting[0].pending:
+      seq = self.waiting[0]
+      self._admit(seq)
+      end = min(seq.num_computed + budget, seq.num_known)
+      if not self._ensure_pages(seq, end):
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        break
+      prefills.append(self._chunk(seq, end))
+      budget -= end - prefills[-1].start
+    self.prefill_tokens_computed += sum(c.end - c.start for c in prefills)
+    return StepPlan(prefills=prefills, decodes=decodes)
+
+  def _schedule_decodes(self) -> list[DecodeRow]:
+    """One token for every running sequence past prefill; preempts if pages run out."""
+    decodes: list[DecodeRow] = []
+    candidates = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.admit_order)
+    for seq in candidates:
+      if seq.status is not Status.RUNNING or not self._wants_token(seq):
+        continue
+      # The input token sits at position num_tokens - 1.
+      if self._ensure_pages_or_preempt(seq, seq.num_tokens, {r.seq for r in decodes}):
+        decodes.append(DecodeRow(seq=seq, position=seq.num_tokens - 1))
+    for row in decodes:
+      row.seq.num_computed = row.position + 1
+      row.seq.pending += 1
+    return decodes
+
+  def _ensure_pages_or_preempt(self, seq: Sequence, num_tokens: int,
+                               protected: set[Sequence]) -> bool:
+    """Pages for `num_tokens` tokens of a running seq, preempting the newest if needed.
+
+    Sequences already in this step's plan (`protected`) are never victims.
+    """
+    while not self._ensure_pages(seq, num_tokens):
+      victim = max((s for s in self.running if s not in protected),
+                   key=lambda s: s.admit_order)
+      self._preempt(victim)
+      if victim is seq:
+        return False
+    return True
+
+  def _wants_token(self, seq: Sequence) -> bool:
+    max_tokens = seq.params.max_tokens or self.config.max_model_len
+    return seq.num_generated < max_tokens and seq.num_tokens < self.config.max_model_len
+
+  def _admit(self, seq: Sequence) -> None:
+    """Moves the head of the queue into a slot, sharing cached prefix pages.
+
+    Requests with penalties skip the prefix cache: their on-device penalty
+    state is rebuilt from the tokens of a prefill that starts at 0.
+    """
+    pages, hashes = ([], []) if _uses_penalties(seq.params) else self.allocator.match_prefix(
+        seq.token_ids())
+    seq.pages, seq.page_hashes = pages, hashes
+    seq.num_computed = len(pages) * self.config.page_size
+    seq.decode_slot = self.free_slots.pop()
+    seq.status = Status.RUNNING
+    seq.admit_order = next(self._order)
+    self.waiting.popleft()
+    self.running.append(seq)
+
+  def _chunk(self, seq: Sequence, end: int) -> PrefillChunk:
+    """Prefill of known tokens [num_computed, end); pages must be allocated."""
+    chunk = PrefillChunk(seq=seq, start=seq.num_computed, end=end, sample=end == seq.num_known,
+                         admission=seq.admit_order)
+    seq.num_computed = end
+    if chunk.sample:
+      seq.pending += 1
+    return chunk
+
+  def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
+    need = -(-num_tokens // self.config.page_size) - len(seq.pages)
+    if need <= 0:
+      return True
+    pages = self.allocator.allocate(need)
+    if pages is None:
+      return False
+    seq.pages.extend(pages)
+    return True
+
+  def _commit_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+    """Publishes the prefix hashes of pages whose first `num_tokens` positions hold
+    written KV of known tokens (called only after the writing step completed)."""
+    ps = self.config.page_size
+    tokens = seq.token_ids()
+    for i in range(len(seq.page_hashes), min(num_tokens, len(tokens)) // ps):
+      parent = seq.page_hashes[-1] if seq.page_hashes else None
+      h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+      seq.page_hashes.append(h)
+      self.allocator.commit(seq.pages[i], h)
+
+  def _release(self, seq: Sequence) -> None:
+    self.allocator.release(seq.pages)
+    seq.pages, seq.page_hashes = [], []
+    seq.num_computed = 0
+    if seq.decode_slot is not None:
+      self.free_slots.append(seq.decode_slot)
+      seq.decode_slot = None
+    if seq in self.running:
+      self.running.remove(seq)
+
+  def _preempt(self, seq: Sequence, count: bool = True) -> None:
+    """Frees a running sequence's pages; it is recomputed later (front of the queue)."""
+    self._release(seq)
+    seq.status = Status.WAITING
+    self.num_preemptions += count
+    self.waiting.appendleft(seq)
+
+  def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    """Ends a sequence (stop, length, abort, error) and frees its pages and slot."""
+    if seq.status is Status.FINISHED:
+      return
+    if seq.status is Status.WAITING and seq in self.waiting:
+      self.waiting.remove(seq)
+    self._release(seq)
+    seq.status = Status.FINISHED
+    seq.finish_reason = reason
+
+  def postprocess(self, plan: StepPlan,
+                  result: StepResult) -> list[tuple[Sequence, SampledToken]]:
+    """Applies a completed step: appends its sampled tokens, publishes the pages it
+    filled; returns the (sequence, token) pairs appended, in plan order."""
+    appended = []
+    for seq in plan.sampled:
+      seq.pending -= 1
+      if seq.status is Status.FINISHED:
+        continue
+      sampled = result.tokens[seq.request_id]
+      seq.output_ids.append(sampled.token_id)
+      appended.append((seq, sampled))
+      reason = self._stop_reason(seq, sampled.token_id)
+      if reason is not None:
+        self.finish(seq, reason)
+    # Written KV: prefill chunks up to their end, decode rows up to their input position.
+    # A sequence preempted since the plan (and maybe readmitted on new pages) publishes
+    # nothing; decode rows cannot be readmitted before their token arrives.
+    written = [(c.seq, c.end) for c in plan.prefills if c.admission == c.seq.admit_order]
+    written += [(r.seq, r.position + 1) for r in plan.decodes]
+    for seq, end in written:
+      if seq.status is Status.RUNNING:
+        self._commit_full_pages(seq, end)
+    return appended
+
+  def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    p = seq.params
+    if token in p.stop_token_ids:
+      seq.stop_reason = token
+      return "stop"
+    if not p.ignore_eos and token in seq.eos_ids:
+      return "stop"
+    max_tokens = p.max_tokens or self.config.max_model_len
+    if len(seq.output_ids) >= max_tokens or seq.num_tokens >= self.config.max_model_len:
+      return "length"
+    return None
+
+  def fail(self, plan: StepPlan) -> list[Sequence]:
+    """Rolls back a step that did not complete: its tokens will never arrive and its
+    KV may be unwritten. Every unfinished sequence of the plan loses its pages (no
+    hash published) and goes back to the front of the queue, to be recomputed;
+    returns them so that the caller can finish the ones to blame."""
+    for seq in plan.sampled:
+      seq.pending -= 1
+    victims = [s for s in dict.fromkeys(plan.sequences) if s.status is not Status.FINISHED]
+    for seq in reversed(victims):
+      if seq.status is Status.RUNNING:
+        self._preempt(seq, count=False)
+    return victims
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+  return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

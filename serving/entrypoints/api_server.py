@@ -1,0 +1,115 @@
+"""One serving process: an engine behind the HTTP and gRPC front ends.
+
+Lifecycle (`serve()`):
+  1. The engine's step loop starts; an `AsyncEngine`, the per-server
+     `Metrics` registry and `OpenAIServing` are built around it.
+  2. gRPC binds and starts, then uvicorn; `ready(http_port, grpc_port)` is
+     called once both accept connections.
+  3. `serve()` waits for `stop` (the launcher sets it on SIGTERM / SIGINT).
+  4. Drain: new requests are refused (HTTP 503, gRPC UNAVAILABLE, health
+     NOT_SERVING), listeners close, in-flight requests get `drain_timeout_s`
+     to finish; whatever is left is aborted. The engine shuts down last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from serving.entrypoints.async_engine import AsyncEngine
+from serving.entrypoints.grpc_server import GrpcServer
+from serving.entrypoints.http_server import DEFAULT_MAX_BODY_BYTES, build_app, make_http_server
+from serving.entrypoints.metrics import Metrics
+from serving.entrypoints.openai_serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+# After the drain deadline, aborted streams still get this long to send their last chunk.
+_FLUSH_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """Front-end options (the launcher's `serve` flags)."""
+
+  served_model_name: str
+  host: str = "127.0.0.1"
+  http_port: int = 8000  # 0 picks a free port; < 0 disables HTTP
+  grpc_port: int = 9000  # 0 picks a free port; < 0 disables gRPC
+  api_key: str | None = None
+  tls_cert: str | None = None
+  tls_key: str | None = None
+  max_queued_requests: int | None = 256
+  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+  drain_timeout_s: float = 30.0
+
+  def __post_init__(self):
+    if bool(self.tls_cert) != bool(self.tls_key):
+      raise ValueError("tls_cert and tls_key must be given together")
+    if self.max_queued_requests is not None and self.max_queued_requests < 0:
+      raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
+    if self.http_port < 0 and self.grpc_port < 0:
+      raise ValueError("at least one of http_port and grpc_port must be enabled")
+
+
+async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
+                ready: Callable[[int | None, int | None], None] | None = None) -> None:
+  """Serves `engine` over HTTP and gRPC until `stop` is set, then drains."""
+  engine.start()
+  metrics = Metrics(engine.stats, model_name=cfg.served_model_name)
+  aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
+  names = list(dict.fromkeys([cfg.served_model_name, getattr(engine, "model_name", None)]))
+  serving = OpenAIServing(aengine, [n for n in names if n])
+  grpc_server = http_server = http_task = None
+  http_port = grpc_port = None
+  try:
+    if cfg.grpc_port >= 0:
+      grpc_server = GrpcServer(serving, cfg.served_model_name, api_key=cfg.api_key,
+                               max_message_bytes=cfg.max_body_bytes)
+      grpc_port = grpc_server.bind(cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert,
+                                   tls_key=cfg.tls_key)
+      await grpc_server.start()
+    if cfg.http_port >= 0:
+      app = build_app(serving, metrics, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+      http_server = make_http_server(app, cfg.host, cfg.http_port, ssl_certfile=cfg.tls_cert,
+                                     ssl_keyfile=cfg.tls_key,
+                                     graceful_timeout_s=cfg.drain_timeout_s + _FLUSH_S)
+      http_task = asyncio.create_task(http_server.serve())
+      http_port = await _wait_started(http_server, http_task)
+    log.info("serving %s: http port %s, grpc port %s", cfg.served_model_name, http_port,
+             grpc_port)
+    if ready is not None:
+      ready(http_port, grpc_port)
+    await stop.wait()
+    log.info("draining (up to %.0f s)", cfg.drain_timeout_s)
+  finally:
+    await _drain(aengine, grpc_server, http_server, http_task, cfg.drain_timeout_s)
+    engine.shutdown()
+
+
+async def _wait_started(server: Any, task: asyncio.Task) -> int:
+  while not server.started:
+    if task.done():
+      task.result()  # re-raises the bind error
+      raise OSError("HTTP server exited during start-up")
+    await asyncio.sleep(0.02)
+  return server.servers[0].sockets[0].getsockname()[1]
+
+
+async def _drain(aengine: AsyncEngine, grpc_server: GrpcServer | None, http_server: Any,
+                 http_task: asyncio.Task | None, timeout_s: float) -> None:
+  aengine.stop_accepting()
+  if http_server is not None:
+    http_server.should_exit = True
+  grpc_stop = grpc_server.stop(timeout_s) if grpc_server is not None else asyncio.sleep(0)
+  _, idle = await asyncio.gather(grpc_stop, aengine.wait_idle(timeout_s))
+  if not idle:
+    log.warning("drain deadline passed; aborting %d requests", aengine.num_inflight)
+    aengine.abort_all()
+  if http_task is not None:
+    try:
+      await asyncio.wait_for(http_task, timeout_s + 2 * _FLUSH_S)
+    except TimeoutError:
+      log.warning("HTTP server did not stop in time")

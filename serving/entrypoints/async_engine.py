@@ -1,0 +1,184 @@
+"""asyncio bridge over `LLMEngine` shared by the HTTP, gRPC and batch front ends.
+
+Lifecycle of one request:
+  1. `submit()` checks admission (not draining, queue limit) and calls
+     `engine.add_request`; a `ValueError` from the engine propagates unchanged
+     (the front ends turn it into HTTP 400 / INVALID_ARGUMENT).
+  2. The engine thread calls `on_output` with delta `RequestOutput`s; each is
+     handed to the event loop with `call_soon_threadsafe` (never blocking the
+     engine thread) and lands in the request's `asyncio.Queue`.
+  3. The caller iterates the `RequestStream`; latencies are observed in
+     `serving.metrics` as deltas arrive. The stream ends after the delta whose
+     `finish_reason` is set.
+  4. If the caller stops early (task cancelled, client gone, deadline passed),
+     `RequestStream.abort()` (called by `generate()` / `async with`) calls
+     `engine.abort`, which frees the request's KV pages before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serving.entrypoints.metrics import Metrics, RequestTimer
+from serving.types import RequestOutput, SamplingParams
+
+
+class ServerBusyError(Exception):
+  """The queue limit is reached (HTTP 429 / gRPC RESOURCE_EXHAUSTED)."""
+
+  def __init__(self, message: str, retry_after_s: int = 1):
+    super().__init__(message)
+    self.retry_after_s = retry_after_s
+
+
+class ServerDrainingError(Exception):
+  """The server is shutting down and takes no new requests (HTTP 503 / UNAVAILABLE)."""
+
+
+class RequestStream:
+  """Async iterator over one request's delta outputs; `abort()` if abandoned."""
+
+  def __init__(self, owner: AsyncEngine, request_id: str, timer: RequestTimer | None):
+    self.request_id = request_id
+    self._owner = owner
+    self._timer = timer
+    self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    self.finished = False  # the final delta was returned
+    self._closed = False  # released from the front end's accounting
+
+  def __aiter__(self) -> RequestStream:
+    return self
+
+  async def __anext__(self) -> RequestOutput:
+    if self.finished:
+      raise StopAsyncIteration
+    out = await self._queue.get()
+    if self._timer is not None and not self._closed:
+      self._timer.on_tokens(len(out.token_ids))
+    if out.finished:
+      self.finished = True
+      self._close(out.finish_reason)
+    return out
+
+  async def __aenter__(self) -> RequestStream:
+    return self
+
+  async def __aexit__(self, *exc: Any) -> None:
+    self.abort()
+
+  def abort(self) -> None:
+    """Aborts the request in the engine unless it already finished (idempotent)."""
+    if not self._closed:
+      self._owner.engine.abort(self.request_id)
+      self._close("abort")
+
+  def _close(self, finish_reason: str) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    if self._timer is not None:
+      self._timer.on_finish(finish_reason)
+    self._owner._release(self.request_id)
+
+
+class AsyncEngine:
+  """Owns an `LLMEngine` and exposes `submit()` / `generate()` to asyncio code.
+
+  `max_queued_requests` bounds the requests admitted beyond the engine's
+  decode slots (`max_num_seqs`); None means unbounded.
+  """
+
+  def __init__(self, engine: Any, *, metrics: Metrics | None = None,
+               max_queued_requests: int | None = None):
+    self.engine = engine
+    self.metrics = metrics
+    self.max_queued_requests = max_queued_requests
+    self._streams: dict[str, RequestStream] = {}
+    self._idle = asyncio.Event()
+    self._idle.set()
+    self.draining = False
+
+  @property
+  def tokenizer(self) -> Any:
+    return self.engine.tokenizer
+
+  @property
+  def max_model_len(self) -> int:
+    return self.engine.config.max_model_len
+
+  @property
+  def num_inflight(self) -> int:
+    return len(self._streams)
+
+  def submit(self, prompt: str | list[int], params: SamplingParams,
+             request_id: str | None = None) -> RequestStream:
+    """Admits a request; raises ServerDrainingError, ServerBusyError or ValueError."""
+    if self.draining:
+      self._reject("draining")
+      raise ServerDrainingError("server is shutting down")
+    if self.max_queued_requests is not None:
+      limit = self.engine.config.max_num_seqs + self.max_queued_requests
+      if len(self._streams) >= limit:
+        self._reject("queue_full")
+        raise ServerBusyError(f"server is at its queue limit ({limit} requests); retry later")
+    request_id = request_id or f"req-{uuid.uuid4().hex}"
+    if request_id in self._streams:
+      raise ValueError(f"duplicate request id {request_id!r}")
+    timer = self.metrics.timer() if self.metrics is not None else None
+    stream = RequestStream(self, request_id, timer)
+    loop = asyncio.get_running_loop()
+    queue = stream._queue
+
+    def on_output(out: RequestOutput) -> None:  # engine thread
+      try:
+        loop.call_soon_threadsafe(queue.put_nowait, out)
+      except RuntimeError:  # the loop is closed: nobody listens any more
+        return
+
+    self._streams[request_id] = stream
+    self._idle.clear()
+    try:
+      self.engine.add_request(request_id, prompt, params, on_output)
+    except BaseException:
+      self._release(request_id)
+      raise
+    return stream
+
+  async def generate(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    """Yields delta outputs; aborts the request if the consumer stops early."""
+    stream = self.submit(prompt, params, request_id)
+    try:
+      async for out in stream:
+        yield out
+    finally:
+      stream.abort()
+
+  def _release(self, request_id: str) -> None:
+    self._streams.pop(request_id, None)
+    if not self._streams:
+      self._idle.set()
+
+  def _reject(self, reason: str) -> None:
+    if self.metrics is not None:
+      self.metrics.reject(reason)
+
+  # Draining -----------------------------------------------------------------
+
+  def stop_accepting(self) -> None:
+    self.draining = True
+
+  async def wait_idle(self, timeout: float | None) -> bool:
+    """Waits until no request is in flight; False on timeout."""
+    try:
+      await asyncio.wait_for(self._idle.wait(), timeout)
+    except TimeoutError:
+      return False
+    return True
+
+  def abort_all(self) -> None:
+    for stream in list(self._streams.values()):
+      stream.abort()

@@ -1,0 +1,77 @@
+"""Model name + `EngineConfig` -> a ready `LLMEngine`: load, place, warm up.
+
+The one place that wires the layers together for the entry points (`LLM`,
+`xlaserve serve | batch`, benchmarks):
+  1. `load_model` reads the checkpoint on the host (checkpoints/): a preset,
+     HF directory, GGUF file or orbax directory; with `quantization`, GGUF
+     blocks of the matching type are kept as stored.
+  2. `ModelRunner` puts it on the device(s) and sizes the KV cache.
+  3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up.
+With several processes (`jax.distributed`), `start_multihost` does the same
+in lock-step: process 0 gets the engine, the others follow its steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import jax
+
+import checkpoints
+import sharding
+from checkpoints.layout import LoadedModel
+from checkpoints.quantize import load_quantized
+from serving.config import EngineConfig
+from serving.engine import LLMEngine, Runner
+from serving.runner import multihost
+from serving.runner.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
+  """The checkpoint on the host (a `LoadedModel` passes through)."""
+  if isinstance(model, LoadedModel):
+    return model
+  if config.quantization:  # GGUF blocks of the matching type stay quantized
+    return load_quantized(model, config.quantization)
+  return checkpoints.load_checkpoint(model)
+
+
+def build_engine(model: str | LoadedModel, config: EngineConfig, *,
+                 wrap_runner: Callable[[ModelRunner], Runner] | None = None) -> LLMEngine:
+  """A single-controller engine over all the devices `config` asks for.
+
+  `wrap_runner` puts another `Runner` around the model's (the benchmark's step
+  timer, the tests' fault injection).
+  """
+  loaded = load_model(model, config)
+  runner = ModelRunner(loaded.params, loaded.config, config)
+  return LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
+                   tokenizer=loaded.tokenizer, config=config,
+                   model_name=_model_name(model, loaded))
+
+
+def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | None:
+  """Every process calls this after `jax.distributed` start-up: process 0 gets the
+  engine (its runner announces each step), the others run the steps until process 0
+  shuts its engine down, then get None."""
+  devices = sharding.ParallelConfig.of(config).num_devices
+  if devices != len(jax.devices()):
+    raise ValueError(f"tp*ep*dp = {devices} must equal the {len(jax.devices())} devices of all "
+                     f"{jax.process_count()} processes (one global mesh runs every step)")
+  loaded = load_model(model, config)
+  config = multihost.agree_config(loaded.config, config)
+  runner = ModelRunner(loaded.params, loaded.config, config)
+  if jax.process_index() == 0:
+    return LLMEngine(runner=multihost.LeaderRunner(runner), tokenizer=loaded.tokenizer,
+                     config=config, model_name=_model_name(model, loaded))
+  runner.warm_up()
+  calls = multihost.follower_loop(runner)
+  log.info("follower %d: leader stopped after %d device calls", jax.process_index(), calls)
+  return None
+
+
+def _model_name(model: str | LoadedModel, loaded: LoadedModel) -> str:
+  return model if isinstance(model, str) else loaded.source

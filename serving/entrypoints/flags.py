@@ -1,0 +1,149 @@
+"""The `xlaserve` command's flags and the frozen configs made from them.
+
+Flags are defined only here and read only by the entry points (the launcher,
+`xlaserve bench`). Engine options resolve, last one wins: EngineConfig
+defaults < the model preset's `engine` block < `--config` preset
+(configs/<name>.json or a JSON path) < flags given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from absl import app, flags
+
+from checkpoints import presets
+from checkpoints.presets import CONFIGS_DIR
+from serving import config as config_lib
+from serving.config import EngineConfig
+
+FLAGS = flags.FLAGS
+
+# Shared.
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Model: preset name, HF dir, .gguf, orbax.")
+flags.DEFINE_string("config", None, "Engine preset: a name in configs/ (e.g. cpu-small) or a path.")
+# Engine (names and meaning of EngineConfig's fields; unset -> preset or default).
+flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests run together).")
+flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion, in tokens.")
+flags.DEFINE_integer("page_size", None, "Tokens per KV cache page.")
+flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from the memory fraction).")
+flags.DEFINE_float("kv_cache_memory_fraction", None, "Device memory share for the KV cache.")
+flags.DEFINE_integer("max_num_batched_tokens", None, "Token budget of one prefill step.")
+flags.DEFINE_bool("enable_prefix_caching", None, "Share KV pages of common prompt prefixes.")
+flags.DEFINE_enum("attention_backend", None, config_lib.ATTENTION_BACKENDS, "Attention kernel.")
+flags.DEFINE_enum("dtype", None, config_lib.DTYPES, "Weight / activation dtype.")
+flags.DEFINE_enum("weight_dtype", None, config_lib.DTYPES,
+                  "Dtype of unquantized weights (default: --dtype); e.g. bfloat16 weights with "
+                  "float32 activations.")
+flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
+flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8"], "Weight quantization.")
+flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
+flags.DEFINE_integer("ep", None, "Expert parallel degree.")
+flags.DEFINE_integer("dp", None, "Data parallel replicas.")
+flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
+flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
+flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
+flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
+flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none.")
+flags.DEFINE_bool("unroll_layers", None, "Unroll the layer loop (default: on CPU only).")
+ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
+                "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
+                "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
+                "tp", "ep", "dp",
+                "prefill_buckets", "attention_block_tokens", "compilation_cache",
+                "compilation_cache_dir", "seed", "unroll_layers")
+# serve.
+# Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
+flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index (0 serves).")
+flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 / :: for all).")
+flags.DEFINE_integer("http_port", 8000, "OpenAI-compatible HTTP port (-1 disables).")
+flags.DEFINE_integer("grpc_port", 9000, "gRPC port (-1 disables).")
+flags.DEFINE_string("served_model_name", None, "Model id clients use (default: --model).")
+flags.DEFINE_string("api_key", None, "Require this Bearer key (default: $XLASERVE_API_KEY).")
+flags.DEFINE_string("tls_cert", None, "PEM certificate: serve HTTPS and gRPC over TLS.")
+flags.DEFINE_string("tls_key", None, "PEM private key for --tls_cert.")
+flags.DEFINE_integer("max_queued_requests", 256, "Requests queued beyond max_num_seqs "
+                     "before HTTP 429 / RESOURCE_EXHAUSTED (-1: unlimited).")
+flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024,
+                     "Largest HTTP request body / gRPC request message.")
+flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, time allowed for in-flight requests.")
+# generate.
+flags.DEFINE_string("prompt", None, "generate: the prompt.")
+flags.DEFINE_bool("chat", False, "generate: treat --prompt as a user message (chat template).")
+flags.DEFINE_integer("max_tokens", 64, "generate: tokens to generate.")
+flags.DEFINE_float("temperature", 0.0, "generate: sampling temperature (0 = greedy).")
+flags.DEFINE_float("top_p", 1.0, "generate: nucleus sampling.")
+flags.DEFINE_integer("top_k", -1, "generate: top-k (-1 disables).")
+# batch / convert.
+flags.DEFINE_string("input", None, "batch: input JSONL (OpenAI batch format).")
+flags.DEFINE_string("output", None, "batch: output JSONL; convert: output directory.")
+flags.DEFINE_integer("max_concurrency", None, "batch: requests in flight (default 2 x slots).")
+
+
+def load_engine_preset(name_or_path: str) -> dict[str, Any]:
+  """EngineConfig kwargs from configs/<name>.json or a JSON file path."""
+  path = name_or_path
+  if not os.path.exists(path):
+    path = os.path.join(CONFIGS_DIR, f"{name_or_path.removesuffix('.json')}.json")
+  if not os.path.exists(path):
+    names = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json"))
+    raise app.UsageError(f"--config={name_or_path}: no such preset (configs/: {names})")
+  with open(path, encoding="utf-8") as f:
+    raw = json.load(f)
+  values = raw.get("engine", raw) if "package" in raw else raw
+  known = {f.name for f in dataclasses.fields(EngineConfig)}
+  unknown = sorted(set(values) - known - {"description"})
+  if unknown:
+    raise app.UsageError(f"--config={name_or_path}: unknown engine options {unknown}")
+  return {k: v for k, v in values.items() if k in known}
+
+
+def engine_config_from_flags() -> EngineConfig:
+  """EngineConfig from model preset defaults, --config and the flags given."""
+  values = presets.engine_defaults(FLAGS.model)
+  if FLAGS.config:
+    values.update(load_engine_preset(FLAGS.config))
+  for name in ENGINE_FLAGS:
+    if FLAGS[name].value is not None:
+      values[name] = FLAGS[name].value
+  if "quantization" in values and values["quantization"] == "none":
+    values["quantization"] = None
+  if values.get("prefill_buckets") is not None:
+    values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
+  try:
+    return EngineConfig(**values)
+  except (TypeError, ValueError) as e:
+    raise app.UsageError(f"invalid engine options: {e}") from None
+
+
+def serve_config_from_flags() -> Any:
+  """The `ServeConfig` of `xlaserve serve` (HTTP / gRPC options)."""
+  from serving.entrypoints.api_server import ServeConfig  # the server stack, only when serving
+
+  queued = None if FLAGS.max_queued_requests < 0 else FLAGS.max_queued_requests
+  try:
+    return ServeConfig(
+        served_model_name=FLAGS.served_model_name or FLAGS.model, host=FLAGS.host,
+        http_port=FLAGS.http_port, grpc_port=FLAGS.grpc_port,
+        api_key=FLAGS.api_key or os.environ.get("XLASERVE_API_KEY") or None,
+        tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_queued_requests=queued,
+        max_body_bytes=FLAGS.max_body_bytes, drain_timeout_s=FLAGS.drain_timeout_s)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+
+
+def batch_config_from_flags(config: EngineConfig) -> Any:
+  """The `BatchConfig` of `xlaserve batch`."""
+  from serving.entrypoints.batch import BatchConfig
+
+  if not FLAGS.input or not FLAGS.output:
+    raise app.UsageError("batch needs --input and --output")
+  return BatchConfig(
+      input_path=FLAGS.input, output_path=FLAGS.output,
+      served_model_name=FLAGS.served_model_name or FLAGS.model,
+      max_concurrency=FLAGS.max_concurrency or 2 * config.max_num_seqs)

@@ -1,0 +1,111 @@
+"""`LLM`: the Python API for notebooks and batch jobs (vLLM-style).
+
+    llm = LLM("smollm2-135m-instruct")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))
+
+`generate` submits every prompt to the engine and steps the engine loop in
+the calling thread until all are done (continuous batching across prompts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from checkpoints.presets import engine_defaults
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.entrypoints.engine_builder import build_engine
+from serving.types import RequestOutput, SamplingParams, TokenLogprob
+
+
+class LLM:
+  """Loads a model once and serves batched generate / chat calls."""
+
+  def __init__(self, model: str = "smollm2-135m-instruct", *, engine: LLMEngine | None = None,
+               **engine_kwargs):
+    """`engine_kwargs` override the preset's engine defaults (configs/<preset>.json).
+
+    `engine`: serve an engine built elsewhere instead (then `model` is unused).
+    """
+    if engine is None:
+      options = {**engine_defaults(model), **engine_kwargs}
+      engine = build_engine(model, EngineConfig(**options))
+    self.engine = engine
+    self._ids = itertools.count()
+
+  def get_tokenizer(self):
+    return self.engine.tokenizer
+
+  def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               use_tqdm: bool = False) -> list[RequestOutput]:
+    """Generates for each prompt (text or token ids); outputs in prompt order."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+      prompts = [prompts]
+    params = sampling_params or SamplingParams()
+    params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    if len(params_list) != len(prompts):
+      raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+    results: dict[str, RequestOutput] = {}
+    order = []
+    for prompt, p in zip(prompts, params_list, strict=True):
+      rid = f"llm-{next(self._ids)}"
+      order.append(rid)
+      self.engine.add_request(rid, prompt, p, _Accumulator(rid, results))
+    if self.engine._thread is not None:
+      raise RuntimeError("the engine runs in a background thread; use its async front end")
+    self.engine.run_until_idle()
+    return [results[rid] for rid in order]
+
+  def chat(self, messages: list[dict] | list[list[dict]],
+           sampling_params: SamplingParams | None = None, **template_kwargs):
+    """Applies the chat template, then generates; one conversation or a list of them."""
+    single = bool(messages) and isinstance(messages[0], dict)
+    conversations = [messages] if single else messages
+    tok = self.engine.tokenizer
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False,
+                                       **template_kwargs) for c in conversations]
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    outs = self.generate(ids, sampling_params)
+    return outs
+
+  def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+             ) -> Iterator[RequestOutput]:
+    """Yields delta outputs of one request as the engine produces them."""
+    deltas: list[RequestOutput] = []
+    rid = f"llm-{next(self._ids)}"
+    self.engine.add_request(rid, prompt, sampling_params or SamplingParams(), deltas.append)
+    while True:
+      while not deltas and self.engine.has_unfinished():
+        self.engine.step()
+      if not deltas:
+        return
+      out = deltas.pop(0)
+      yield out
+      if out.finished:
+        return
+
+
+class _Accumulator:
+  """Callback merging delta outputs into one cumulative RequestOutput."""
+
+  def __init__(self, rid: str, results: dict[str, RequestOutput]):
+    self.rid, self.results = rid, results
+    self.logprobs: list[TokenLogprob] = []
+
+  def __call__(self, delta: RequestOutput) -> None:
+    cur = self.results.get(self.rid)
+    if cur is None:
+      cur = RequestOutput(request_id=self.rid, prompt_token_ids=delta.prompt_token_ids, text="",
+                          token_ids=[])
+      self.results[self.rid] = cur
+    cur.text += delta.text
+    cur.token_ids = cur.token_ids + delta.token_ids
+    if delta.logprobs is not None:
+      self.logprobs.extend(delta.logprobs)
+      cur.logprobs = self.logprobs
+    cur.finish_reason = delta.finish_reason
+    cur.stop_reason = delta.stop_reason
+    cur.error = delta.error

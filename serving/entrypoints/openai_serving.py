@@ -1,0 +1,316 @@
+"""OpenAI completions / chat completions on top of `AsyncEngine`, transport-free.
+
+Shared by the HTTP server (JSON and SSE) and the batch runner (JSON lines).
+One request becomes `len(prompts) * n` engine requests ("choices"):
+  1. `prepare_*` validates the request, applies the chat template, tokenizes
+     and checks lengths against `max_model_len` (APIError 4xx on bad input).
+  2. `submit` admits every choice or none (queue limit -> 429, draining -> 503,
+     engine ValueError -> 400); a failure aborts the choices already admitted.
+  3. `merge()` interleaves the choices' deltas; leaving it early (client gone,
+     task cancelled) aborts every unfinished choice, freeing its KV pages.
+  4. `run` returns the final JSON body; `chunks` yields the streaming chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serving.entrypoints.async_engine import (
+  AsyncEngine,
+  RequestStream,
+  ServerBusyError,
+  ServerDrainingError,
+)
+from serving.entrypoints.openai_protocol import (
+  APIError,
+  ChatCompletionRequest,
+  CompletionRequest,
+  DetokenizeRequest,
+  TokenizeRequest,
+)
+from serving.types import RequestOutput, SamplingParams
+
+
+@dataclasses.dataclass
+class Choice:
+  """One engine request of an API request, accumulated from its deltas."""
+
+  index: int
+  prompt_ids: list[int]
+  params: SamplingParams
+  sample_index: int = 0  # which of the n samples of its prompt (usage counts a prompt once)
+  text: str = ""
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[Any] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+  error: str | None = None
+  sent_role: bool = False
+
+
+@dataclasses.dataclass
+class Job:
+  """A prepared API request: its id, kind and choices."""
+
+  id: str
+  kind: str  # "completion" | "chat"
+  model: str
+  choices: list[Choice]
+  num_logprobs: int | None
+  created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+  def usage(self) -> dict[str, int]:
+    prompt = sum(len(c.prompt_ids) for c in self.choices if c.sample_index == 0)
+    completion = sum(len(c.token_ids) for c in self.choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+class OpenAIServing:
+  """Turns OpenAI request models into engine requests and responses."""
+
+  def __init__(self, engine: AsyncEngine, model_names: list[str]):
+    self.engine = engine
+    self.model_names = model_names
+    self.tokenizer = engine.tokenizer
+
+  # 1. Preparation ------------------------------------------------------------
+
+  def models(self) -> dict[str, Any]:
+    created = int(time.time())
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "xlaserve",
+         "max_model_len": self.engine.max_model_len} for name in self.model_names]}
+
+  def check_model(self, name: str) -> None:
+    if name not in self.model_names:
+      raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                     code="model_not_found")
+
+  def prepare_completion(self, req: CompletionRequest) -> Job:
+    self.check_model(req.model)
+    req.check_supported()
+    prompts = [self.tokenize_prompt(p, add_special_tokens=True) for p in req.prompts()]
+    choices = []
+    for ids in prompts:
+      max_tokens = self.resolve_max_tokens(ids, req.max_tokens, 16)
+      for i in range(req.n):
+        params = req.sampling_params(max_tokens, req.logprobs, i)
+        choices.append(Choice(len(choices), ids, params, i))
+    return Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices, req.logprobs)
+
+  def prepare_chat(self, req: ChatCompletionRequest) -> Job:
+    self.check_model(req.model)
+    req.check_supported()
+    text = self.render_chat(req.message_dicts(), req.add_generation_prompt,
+                            req.chat_template_kwargs)
+    ids = self.tokenize_prompt(text, add_special_tokens=False)
+    max_tokens = self.resolve_max_tokens(ids, req.requested_max_tokens(), None)
+    n_lp = req.num_logprobs()
+    choices = [Choice(i, ids, req.sampling_params(max_tokens, n_lp, i), i)
+               for i in range(req.n)]
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp)
+
+  def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                  template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template applied to `messages` (APIError 400 if it fails)."""
+    try:
+      return self.tokenizer.apply_chat_template(
+          messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+          **(template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 -- template errors come from the client's input
+      raise APIError(400, f"chat template could not be applied: {e}", param="messages") from e
+
+  def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    if isinstance(prompt, str):
+      try:
+        prompt.encode("utf-8")
+      except UnicodeEncodeError:
+        raise APIError(400, "prompt is not valid UTF-8 (lone surrogate)", param="prompt") from None
+      ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if prompt else []
+    else:
+      ids = list(prompt)
+      vocab = self.tokenizer.vocab_size
+      if any(not 0 <= t < vocab for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    if not ids:
+      raise APIError(400, "prompt must not be empty", param="prompt")
+    limit = self.engine.max_model_len
+    if len(ids) >= limit:
+      raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt "
+                     f"has {len(ids)} tokens.", param="prompt", code="context_length_exceeded")
+    return ids
+
+  def resolve_max_tokens(self, ids: list[int], requested: int | None, default: int | None) -> int:
+    room = self.engine.max_model_len - len(ids)
+    if requested is None:
+      return min(default, room) if default is not None else room
+    if requested > room:
+      raise APIError(400, f"max_tokens={requested} is too large: the prompt has {len(ids)} "
+                     f"tokens and max_model_len is {self.engine.max_model_len}, leaving "
+                     f"{room}.", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+  def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    if req.model is not None:
+      self.check_model(req.model)
+    req.check()
+    if req.messages is not None:
+      text = self.render_chat([{"role": m.role, "content": m.text()} for m in req.messages],
+                              req.add_generation_prompt)
+      ids = self.tokenizer.encode(text, add_special_tokens=False)
+    else:
+      ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+  def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    if req.model is not None:
+      self.check_model(req.model)
+    vocab = self.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+      raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": self.tokenizer.decode(req.tokens)}
+
+  # 2-3. Submission and streaming ---------------------------------------------
+
+  def submit(self, job: Job) -> list[RequestStream]:
+    """Admits every choice of `job` or none; maps admission errors to APIError."""
+    streams: list[RequestStream] = []
+    try:
+      for c in job.choices:
+        streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}"))
+    except (ServerBusyError, ServerDrainingError, ValueError) as e:
+      for s in streams:
+        s.abort()
+      raise admission_error(e) from None
+    except BaseException:
+      for s in streams:
+        s.abort()
+      raise
+    return streams
+
+  async def merge(self, job: Job, streams: list[RequestStream]
+                  ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """Yields (choice, delta) as deltas arrive, accumulating them into the choice."""
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+      async for out in stream:
+        queue.put_nowait((i, out))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+      remaining = len(streams)
+      while remaining:
+        i, out = await queue.get()
+        choice = job.choices[i]
+        choice.text += out.text
+        choice.token_ids += out.token_ids
+        choice.logprobs += out.logprobs or []
+        if out.finished:
+          remaining -= 1
+          choice.finish_reason, choice.error = out.finish_reason, out.error
+        yield choice, out
+    finally:
+      for t in tasks:
+        t.cancel()
+      for s in streams:
+        s.abort()
+
+  # 4. Responses ---------------------------------------------------------------
+
+  async def run(self, job: Job) -> dict[str, Any]:
+    """Runs a prepared job to completion and returns the response body."""
+    streams = self.submit(job)
+    async with contextlib.aclosing(self.merge(job, streams)) as deltas:
+      async for _ in deltas:
+        pass
+    for c in job.choices:
+      if c.finish_reason == "error":
+        raise APIError(500, f"generation failed: {c.error}", type="server_error")
+    if job.kind == "chat":
+      choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": self._chat_logprobs(c.logprobs, job),
+                  "finish_reason": c.finish_reason} for c in job.choices]
+      obj = "chat.completion"
+    else:
+      choices = [{"index": c.index, "text": c.text, "logprobs": self._completion_logprobs(
+          c.logprobs, job), "finish_reason": c.finish_reason} for c in job.choices]
+      obj = "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+            "choices": choices, "usage": job.usage()}
+
+  async def chunks(self, job: Job, streams: list[RequestStream], include_usage: bool,
+                   continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
+    """Yields the streaming chunk objects of an admitted job."""
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    head = {"id": job.id, "object": obj, "created": job.created, "model": job.model}
+    async with contextlib.aclosing(self.merge(job, streams)) as deltas:
+      async for choice, out in deltas:
+        yield self._chunk(job, head, choice, out, include_usage, continuous_usage)
+    if include_usage:
+      yield {**head, "choices": [], "usage": job.usage()}
+
+  def _chunk(self, job: Job, head: dict[str, Any], choice: Choice, out: RequestOutput,
+             include_usage: bool, continuous_usage: bool) -> dict[str, Any]:
+    if out.finish_reason == "error":
+      return {"error": APIError(500, f"generation failed: {out.error}",
+                                type="server_error").body()["error"]}
+    if job.kind == "chat":
+      delta: dict[str, Any] = {"content": out.text}
+      if not choice.sent_role:
+        delta["role"], choice.sent_role = "assistant", True
+      c = {"index": choice.index, "delta": delta,
+           "logprobs": self._chat_logprobs(out.logprobs, job)}
+    else:
+      offset = len(choice.text) - len(out.text)
+      c = {"index": choice.index, "text": out.text,
+           "logprobs": self._completion_logprobs(out.logprobs, job, offset)}
+    c["finish_reason"] = out.finish_reason
+    chunk = {**head, "choices": [c]}
+    if include_usage:
+      chunk["usage"] = job.usage() if continuous_usage else None
+    return chunk
+
+  def _token_str(self, token_id: int) -> str:
+    return self.tokenizer.decode([token_id])
+
+  def _completion_logprobs(self, lps: list[Any] | None, job: Job,
+                           offset: int = 0) -> dict[str, Any] | None:
+    if job.num_logprobs is None:
+      return None
+    tokens = [self._token_str(lp.token_id) for lp in lps or []]
+    offsets, pos = [], offset
+    for t in tokens:
+      offsets.append(pos)
+      pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps or []],
+            "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in lps or []],
+            "text_offset": offsets}
+
+  def _chat_logprobs(self, lps: list[Any] | None, job: Job) -> dict[str, Any] | None:
+    if job.num_logprobs is None:
+      return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+      s = self._token_str(token_id)
+      return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps or []]}
+
+
+def admission_error(e: Exception) -> APIError:
+  """The APIError for a refused admission (queue full, draining, engine ValueError)."""
+  if isinstance(e, ServerBusyError):
+    return APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(e.retry_after_s)})
+  if isinstance(e, ServerDrainingError):
+    return APIError(503, str(e), type="server_error", code="server_draining")
+  return APIError(400, str(e), code="invalid_value")

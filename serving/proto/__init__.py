@@ -1,4 +1,0 @@
-"""Versioned gRPC API definitions (`xlaserve/v1/*.proto`) and their generated stubs.
-
-The stubs are checked in; `python -m serving.proto.generate` regenerates them.
-"""

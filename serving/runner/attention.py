@@ -1,0 +1,225 @@
+"""Paged attention for the engine, with a backend switch.
+
+- `xla`: the pure-jnp paged attention below: a flash-style loop over blocks
+  of pages that stops at the longest sequence, so cost follows the context
+  in use, not `max_model_len`, and one program serves every context length.
+  It is the CPU path.
+- `pallas`: `kernels_pallas` (Mosaic TPU on TPU, the GPU kernel on GPU).
+- `pallas_interpret`: the same kernels in Pallas interpret mode (CPU tests).
+- `auto`: `pallas` on TPU/GPU, `xla` on CPU.
+
+Block tables hold per-layer page ids; both entry points add `layer * P`
+(see kv_cache.py). Letters: B batch, T query tokens, S key tokens,
+N query heads, K kv heads, G = N/K, H head dim, W block-table width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from serving.runner.kv_cache import KVCache, from_storage
+
+_NEG = -1e30
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+  """Maps a configured backend (incl. "auto") to "xla" | "pallas" | "pallas_interpret"."""
+  platform = platform or jax.default_backend()
+  if backend == "auto":
+    return "pallas" if platform in ("tpu", "gpu", "cuda", "rocm") else "xla"
+  if backend == "pallas" and platform == "cpu":
+    raise ValueError("attention_backend='pallas' needs a TPU or GPU; use 'pallas_interpret' "
+                     "to run the kernels on CPU")
+  return backend
+
+
+def _kernel_impl() -> str:
+  return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def _gather_pages(pages: jax.Array, block_tables: jax.Array, kv: KVCache) -> jax.Array:
+  """pages [L*P, ps, K, H], block_tables [..., W] -> [..., W*ps, K, H] (compute dtype)."""
+  g = from_storage(pages[block_tables], kv)  # [..., W, ps, K, H]
+  return g.reshape(*block_tables.shape[:-1], -1, *g.shape[-2:])
+
+
+def _softcap(s: jax.Array, soft_cap: float | None) -> jax.Array:
+  return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _online_softmax_update(carry, s, v, valid):
+  """One key block of flash-style attention.
+
+  carry: (m [..., Q], l [..., Q], acc [..., Q, H]); s [..., Q, S] f32 scores;
+  v [..., S, H]; valid [..., Q, S] (broadcastable).
+  """
+  m, l, acc = carry
+  s = jnp.where(valid, s, _NEG)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
+  alpha = jnp.exp(m - m_new)
+  l = l * alpha + jnp.sum(p, axis=-1)
+  acc = acc * alpha[..., None] + jnp.einsum("...qs,...sh->...qh", p.astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
+  return m_new, l, acc
+
+
+def _block_pages(width: int, page_size: int, block_tokens: int) -> int:
+  pages = max(1, block_tokens // page_size)
+  if width % pages:
+    raise ValueError(f"block table width {width} is not a multiple of {pages} pages per block")
+  return pages
+
+
+def xla_decode_attention(q, kv: KVCache, block_tables, seq_lens, *, scale: float,
+                         sliding_window: int | None = None, soft_cap: float | None = None,
+                         block_tokens: int = 128):
+  """q [B, N, H]; block_tables [B, W] (layer-offset); seq_lens [B] -> [B, N, H].
+
+  A while loop over blocks of `block_tokens` keys runs only up to the longest
+  sequence in the batch, so the cost follows the context in use, not W.
+  """
+  b, n, h = q.shape
+  ps, nk = kv.k.shape[1], kv.k.shape[2]
+  bp = _block_pages(block_tables.shape[1], ps, block_tokens)
+  qg = q.reshape(b, nk, n // nk, h).astype(kv.compute_dtype)  # [B, K, G, H]
+  n_blocks = (jnp.max(seq_lens) + bp * ps - 1) // (bp * ps)
+
+  def body(i, carry):
+    kc, vc, carry = carry[0], carry[1], carry[2:]
+    tables = jax.lax.dynamic_slice_in_dim(block_tables, i * bp, bp, axis=1)  # [B, bp]
+    k = _gather_pages(kc, tables, kv)  # [B, S, K, H]
+    v = _gather_pages(vc, tables, kv)
+    s = jnp.einsum("bkgh,bskh->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = _softcap(s, soft_cap)[:, :, :, None, :]  # [B, K, G, 1, S]
+    pos = i * bp * ps + jnp.arange(bp * ps)[None, :]  # [1, S]
+    valid = pos < seq_lens[:, None]
+    if sliding_window is not None:
+      valid &= pos > seq_lens[:, None] - 1 - sliding_window
+    # Zero values of masked keys: pages past a sequence may hold anything (NaN).
+    v = jnp.where(valid[:, :, None, None], v, 0)
+    vk = jnp.swapaxes(v, 1, 2)[:, :, None]  # [B, K, 1, S, H]
+    return kc, vc, *_online_softmax_update(carry, s, vk, valid[:, None, None, None, :])
+
+  # The cache rides in the loop carry so XLA updates it in place afterwards.
+  init = (kv.k, kv.v, jnp.full((b, nk, n // nk, 1), _NEG, jnp.float32),
+          jnp.zeros((b, nk, n // nk, 1), jnp.float32),
+          jnp.zeros((b, nk, n // nk, 1, h), jnp.float32))
+  kc, vc, _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]
+  return out.reshape(b, n, h).astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
+
+
+def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale: float,
+                          sliding_window: int | None = None, soft_cap: float | None = None,
+                          block_tokens: int = 128):
+  """One sequence's chunk, causal over its pages (flash-style, XLA).
+
+  q [T, N, H], row i at position q_start + i; block_table [W] (layer-offset);
+  kv_len [] keys in the cache after the chunk. Loops over key blocks up to
+  kv_len only. Padding rows (positions >= kv_len) produce values to ignore.
+  """
+  t, n, h = q.shape
+  ps, nk = kv.k.shape[1], kv.k.shape[2]
+  g = n // nk
+  bp = _block_pages(block_table.shape[0], ps, block_tokens)
+  # [T, N, H] -> [K, G*T, H]
+  qg = jnp.transpose(q.reshape(t, nk, g, h), (1, 2, 0, 3)).reshape(nk, g * t, h)
+  qg = qg.astype(kv.compute_dtype)
+  q_pos = jnp.tile(q_start + jnp.arange(t), g)  # [G*T]
+  n_blocks = (kv_len + bp * ps - 1) // (bp * ps)
+
+  def body(i, carry):
+    kc, vc, carry = carry[0], carry[1], carry[2:]
+    table = jax.lax.dynamic_slice_in_dim(block_table, i * bp, bp)  # [bp]
+    k = jnp.swapaxes(_gather_pages(kc, table, kv), 0, 1)  # [K, S, H]
+    v = jnp.swapaxes(_gather_pages(vc, table, kv), 0, 1)
+    s = jnp.einsum("kqh,ksh->kqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = _softcap(s, soft_cap)
+    pos = i * bp * ps + jnp.arange(bp * ps)  # [S]
+    valid = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len)
+    if sliding_window is not None:
+      valid &= pos[None, :] > q_pos[:, None] - sliding_window
+    v = jnp.where((pos < kv_len)[None, :, None], v, 0)  # pages past kv_len may hold NaN
+    return kc, vc, *_online_softmax_update(carry, s, v, valid[None])
+
+  init = (kv.k, kv.v, jnp.full((nk, g * t), _NEG, jnp.float32),
+          jnp.zeros((nk, g * t), jnp.float32), jnp.zeros((nk, g * t, h), jnp.float32))
+  kc, vc, _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G*T, H]
+  # [K, G*T, H] -> [T, N, H]
+  out = jnp.transpose(out.reshape(nk, g, t, h), (2, 0, 1, 3)).reshape(t, n, h)
+  return out.astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
+
+
+def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, scale: float,
+                         sliding_window: int | None = None, soft_cap: float | None = None):
+  """Causal attention of S sequences' new queries over their pages.
+
+  q [T, N, H] (sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1]); block_tables
+  [S, W] (layer-offset); kv_lens [S] keys per sequence including the new
+  queries. Cost is O(T * S * W * page_size): the engine sends one sequence
+  per prefill call (S = 1), where it is plain causal attention.
+  """
+  t, n, h = q.shape
+  nseq = block_tables.shape[0]
+  nk = kv.k.shape[2]
+  k = _gather_pages(kv.k, block_tables, kv)  # [S, Skv, K, H]
+  v = _gather_pages(kv.v, block_tables, kv)
+  kpos = jnp.arange(k.shape[1])
+  v = jnp.where((kpos[None, :] < kv_lens[:, None])[:, :, None, None], v, 0)  # NaN-safe
+  rows = jnp.arange(t)
+  seg = jnp.sum(rows[:, None] >= cu_q_lens[None, 1:], axis=1)  # [T] sequence of each row
+  seg_c = jnp.minimum(seg, nseq - 1)
+  q_len = cu_q_lens[seg_c + 1] - cu_q_lens[seg_c]
+  q_pos = kv_lens[seg_c] - q_len + (rows - cu_q_lens[seg_c])  # [T]
+  key_pos = jnp.arange(k.shape[1])  # [Skv]
+  # [T, S, Skv]: key of sequence s at position j is visible to row t
+  valid = (seg[:, None, None] == jnp.arange(nseq)[None, :, None]) & (
+      key_pos[None, None, :] <= q_pos[:, None, None]) & (
+          key_pos[None, None, :] < kv_lens[None, :, None])
+  if sliding_window is not None:
+    valid &= key_pos[None, None, :] > q_pos[:, None, None] - sliding_window
+  qg = q.reshape(t, nk, n // nk, h)  # [T, K, G, H]
+  s = jnp.einsum("tkgh,sjkh->tkgsj", qg.astype(k.dtype), k,
+                 preferred_element_type=jnp.float32) * scale
+  s = _softcap(s, soft_cap)
+  vmask = valid[:, None, None, :, :]  # [T, 1, 1, S, Skv]
+  s = jnp.where(vmask, s, _NEG)
+  p = jax.nn.softmax(s.reshape(t, nk, n // nk, -1), axis=-1).reshape(s.shape)
+  p = jnp.where(vmask, p, 0.0)
+  out = jnp.einsum("tkgsj,sjkh->tkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(t, n, h).astype(q.dtype)
+
+
+def decode_attention(backend: str, q, kv: KVCache, block_tables, seq_lens, *,
+                     block_tokens: int = 128, **kw):
+  """Dispatches decode attention to the resolved backend; returns (out, kv)."""
+  if backend == "xla":
+    return xla_decode_attention(q, kv, block_tables, seq_lens, block_tokens=block_tokens, **kw)
+  import kernels_pallas
+  return kernels_pallas.paged_decode_attention(
+      q, from_storage(kv.k, kv), from_storage(kv.v, kv), block_tables, seq_lens,
+      impl=_kernel_impl(), interpret=backend == "pallas_interpret", **kw), kv
+
+
+def ragged_attention(backend: str, q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *,
+                     block_tokens: int = 128, **kw):
+  """Dispatches prefill (ragged) attention to the resolved backend; returns (out, kv).
+
+  The XLA path has a blocked fast path for one sequence (what the engine
+  sends) and the general gather formulation for several.
+  """
+  if backend == "xla":
+    if block_tables.shape[0] == 1:
+      q_start = kv_lens[0] - (cu_q_lens[1] - cu_q_lens[0])
+      return xla_prefill_attention(q, kv, block_tables[0], q_start, kv_lens[0],
+                                   block_tokens=block_tokens, **kw)
+    return xla_ragged_attention(q, kv, block_tables, cu_q_lens, kv_lens, **kw), kv
+  import kernels_pallas
+  return kernels_pallas.ragged_paged_attention(
+      q, from_storage(kv.k, kv), from_storage(kv.v, kv), block_tables, cu_q_lens, kv_lens,
+      impl=_kernel_impl(), interpret=backend == "pallas_interpret", **kw), kv

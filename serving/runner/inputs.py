@@ -1,0 +1,94 @@
+"""A `StepPlan` -> the steps' fixed-shape numpy inputs.
+
+Every array is padded to a bucket from `EngineConfig` (prefill tokens, decode
+rows, block-table width), so the set of shapes the device sees is fixed at
+warm-up. Everything is read from the plan when `build_step_inputs` runs, so
+the scheduler may move on to the next step afterwards.
+
+Sampling is seeded per request: the output token at index i of a request
+with seed s draws from `fold_in(key(s), i)`, whatever batch or row it lands
+in. A chunk ending at position `end` samples output index
+`end - len(prompt)`; a decode row at input position p samples `p + 1 - len(prompt)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from serving.config import EngineConfig, bucket_for
+from serving.runner.sampling import SamplingTensors
+from serving.runner.steps import DecodeInput, PrefillInput
+from serving.types import DecodeRow, PrefillChunk, Sequence, StepPlan
+
+
+@dataclasses.dataclass
+class StepInputs:
+  """The device calls of one step: a prefill per chunk, then one decode batch.
+
+  `prefill_ids[i]` is the request sampled by `prefills[i]` (None for a chunk
+  that samples nothing); `decode_ids` the requests of the decode rows.
+  """
+
+  prefills: list[PrefillInput]
+  prefill_ids: list[str | None]
+  decode: DecodeInput | None
+  decode_ids: list[str]
+
+
+def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
+  """Every input of the plan's device calls (see module doc)."""
+  prefills = [build_prefill_input(c, config) for c in plan.prefills]
+  ids = [c.seq.request_id if c.sample else None for c in plan.prefills]
+  decode = build_decode_input(plan.decodes, config) if plan.decodes else None
+  return StepInputs(prefills=prefills, prefill_ids=ids, decode=decode,
+                    decode_ids=[r.seq.request_id for r in plan.decodes])
+
+
+def kv_index(seq: Sequence, positions: np.ndarray, page_size: int) -> np.ndarray:
+  """Flat KV-pool index of each position: its page's first entry + the offset in it."""
+  pages = np.asarray(seq.pages, np.int32)
+  return pages[positions // page_size] * page_size + positions % page_size
+
+
+def build_prefill_input(chunk: PrefillChunk, config: EngineConfig) -> PrefillInput:
+  seq, n = chunk.seq, chunk.end - chunk.start
+  t = bucket_for(n, config.prefill_token_buckets)
+  tokens = np.zeros((t,), np.int32)
+  tokens[:n] = seq.token_ids()[chunk.start:chunk.end]
+  positions = np.zeros((t,), np.int32)
+  positions[:n] = np.arange(chunk.start, chunk.end)
+  index = np.zeros((t,), np.int32)
+  index[:n] = kv_index(seq, positions[:n], config.page_size)
+  is_output = np.zeros((t,), bool)
+  is_output[:n] = positions[:n] >= len(seq.prompt_ids)
+  used = -(-chunk.end // config.page_size)
+  table = np.zeros((1, config.block_table_width), np.int32)
+  table[0, :used] = seq.pages[:used]
+  output_index = chunk.end - len(seq.prompt_ids) if chunk.sample else 0
+  return PrefillInput(
+      tokens=tokens, positions=positions, kv_index=index, is_output=is_output,
+      num_tokens=np.int32(n), block_table=table, kv_len=np.array([chunk.end], np.int32),
+      decode_slot=np.int32(seq.decode_slot), reset=np.bool_(chunk.start == 0),
+      sampling=SamplingTensors.build([seq.params], [seq.seed], [output_index], 1))
+
+
+def build_decode_input(rows: list[DecodeRow], config: EngineConfig) -> DecodeInput:
+  b = bucket_for(len(rows), config.decode_batch_buckets)
+  width = config.block_table_width
+  slots = np.full((b,), config.max_num_seqs, np.int32)  # padding rows: the dummy slot
+  positions = np.zeros((b,), np.int32)
+  index = np.zeros((b,), np.int32)
+  tables = np.zeros((b, width), np.int32)
+  seq_lens = np.zeros((b,), np.int32)
+  for i, row in enumerate(rows):
+    seq, pos = row.seq, row.position
+    slots[i], positions[i], seq_lens[i] = seq.decode_slot, pos, pos + 1
+    index[i] = kv_index(seq, np.array([pos]), config.page_size)[0]
+    tables[i, :len(seq.pages)] = seq.pages
+  return DecodeInput(
+      decode_slots=slots, positions=positions, kv_index=index, block_tables=tables,
+      seq_lens=seq_lens,
+      sampling=SamplingTensors.build([r.seq.params for r in rows], [r.seq.seed for r in rows],
+                                     [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b))

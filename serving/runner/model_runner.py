@@ -1,0 +1,325 @@
+"""`ModelRunner`: weights and device state on the device(s), and the jitted steps.
+
+It implements the engine's `Runner` interface (serving/engine/runner_api.py).
+Lifecycle:
+  1. `ModelRunner(params, model_cfg, engine_cfg)` puts the weights on the
+     device(s) (a mesh when tp*ep*dp > 1, sharding/placement.py), sizes and
+     allocates the KV page pool and the per-slot sampler state.
+  2. `warm_up()` compiles every (bucket) program once — prefill per token
+     bucket, decode and sampling per batch bucket — and logs how many; the
+     executable store (executable_store.py) makes restarts cheap: it loads
+     compiled steps without tracing them.
+  3. `execute(plan=...)` builds the plan's fixed-shape inputs (inputs.py) and
+     dispatches them (`run`): asynchronous, it returns device arrays at once;
+     `fetch(handle=...)` waits for them and returns a typed `StepResult`.
+
+The runner never makes policy: the scheduler decides what runs. Device
+state (`steps.DeviceState`: KV pages, each decode slot's last sampled token,
+penalty counters) is donated into every step, so it is updated in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+
+import sharding
+from checkpoints.quantizers import quantize_params
+from serving.config import EngineConfig
+from serving.models import llama
+from serving.models.model_config import ModelConfig
+from serving.models.quantized import has_quantized, is_quantized, params_nbytes
+from serving.runner import attention, sampling
+from serving.runner.executable_store import ExecutableStore, StepProgram
+from serving.runner.inputs import StepInputs, build_step_inputs
+from serving.runner.kv_cache import create_kv_cache, kv_bytes_per_token
+from serving.runner.steps import (
+    DecodeInput,
+    DeviceState,
+    PrefillInput,
+    decode_step,
+    prefill_step,
+    sample_step,
+)
+from serving.types import SampledToken, StepPlan, StepResult, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtypes(engine_cfg: EngineConfig, platform: str) -> tuple[str, str]:
+  """(compute dtype, kv dtype) names after resolving "auto"."""
+  dtype = engine_cfg.dtype
+  if dtype == "auto":
+    dtype = "float32" if platform == "cpu" else "bfloat16"
+  kv = engine_cfg.kv_cache_dtype
+  if kv == "auto":
+    kv = dtype
+  return dtype, kv
+
+
+def resolve_weight_dtype(engine_cfg: EngineConfig, compute_dtype: str) -> str:
+  """Dtype of the unquantized weights: `weight_dtype`, or the compute dtype for "auto".
+
+  Matmuls cast activations to the weight dtype and accumulate in float32
+  (`llama.linear`), so bfloat16 weights under float32 compute read half the
+  bytes and take XLA:CPU's faster bf16 dot, while norms, attention and the
+  residual stream stay float32.
+  """
+  return compute_dtype if engine_cfg.weight_dtype == "auto" else engine_cfg.weight_dtype
+
+
+def put_params(params: dict, dtype) -> dict:
+  """Device-puts a params tree: float leaves as `dtype`, quantized leaves as stored."""
+  def put(a):
+    if is_quantized(a):
+      return jax.tree.map(jnp.asarray, a)
+    return jnp.asarray(a, dtype=dtype)
+
+  return jax.tree.map(put, params, is_leaf=is_quantized)
+
+
+
+def capacity_pages(model_cfg: ModelConfig, config: EngineConfig) -> int:
+  """KV pages from the memory budget, capped at what max_num_seqs can use."""
+  _, kv_dtype = resolve_dtypes(config, jax.default_backend())
+  page_bytes = config.page_size * kv_bytes_per_token(model_cfg, kv_dtype)
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and "bytes_limit" in stats:
+    budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * config.kv_cache_memory_fraction
+  else:
+    budget = psutil.virtual_memory().available * config.kv_cache_memory_fraction
+  cap = config.max_num_seqs * config.max_pages_per_seq + 1
+  pages = min(int(budget // page_bytes), cap)
+  if pages < config.max_pages_per_seq + 1:
+    raise ValueError(f"KV budget of {budget / 2**30:.2f} GiB holds {pages} pages; one request at "
+                     f"max_model_len={config.max_model_len} needs {config.max_pages_per_seq + 1}. "
+                     "Raise kv_cache_memory_fraction or lower max_model_len.")
+  return pages
+
+
+@dataclasses.dataclass
+class StepHandle:
+  """An executed step: request ids and the device arrays of their samples."""
+
+  prefill_ids: list[str]
+  prefill_outs: list[sampling.SampleOutput]
+  decode_ids: list[str]
+  decode_out: sampling.SampleOutput | None
+  logprobs: dict[str, int]  # request id -> top alternatives wanted (absent: no logprobs)
+
+
+class ModelRunner:
+  """Holds weights and device state; runs bucketed, jitted steps (see module doc)."""
+
+  def __init__(self, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
+               num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None):
+    # Sharded when tp*ep*dp > 1 or a mesh is given (sharding/placement.py).
+    self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
+    placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
+    if placement is not None and (engine_cfg.quantization or has_quantized(params)):
+      raise NotImplementedError("quantized weights on a mesh (tp/ep/dp > 1) are not supported "
+                                "yet; serve them on one device or without quantization")
+    if placement is not None:
+      _enable_jax_compilation_cache(engine_cfg)
+      params, model_cfg = placement.adapt(params), placement.model_cfg
+    self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
+    self.vocab_size = model_cfg.vocab_size
+    platform = jax.default_backend()
+    self.dtype_name, self.kv_dtype_name = resolve_dtypes(engine_cfg, platform)
+    self.weight_dtype_name = resolve_weight_dtype(engine_cfg, self.dtype_name)
+    self.backend = attention.resolve_backend(engine_cfg.attention_backend, platform)
+    dtype = jnp.dtype(self.dtype_name)
+    if engine_cfg.quantization:  # on the host, before anything reaches the device
+      params = quantize_params(params, engine_cfg.quantization)
+    unroll = engine_cfg.unroll_layers
+    if unroll if unroll is not None else platform == "cpu":
+      params = llama.unstack_layers(params)
+    weight_dtype = jnp.dtype(self.weight_dtype_name)
+    if placement is not None:
+      self.params = placement.place_params(params, weight_dtype)
+    else:
+      self.params = put_params(params, weight_dtype)  # quantized leaves keep their dtypes
+    self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(model_cfg, engine_cfg)
+    self.state = self._initial_state(placement)
+    kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
+              block_tokens=engine_cfg.attention_block_tokens)
+    jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
+    # Warm starts load the compiled steps from disk instead of tracing them.
+    store = ExecutableStore.for_runner(engine_cfg.compilation_cache,
+                                       engine_cfg.compilation_cache_dir, placement is not None)
+    self._store = store
+    static = repr(sorted(kw.items()))
+    self._prefill = StepProgram("prefill", jit(functools.partial(prefill_step, **kw),
+                                               donate_argnums=(1,)),
+                                static=static, num_fixed=2, store=store)
+    self._decode = StepProgram("decode", jit(functools.partial(decode_step, **kw),
+                                             donate_argnums=(1,)),
+                               static=static, num_fixed=2, store=store)
+    self._sample = StepProgram("sample", jit(sample_step, donate_argnums=(0,)), static="",
+                               num_fixed=1, store=store)
+    self._log_capacity()
+
+  def _initial_state(self, placement) -> DeviceState:
+    ec, cfg = self.engine_cfg, self.model_cfg
+    slots = ec.max_num_seqs + 1  # + the dummy slot padding rows write to
+    kv_sharding = placement.kv_sharding if placement is not None else None
+    state = DeviceState(
+        kv=create_kv_cache(cfg, self.num_pages, ec.page_size, self.kv_dtype_name, kv_sharding),
+        last_tokens=jnp.zeros((slots,), jnp.int32),
+        prompt_mask=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
+        output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
+    if placement is None:
+      return state
+    rest = placement.replicate(dataclasses.replace(state, kv=None))
+    return dataclasses.replace(rest, kv=state.kv)
+
+  # ---- the Runner interface ----
+
+  def execute(self, *, plan: StepPlan) -> StepHandle:
+    """Builds every input of the plan first, then dispatches them (asynchronous)."""
+    return self.run(build_step_inputs(plan, self.engine_cfg))
+
+  def fetch(self, *, handle: StepHandle) -> StepResult:
+    """Waits for the step's samples and reads them per request."""
+    prefill_outs, decode_out = jax.device_get((handle.prefill_outs, handle.decode_out))
+    tokens: dict[str, SampledToken] = {}
+    rows = [(rid, out, 0) for rid, out in zip(handle.prefill_ids, prefill_outs, strict=True)]
+    rows += [(rid, decode_out, i) for i, rid in enumerate(handle.decode_ids)]
+    for rid, out, row in rows:
+      token = int(out.tokens[row])
+      n = handle.logprobs.get(rid)
+      logprob = None
+      if n is not None:
+        top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row][:n],
+                                                     out.top_logprobs[row][:n], strict=True)]
+        logprob = TokenLogprob(token, float(out.logprob[row]), top)
+      tokens[rid] = SampledToken(token_id=token, logprob=logprob)
+    return StepResult(tokens=tokens)
+
+  def close(self) -> None:
+    """Nothing to release: device memory goes with the runner."""
+
+  def run(self, inputs: StepInputs) -> StepHandle:
+    """Dispatches a step's prefill chunks, then its decode batch (asynchronous)."""
+    ids, outs, logprobs = [], [], {}
+    for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
+      out = self.run_prefill(inp, sample=rid is not None)
+      if rid is not None:
+        ids.append(rid)
+        outs.append(out)
+        logprobs[rid] = int(inp.sampling.num_logprobs[0])
+    decode = None
+    if inputs.decode is not None:
+      decode = self.run_decode(inputs.decode)
+      wanted = inputs.decode.sampling.num_logprobs
+      logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
+    return StepHandle(prefill_ids=ids, prefill_outs=outs, decode_ids=list(inputs.decode_ids),
+                      decode_out=decode, logprobs={k: n for k, n in logprobs.items() if n >= 0})
+
+  def run_prefill(self, inp: PrefillInput, sample: bool = True) -> sampling.SampleOutput | None:
+    """Runs a chunk; samples the next token only for a sequence's last chunk."""
+    self.state, logits = self._prefill(self.params, self.state, inp)
+    if not sample:
+      return None
+    self.state, out = self._sample(self.state, logits, inp.decode_slot[None], inp.sampling)
+    return out
+
+  def run_decode(self, inp: DecodeInput) -> sampling.SampleOutput:
+    self.state, logits = self._decode(self.params, self.state, inp)
+    self.state, out = self._sample(self.state, logits, inp.decode_slots, inp.sampling)
+    return out
+
+  # ---- compilation ----
+
+  def warm_up(self) -> int:
+    """Compiles (or loads) every bucket's program; returns the count.
+
+    Programs: one prefill per token bucket, one decode and one sampler per
+    batch bucket (+ the single-row sampler prefill uses). With an executable
+    store they are loaded in parallel threads and compiled only when missing,
+    without running anything; without one, each is run once on dummy inputs.
+    """
+    start = time.perf_counter()
+    programs = self._bucket_programs()
+    if self._store is not None:
+      with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda p: p[0].try_load(*p[1]), programs))
+      for step, args in programs:
+        step.prepare(*args)
+    else:
+      ec = self.engine_cfg
+      for t in ec.prefill_token_buckets:
+        jax.block_until_ready(self.run_prefill(self.dummy_prefill(t)))
+      for b in ec.decode_batch_buckets:
+        jax.block_until_ready(self.run_decode(self.dummy_decode(b)))
+    steps = (self._prefill, self._decode, self._sample)
+    n = sum(s.num_programs() for s in steps)
+    log.info("compiled %d programs (%d prefill, %d decode, %d sampler; %d loaded from the "
+             "executable store) in %.1fs", n, *(s.num_programs() for s in steps),
+             sum(s.loaded for s in steps), time.perf_counter() - start)
+    return n
+
+  def _bucket_programs(self) -> list[tuple[StepProgram, tuple]]:
+    """(step, arguments) of every program serving can run; logits as abstract values."""
+    ec, vocab = self.engine_cfg, self.model_cfg.vocab_size
+    out = []
+    for t in ec.prefill_token_buckets:
+      out.append((self._prefill, (self.params, self.state, self.dummy_prefill(t))))
+    for b in ec.decode_batch_buckets:
+      out.append((self._decode, (self.params, self.state, self.dummy_decode(b))))
+    for b in sorted({1, *ec.decode_batch_buckets}):
+      inp = self.dummy_decode(b)
+      logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
+      out.append((self._sample, (self.state, logits, inp.decode_slots, inp.sampling)))
+    return out
+
+  def dummy_prefill(self, t: int) -> PrefillInput:
+    """A padding-only chunk of T tokens: writes into page 0 and the dummy slot."""
+    ec = self.engine_cfg
+    z, w = np.zeros((t,), np.int32), ec.block_table_width
+    return PrefillInput(tokens=z, positions=z, kv_index=z, is_output=np.zeros(t, bool),
+                        num_tokens=np.int32(1), block_table=np.zeros((1, w), np.int32),
+                        kv_len=np.ones((1,), np.int32), decode_slot=np.int32(ec.max_num_seqs),
+                        reset=np.bool_(True),
+                        sampling=sampling.SamplingTensors.build([], [], [], 1))
+
+  def dummy_decode(self, b: int) -> DecodeInput:
+    """A padding-only decode batch of B rows."""
+    ec = self.engine_cfg
+    z, w = np.zeros((b,), np.int32), ec.block_table_width
+    return DecodeInput(decode_slots=np.full((b,), ec.max_num_seqs, np.int32), positions=z,
+                       kv_index=z, block_tables=np.zeros((b, w), np.int32), seq_lens=z,
+                       sampling=sampling.SamplingTensors.build([], [], [], b))
+
+  def _log_capacity(self) -> None:
+    c = self.engine_cfg
+    per_tok = kv_bytes_per_token(self.model_cfg, self.kv_dtype_name)
+    tokens = (self.num_pages - 1) * c.page_size
+    fmt = c.quantization or self.weight_dtype_name
+    for msg in (f"KV cache: {self.num_pages - 1} pages x {c.page_size} tokens = {tokens} tokens "
+                f"({tokens * per_tok / 2**30:.2f} GiB, {per_tok} B/token, {self.kv_dtype_name}); "
+                f"max concurrency at max_model_len={c.max_model_len}: "
+                f"{tokens / c.max_model_len:.1f} requests",
+                f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "
+                f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"):
+      log.info(msg)
+      print(msg, file=sys.stderr, flush=True)
+
+
+def _enable_jax_compilation_cache(config: EngineConfig) -> None:
+  """JAX's persistent cache, for sharded runners only: a single device uses the
+  executable store, which must not see executables from JAX's cache."""
+  if config.compilation_cache and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,96 @@
+"""Multi-host lock-step: process 0 schedules and serves, every process runs the steps.
+
+With several processes (`sharding.distributed.initialize_from`) the mesh
+spans all their devices, and every jitted step must be launched by every
+process with the same inputs. Lifecycle:
+  1. All processes load the model and agree on `num_pages`
+     (`agree_config`: the smallest capacity any process computed).
+  2. Process 0 builds the `LLMEngine` over a `LeaderRunner` (a `ModelRunner`
+     behind the engine's Runner interface); the others build a `ModelRunner`
+     with the same config. All warm up the same programs in the same order.
+  3. For every device call of a step, the leader broadcasts a header (op,
+     bucket size, sample?) and then the call's inputs
+     (`broadcast_one_to_all`); `follower_loop` on the other processes
+     receives both and makes the same call.
+  4. `LeaderRunner.close()` broadcasts STOP; followers return.
+Only process 0 fetches results (`jax.device_get` of replicated outputs
+reads the local copy) and runs front ends. Starting the processes is the
+entry points' job (serving/entrypoints/engine_builder.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+from serving.config import EngineConfig
+from serving.runner.inputs import StepInputs, build_step_inputs
+from serving.runner.model_runner import ModelRunner, StepHandle, capacity_pages
+from serving.types import StepPlan, StepResult
+
+STOP, PREFILL, DECODE = 0, 1, 2
+
+
+def agree_config(model_cfg, config: EngineConfig) -> EngineConfig:
+  """`config` with `num_pages` set to the smallest capacity any process can hold."""
+  if config.num_pages is not None:
+    return config
+  pages = multihost_utils.process_allgather(np.int64(capacity_pages(model_cfg, config)))
+  return dataclasses.replace(config, num_pages=int(np.min(pages)))
+
+
+def _broadcast_header(op: int = STOP, size: int = 0, sample: bool = False) -> tuple[int, int, bool]:
+  header = multihost_utils.broadcast_one_to_all(np.array([op, size, int(sample)], np.int32))
+  return int(header[0]), int(header[1]), bool(header[2])
+
+
+class LeaderRunner:
+  """Process 0's runner: announces every device call to the followers, then makes it."""
+
+  def __init__(self, runner: ModelRunner):
+    self.runner = runner
+    self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+
+  def warm_up(self) -> int:
+    return self.runner.warm_up()
+
+  def execute(self, *, plan: StepPlan) -> StepHandle:
+    inputs = build_step_inputs(plan, self.runner.engine_cfg)
+    prefills = []
+    for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
+      _broadcast_header(PREFILL, inp.tokens.shape[0], rid is not None)
+      prefills.append(multihost_utils.broadcast_one_to_all(inp))
+    decode = None
+    if inputs.decode is not None:
+      _broadcast_header(DECODE, inputs.decode.decode_slots.shape[0])
+      decode = multihost_utils.broadcast_one_to_all(inputs.decode)
+    return self.runner.run(dataclasses.replace(inputs, prefills=prefills, decode=decode))
+
+  def fetch(self, *, handle: StepHandle) -> StepResult:
+    return self.runner.fetch(handle=handle)
+
+  def close(self) -> None:
+    """Releases the followers (their `follower_loop` returns)."""
+    _broadcast_header(STOP)
+
+
+def follower_loop(runner: ModelRunner) -> int:
+  """Makes the leader's device calls until it stops; returns the number of calls."""
+  calls = 0
+  while True:
+    op, size, sample = _broadcast_header()
+    if op == STOP:
+      return calls
+    if op == PREFILL:
+      inp = multihost_utils.broadcast_one_to_all(runner.dummy_prefill(size))
+      runner.run(StepInputs(prefills=[inp], prefill_ids=["" if sample else None], decode=None,
+                            decode_ids=[]))
+    elif op == DECODE:
+      inp = multihost_utils.broadcast_one_to_all(runner.dummy_decode(size))
+      runner.run(StepInputs(prefills=[], prefill_ids=[], decode=inp,
+                            decode_ids=[""] * size))
+    else:
+      raise RuntimeError(f"unknown step op {op} from the leader")
+    calls += 1

@@ -1,0 +1,139 @@
+"""The jitted steps as pure functions: device state in, device state out.
+
+`prefill_step` runs one sequence's chunk and returns the logits after its
+last row; `decode_step` runs one token per decode slot; `sample_step`
+samples from logits and records the tokens in the per-slot state. The
+runner (model_runner.py) jits each once per bucket and donates the state.
+
+Letters: T prefill tokens (a bucket), B decode rows (a bucket), W block-table
+width, R decode slots (max_num_seqs; row R is the dummy slot padding writes
+to), V vocabulary, D model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sharding
+from serving.models import llama
+from serving.models.model_config import ModelConfig
+from serving.runner import attention, sampling
+from serving.runner.kv_cache import KVCache, write_kv
+from serving.types import MAX_LOGPROBS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeviceState:
+  kv: KVCache
+  last_tokens: jax.Array  # [R+1] int32: each decode slot's latest sampled token (R: dummy)
+  prompt_mask: jax.Array  # [R+1, V] bool: token occurs in the slot's prompt
+  output_counts: jax.Array  # [R+1, V] int32: times the slot generated each token
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillInput:
+  """One sequence's prefill chunk, padded to a token bucket T and width W."""
+
+  tokens: np.ndarray  # [T] int32
+  positions: np.ndarray  # [T] int32
+  kv_index: np.ndarray  # [T] int32 KV index page*page_size+offset; padding -> page 0
+  is_output: np.ndarray  # [T] bool: token was generated (recompute after preemption)
+  num_tokens: np.ndarray  # [] int32 valid rows
+  block_table: np.ndarray  # [1, W] int32
+  kv_len: np.ndarray  # [1] int32 tokens in the cache after this chunk
+  decode_slot: np.ndarray  # [] int32 the sequence's row of per-request state
+  reset: np.ndarray  # [] bool: first chunk, clear the slot's penalty state
+  sampling: sampling.SamplingTensors  # [1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeInput:
+  """One decode step over B rows (padded) and block-table width W."""
+
+  decode_slots: np.ndarray  # [B] int32 (padding rows -> the dummy slot, max_num_seqs)
+  positions: np.ndarray  # [B] int32 position of the input token
+  kv_index: np.ndarray  # [B] int32
+  block_tables: np.ndarray  # [B, W] int32
+  seq_lens: np.ndarray  # [B] int32 (positions + 1; 0 for padding)
+  sampling: sampling.SamplingTensors  # [B]
+
+
+def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int):
+  """Builds the per-layer attention callback for llama.forward."""
+  scale = cfg.head_dim ** -0.5
+
+  def attend(layer, q, k, v, kv):
+    kv = write_kv(kv, layer, k, v, meta["kv_index"])
+    tables = meta["block_tables"] + layer * num_pages
+    kw = dict(scale=scale, sliding_window=cfg.sliding_window)
+    if backend == "xla":
+      kw["block_tokens"] = block_tokens
+    if kind == "decode":
+      return attention.decode_attention(backend, q, kv, tables, meta["seq_lens"], **kw)
+    return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
+                                      meta["kv_lens"], **kw)
+
+  # Under a mesh, kernels run per head shard (no gather of the KV cache);
+  # the XLA path lets jit partition it.
+  return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
+
+
+def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
+                 backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
+  """Pure prefill of one chunk -> (state, logits [1, V] after its last valid row)."""
+  t = inp.tokens.shape[0]
+  meta = dict(kv_index=inp.kv_index, block_tables=inp.block_table,
+              cu_q_lens=jnp.stack([0, inp.num_tokens]).astype(jnp.int32), kv_lens=inp.kv_len)
+  attend = attend_fn(backend, cfg, state.kv.num_pages, "prefill", meta, block_tokens)
+  hidden, kv = llama.forward(params, cfg, inp.tokens, inp.positions, state.kv, attend,
+                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg))
+  last = jax.lax.dynamic_slice_in_dim(hidden, inp.num_tokens - 1, 1)  # [1, D]
+  logits = llama.logits(params, cfg, last)
+  # Penalty state of the slot: cleared on the first chunk, then fed by this chunk.
+  valid = jnp.arange(t) < inp.num_tokens
+  pm = jnp.where(inp.reset, False, state.prompt_mask[inp.decode_slot])
+  oc = jnp.where(inp.reset, 0, state.output_counts[inp.decode_slot])
+  pm = pm.at[inp.tokens].max(valid & ~inp.is_output)
+  oc = oc.at[inp.tokens].add((valid & inp.is_output).astype(jnp.int32))
+  state = dataclasses.replace(
+      state, kv=kv, prompt_mask=state.prompt_mask.at[inp.decode_slot].set(pm),
+      output_counts=state.output_counts.at[inp.decode_slot].set(oc))
+  return state, logits
+
+
+def decode_step(params, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfig,
+                backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
+  """Pure decode of one token per row -> (state, logits [B, V]).
+
+  Input tokens come from `state.last_tokens` (sampled by the previous step).
+  """
+  tokens = state.last_tokens[inp.decode_slots]
+  meta = dict(kv_index=inp.kv_index, block_tables=inp.block_tables,
+              seq_lens=inp.seq_lens)
+  attend = attend_fn(backend, cfg, state.kv.num_pages, "decode", meta, block_tokens)
+  hidden, kv = llama.forward(params, cfg, tokens, inp.positions, state.kv, attend,
+                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg))
+  return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
+
+
+def sample_step(state: DeviceState, logits: jax.Array, slots: jax.Array,
+                tensors: sampling.SamplingTensors) -> tuple[DeviceState, sampling.SampleOutput]:
+  """Samples one token per row [B] of decode slots and records it in the slot state.
+
+  Jitted per batch bucket only (not per context width), which keeps the
+  number of compiled sampler programs small.
+  """
+  # rows=: the per-slot penalty rows are gathered only when a row has a penalty.
+  out = sampling.sample(logits, tensors, state.prompt_mask, state.output_counts, rows=slots,
+                        num_top=MAX_LOGPROBS)
+  state = dataclasses.replace(
+      state, last_tokens=state.last_tokens.at[slots].set(out.tokens),
+      output_counts=state.output_counts.at[slots, out.tokens].add(1))
+  return state, out
