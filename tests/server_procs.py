@@ -49,18 +49,22 @@ def free_port() -> int:
 
 
 def subprocess_env(*import_dirs: str, **extra: str) -> dict[str, str]:
-  """This environment for a launcher child: the repo (and `import_dirs`, for test engines
-  named by `--engine_class`) importable, CPU JAX, the tests' compilation cache."""
+  """This environment for a launcher child: the repo, tests/ (launch_with) and
+  `import_dirs` (test engine factories) importable, CPU JAX, the tests' compilation cache."""
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([REPO, *import_dirs, env.get("PYTHONPATH", "")])
+  env["PYTHONPATH"] = os.pathsep.join([REPO, TESTS, *import_dirs, env.get("PYTHONPATH", "")])
   env.setdefault("JAX_PLATFORMS", "cpu")
   env.setdefault("XLASERVE_CACHE_DIR", os.path.join(REPO, ".jax_cache"))
   env.update(extra)
   return env
 
 
-def launcher_cmd(command: str, *flags: str) -> list[str]:
-  return [sys.executable, "-m", "serving.launcher", command, *flags]
+def launcher_cmd(command: str, *flags: str, engine: str | None = None) -> list[str]:
+  """`python -m serving.launcher COMMAND FLAGS`; with `engine` ("module:factory"), the
+  launcher builds its engine with that test factory (tests/launch_with.py)."""
+  if engine is None:
+    return [sys.executable, "-m", "serving.launcher", command, *flags]
+  return [sys.executable, "-m", "launch_with", engine, command, *flags]
 
 
 def require_real_model() -> None:
@@ -75,11 +79,11 @@ class ServerProcess:
   """`xlaserve serve` in a subprocess; its output is kept for failure messages."""
 
   def __init__(self, *flags: str, env: dict[str, str] | None = None,
-               start_timeout_s: float = 60, scheme: str = "http"):
+               start_timeout_s: float = 60, scheme: str = "http", engine: str | None = None):
     self.http_port, self.grpc_port = free_port(), free_port()
     self.scheme = scheme
     cmd = launcher_cmd("serve", f"--http_port={self.http_port}",
-                       f"--grpc_port={self.grpc_port}", *flags)
+                       f"--grpc_port={self.grpc_port}", *flags, engine=engine)
     self.proc = subprocess.Popen(cmd, env=env or subprocess_env(), cwd=REPO,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.lines: list[str] = []

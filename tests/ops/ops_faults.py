@@ -1,31 +1,28 @@
 """The real engine with one injected fault, for the fault-isolation tests.
 
-`FaultInjectingEngine` is `serving.engine.LLMEngine` unchanged except that
-output processing (detokenization) raises for a request whose prompt token
-ids start with `POISON_PREFIX`, the way an undecodable token would. Loaded by
-the server with `--engine_class=ops_faults:FaultInjectingEngine`.
+`faulty_engine` is the default model's engine built as `xlaserve serve` builds
+it, with its `ModelRunner` inside a `FaultyRunner` (tests/runner_faults.py):
+a step holding a request whose prompt token ids start with `POISON_PREFIX`
+fails with a `StepError` naming that request, the way a device call that one
+request breaks would. Started with `launch_with.py ops_faults:faulty_engine`.
 """
 
 from __future__ import annotations
 
-from serving.engine.llm_engine import LLMEngine
-from serving.engine.output_processor import OutputProcessor
+import functools
+
+from runner_faults import FaultyRunner
+
+from serving.entrypoints.engine_builder import build_engine
 
 POISON_PREFIX = [13, 13, 13, 13, 13, 13, 13]
 
 
-class _FaultyOutputProcessor(OutputProcessor):
-  """Fails `on_token` for poisoned prompts only."""
-
-  def on_token(self, seq, token: int, out, row: int) -> bool:
-    if seq.prompt_ids[:len(POISON_PREFIX)] == POISON_PREFIX:
-      raise UnicodeDecodeError("utf-8", bytes([0xff]), 0, 1, f"injected fault at token {token}")
-    return super().on_token(seq, token, out, row)
+def _poisoned(seq) -> bool:
+  return seq.prompt_ids[:len(POISON_PREFIX)] == POISON_PREFIX
 
 
-class FaultInjectingEngine(LLMEngine):
-  """LLMEngine whose output processor fails poisoned requests (see module doc)."""
-
-  def __init__(self, model, config=None, **kw):
-    super().__init__(model, config, **kw)
-    self.outputs = _FaultyOutputProcessor(self.tokenizer)
+def faulty_engine(model, config):
+  """`build_engine(model, config)` with poisoned requests failing their steps."""
+  return build_engine(model, config,
+                      wrap_runner=functools.partial(FaultyRunner, fail_request=_poisoned))

@@ -24,11 +24,11 @@ START_TIMEOUT_S = 600  # load + warm-up; minutes on a 2-core machine shared with
 class OpsServer(server_procs.ServerProcess):
   """`xlaserve serve` with the default model on free loopback ports (ops_faults importable)."""
 
-  def __init__(self, *flags: str, scheme: str = "http"):
+  def __init__(self, *flags: str, scheme: str = "http", engine: str | None = None):
     require_real_model()
     super().__init__(f"--model={MODEL}", *engine_flags(), *flags,
                      env=server_procs.subprocess_env(HERE), start_timeout_s=START_TIMEOUT_S,
-                     scheme=scheme)
+                     scheme=scheme, engine=engine)
 
   def terminate(self, timeout_s: float = 120) -> int:
     return super().terminate(timeout_s)

@@ -43,13 +43,13 @@ def poison_unowned(engine) -> int:
   runner, sched = engine.runner, engine.scheduler
   owned = {p for s in sched.running for p in s.pages}
   unowned = np.array([p for p in range(runner.num_pages) if p not in owned], np.int32)
-  layers = np.arange(engine.model_config.num_layers, dtype=np.int32)
+  layers = np.arange(engine.runner.model_cfg.num_layers, dtype=np.int32)
   rows = (layers[:, None] * runner.num_pages + unowned[None, :]).ravel()
   st = runner.state
   kv = dataclasses.replace(st.kv, k=st.kv.k.at[rows].set(jnp.nan),
                            v=st.kv.v.at[rows].set(jnp.nan))
-  free = np.array(sched.free_slots + [runner.dummy_slot], np.int32)
-  vocab = engine.model_config.vocab_size
+  free = np.array(sched.free_slots + [engine.config.max_num_seqs], np.int32)  # + dummy slot
+  vocab = engine.runner.model_cfg.vocab_size
   runner.state = dataclasses.replace(
       st, kv=kv, last_tokens=st.last_tokens.at[free].set(vocab - 1),
       prompt_mask=st.prompt_mask.at[free].set(True),
@@ -103,7 +103,7 @@ def test_poison_reaches_the_pages_it_should(llm):
     engine.step()
   seq = engine.scheduler.running[0]
   rows = np.array([layer * engine.runner.num_pages + seq.pages[0]
-                   for layer in range(engine.model_config.num_layers)], np.int32)
+                   for layer in range(engine.runner.model_cfg.num_layers)], np.int32)
   st = engine.runner.state
   engine.runner.state = dataclasses.replace(st, kv=dataclasses.replace(
       st.kv, k=st.kv.k.at[rows].set(jnp.nan), v=st.kv.v.at[rows].set(jnp.nan)))

@@ -44,8 +44,8 @@ FIGURES: dict[str, object] = {}  # printed at the end (docs/reliability.md quote
 
 @pytest.fixture(scope="module")
 def srv():
-  s = OpsServer("--engine_class=ops_faults:FaultInjectingEngine",
-                f"--max_queued_requests={QUEUE}", "--drain_timeout_s=60")
+  s = OpsServer(f"--max_queued_requests={QUEUE}", "--drain_timeout_s=60",
+                engine="ops_faults:faulty_engine")
   yield s
   s.kill()
   print(f"\nops load figures: {FIGURES}")

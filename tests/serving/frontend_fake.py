@@ -1,27 +1,31 @@
-"""A hand-computable stand-in for `serving.engine.LLMEngine` for front-end tests.
+"""Front-end test engines: the real `LLMEngine` over a `FakeRunner`, a byte tokenizer.
 
-Same API as the real engine (add_request / abort / start / shutdown / stats,
-`tokenizer`, `config`, `model_config`, `model_name`), no model:
+`fake_engine(...)` is `serving.engine.LLMEngine` with its scheduler, page
+allocator and output processing, driving `serving.engine.fake_runner.FakeRunner`
+instead of a model:
   * the tokenizer is byte-level: token id == UTF-8 byte, 256 = BOS, 257 = EOS;
   * generated token i is prompt token i (cycling), so "abc" with max_tokens=5
     yields "abcab"; stop strings, stop_token_ids and EOS end a request early;
   * the sampled token's logprob is -0.5; top alternative k is token + k with -0.5 - k;
-  * a prompt starting with token 0 (NUL) finishes with finish_reason "error";
-  * a request holds ceil((prompt + max_tokens) / page_size) KV pages from
-    admission until it finishes or is aborted.
+  * a prompt starting with token 0 (NUL) fails its step (`StepError` naming
+    it, through the Runner seam): that request finishes with "error", the
+    others of the step are recomputed.
+`fake_engine_factory` is the launcher's `build_engine` for subprocess tests
+(`launch_with.py frontend_fake:fake_engine_factory ...`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import threading
 import time
 from collections.abc import Callable
 
+from runner_faults import FaultyRunner
+
 from serving.config import EngineConfig
-from serving.types import RequestOutput, SamplingParams, TokenLogprob
+from serving.engine import LLMEngine
+from serving.engine.fake_runner import FakeRunner
 
 BOS, EOS, VOCAB = 256, 257, 300
 
@@ -46,158 +50,24 @@ class ByteTokenizer:
     return self.encode(text) if tokenize else text
 
 
-@dataclasses.dataclass
-class FakeStats:
-  num_running: int = 0
-  num_waiting: int = 0
-  kv_cache_usage: float = 0.0
-  num_pages_total: int = 0
-  num_pages_free: int = 0
-  num_preemptions_total: int = 0
-  prompt_tokens_total: int = 0
-  generation_tokens_total: int = 0
-  prefix_cache_queries_total: int = 0
-  prefix_cache_hits_total: int = 0
-  prefill_tokens_computed_total: int = 0
+def _starts_with_nul(seq) -> bool:
+  return seq.prompt_ids[0] == 0
 
 
-@dataclasses.dataclass
-class _Req:
-  request_id: str
-  prompt: list[int]
-  params: SamplingParams
-  on_output: Callable[[RequestOutput], None]
-  pages: int
-  out: list[int] = dataclasses.field(default_factory=list)
-  text: str = ""
+def fake_engine(config: EngineConfig | None = None, step_s: float = 0.002,
+                model: str = "fake", **engine_kwargs) -> LLMEngine:
+  """The real engine over a FakeRunner (see module doc); not started."""
+  config = config or EngineConfig(**engine_kwargs)
+  runner = FakeRunner(num_pages=config.num_pages or 64, page_size=config.page_size,
+                      max_num_seqs=config.max_num_seqs, vocab_size=VOCAB, step_s=step_s)
+  return LLMEngine(runner=FaultyRunner(runner, fail_request=_starts_with_nul),
+                   tokenizer=ByteTokenizer(), config=config, model_name=model)
 
 
-class FakeEngine:
-  """Echo engine: one token per running request every `step_s` seconds."""
-
-  def __init__(self, model: str = "fake", config: EngineConfig | None = None,
-               step_s: float | None = None, **engine_kwargs):
-    self.model_name = model
-    self.config = config or EngineConfig(**engine_kwargs)
-    self.tokenizer = ByteTokenizer()
-    self.model_config = None
-    # Subprocess tests (launcher --engine_class) slow the fake down through the environment.
-    self.step_s = step_s or float(os.environ.get("XLASERVE_FAKE_STEP_S", "0.002"))
-    self._lock = threading.Lock()
-    self._waiting: list[_Req] = []
-    self._running: list[_Req] = []
-    self._aborts: set[str] = set()
-    self._ids: set[str] = set()
-    self._stats = FakeStats(num_pages_total=self.config.num_pages or 64)
-    self._free = self._stats.num_pages_total
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
-
-  def add_request(self, request_id, prompt, params, on_output) -> None:
-    ids = self.tokenizer.encode(prompt, True) if isinstance(prompt, str) else list(prompt)
-    max_len = self.config.max_model_len
-    if not ids:
-      raise ValueError("prompt is empty")
-    if len(ids) > max_len:
-      raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_len}")
-    if len(ids) + (params.max_tokens or 0) > max_len:
-      raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                       f"exceeds max_model_len={max_len}")
-    if any(not 0 <= t < VOCAB for t in ids):
-      raise ValueError("prompt token id outside the vocabulary")
-    max_tokens = params.max_tokens or max_len - len(ids)
-    pages = math.ceil((len(ids) + max_tokens) / self.config.page_size)
-    with self._lock:
-      if request_id in self._ids:
-        raise ValueError(f"duplicate request id {request_id!r}")
-      self._ids.add(request_id)
-      self._waiting.append(_Req(request_id, ids, params, on_output, pages))
-
-  def abort(self, request_id: str) -> None:
-    with self._lock:
-      self._aborts.add(request_id)
-
-  def start(self) -> None:
-    self._thread = threading.Thread(target=self._loop, daemon=True)
-    self._thread.start()
-
-  def shutdown(self) -> None:
-    self._stop.set()
-    if self._thread is not None:
-      self._thread.join(timeout=5)
-
-  def stats(self) -> FakeStats:
-    with self._lock:
-      s = dataclasses.replace(self._stats)
-      s.num_running, s.num_waiting = len(self._running), len(self._waiting)
-      s.num_pages_free = self._free
-      s.kv_cache_usage = 1.0 - self._free / s.num_pages_total
-      return s
-
-  def _loop(self) -> None:
-    while not self._stop.wait(self.step_s):
-      with self._lock:
-        self._apply_aborts()
-        self._admit()
-        emitted = [self._step(r) for r in list(self._running)]
-        for r, out in emitted:
-          if out.finished:
-            self._finish(r)
-      for r, out in emitted:
-        r.on_output(out)
-
-  def _apply_aborts(self) -> None:
-    for q in (self._waiting, self._running):
-      for r in [r for r in q if r.request_id in self._aborts]:
-        q.remove(r)
-        if q is self._running:
-          self._free += r.pages
-        self._ids.discard(r.request_id)
-        r.on_output(RequestOutput(r.request_id, r.prompt, "", [], finish_reason="abort"))
-    self._aborts.clear()
-
-  def _admit(self) -> None:
-    while (self._waiting and len(self._running) < self.config.max_num_seqs
-           and self._waiting[0].pages <= self._free):
-      r = self._waiting.pop(0)
-      self._free -= r.pages
-      self._running.append(r)
-      self._stats.prompt_tokens_total += len(r.prompt)
-      self._stats.prefill_tokens_computed_total += len(r.prompt)
-
-  def _step(self, r: _Req) -> tuple[_Req, RequestOutput]:
-    p = r.params
-    if r.prompt[0] == 0:  # a prompt starting with NUL fails, like an engine error would
-      return r, RequestOutput(r.request_id, r.prompt, "", [], finish_reason="error",
-                              error="boom")
-    tok = r.prompt[len(r.out) % len(r.prompt)]
-    r.out.append(tok)
-    self._stats.generation_tokens_total += 1
-    delta = self.tokenizer.decode([tok])
-    finish, stop_reason = None, None
-    if tok in p.stop_token_ids or (tok == EOS and not p.ignore_eos):
-      finish, stop_reason, delta = "stop", tok, ""
-    else:
-      for s in p.stop:
-        if s in r.text + delta:
-          keep = (r.text + delta).index(s) + (len(s) if p.include_stop_str_in_output else 0)
-          delta, finish, stop_reason = (r.text + delta)[len(r.text):keep], "stop", s
-          break
-    r.text += delta
-    limit = p.max_tokens or self.config.max_model_len - len(r.prompt)
-    if finish is None and len(r.out) >= limit:
-      finish = "length"
-    logprobs = None
-    if p.logprobs is not None:
-      top = [((tok + k) % 256, -0.5 - k) for k in range(p.logprobs)]
-      logprobs = [TokenLogprob(tok, -0.5, top)]
-    return r, RequestOutput(r.request_id, r.prompt, delta, [tok], finish_reason=finish,
-                            logprobs=logprobs, stop_reason=stop_reason)
-
-  def _finish(self, r: _Req) -> None:
-    self._running.remove(r)
-    self._free += r.pages
-    self._ids.discard(r.request_id)
+def fake_engine_factory(model: str, config: EngineConfig) -> LLMEngine:
+  """`launcher.run(build_engine=...)` for subprocesses; `XLASERVE_FAKE_STEP_S` slows it."""
+  return fake_engine(config, step_s=float(os.environ.get("XLASERVE_FAKE_STEP_S", "0.002")),
+                     model=model)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
@@ -211,15 +81,15 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 
 
 class InProcessServer:
-  """`serving.api_server.serve` over a FakeEngine in a background thread (ports picked free).
+  """`api_server.serve` over a fake engine in a background thread (ports picked free).
 
   Use as a context manager; `.http` is the base URL, `.grpc` the gRPC target.
   """
 
-  def __init__(self, engine: FakeEngine | None = None, **serve_kwargs):
+  def __init__(self, engine: LLMEngine | None = None, **serve_kwargs):
     from serving.entrypoints.api_server import ServeConfig
 
-    self.engine = engine or FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64)
+    self.engine = engine or fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64)
     kwargs = {"served_model_name": "fake", "http_port": 0, "grpc_port": 0, **serve_kwargs}
     self.cfg = ServeConfig(**kwargs)
     self._ready = threading.Event()

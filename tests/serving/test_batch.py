@@ -1,4 +1,4 @@
-"""Batch jobs over the FakeEngine: order, error lines, resume after a kill."""
+"""Batch jobs over the fake engine (real engine, FakeRunner): order, error lines, resume."""
 
 import asyncio
 import json
@@ -6,8 +6,8 @@ import subprocess
 import time
 
 import pytest
-from frontend_fake import FakeEngine
-from frontend_procs import FAKE_ENGINE_FLAGS, REPO, launcher_cmd, subprocess_env
+from frontend_fake import fake_engine
+from frontend_procs import FAKE_ENGINE, FAKE_ENGINE_FLAGS, REPO, launcher_cmd, subprocess_env
 
 from serving.entrypoints.batch import BatchConfig, resume_point, run_batch
 
@@ -32,7 +32,7 @@ def read_output(path) -> list[dict]:
 
 
 def run(tmp_path, inp, out, **kw) -> dict:
-  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64)
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64)
   cfg = BatchConfig(str(inp), str(out), "fake", show_progress=False, **kw)
   return asyncio.run(run_batch(engine, cfg))
 
@@ -99,7 +99,7 @@ def test_killed_halfway_then_rerun_cli(tmp_path):
   inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   write_input(inp, 200, max_tokens=4)
   cmd = launcher_cmd("batch", *FAKE_ENGINE_FLAGS, f"--input={inp}", f"--output={out}",
-                     "--max_concurrency=4")
+                     "--max_concurrency=4", engine=FAKE_ENGINE)
   env = subprocess_env(XLASERVE_FAKE_STEP_S="0.01")
   proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from frontend_fake import FakeEngine, InProcessServer
+from frontend_fake import InProcessServer, fake_engine
 
 from serving.tools import bench, bench_serve
 from tiny_models import save_tiny_model
@@ -23,7 +23,7 @@ def test_find_knee():
 
 
 def test_serve_sweep_against_fake_endpoint(tmp_path):
-  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.001)
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.001)
   prompts = [t for t, _ in bench.make_prompts(None, 8, 16, seed=1)]
   assert len(set(prompts)) == 8
   with InProcessServer(engine) as server:
@@ -47,29 +47,34 @@ def test_serve_sweep_against_fake_endpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
+  """The bench's LLM with its runner inside a StepTimer (as `--breakdown` builds it)."""
+  from serving.config import EngineConfig
+  from serving.entrypoints.engine_builder import build_engine
   from serving.entrypoints.llm import LLM
 
   path = str(tmp_path_factory.mktemp("bench_tiny"))
   save_tiny_model("llama", path)
-  return LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
-             max_num_batched_tokens=32, attention_block_tokens=16, unroll_layers=False,
-             compilation_cache=False)
+  config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
+                        max_num_batched_tokens=32, attention_block_tokens=16,
+                        unroll_layers=False, compilation_cache=False)
+  return LLM(engine=build_engine(path, config, wrap_runner=bench.StepTimer))
 
 
 def test_offline_naive_breakdown_and_costs(tiny_llm):
   pairs = bench.make_prompts(tiny_llm.get_tokenizer(), 4, 16, seed=0)
   prompts = [ids for _, ids in pairs]
   assert all(len(p) == 16 for p in prompts) and len({tuple(p) for p in prompts}) == 4
-  timer = bench.StepTimer(tiny_llm.engine)
-  batched = bench.run_offline(tiny_llm, prompts, 8)
+  timer = tiny_llm.engine.runner
+  batched = bench.run_offline(tiny_llm, prompts, 8, warm_up=False)
   report = timer.report(batched["elapsed_s"])
   naive = bench.run_offline(tiny_llm, prompts[:2], 8, naive=True)
   assert batched["output_tokens"] == 32 and naive["output_tokens"] == 16
   assert batched["total_tok_s"] > batched["output_tok_s"] > 0
   assert report["steps"] > 0 and report["ms_per_step"]["decode"] > 0
+  assert report["ms_per_step"]["prefill"] > 0 and report["ms_per_step"]["inputs"] > 0
   single = bench.time_single(tiny_llm, prompts[0], 8)
   assert single["output_tokens"] == 8 and single["ttft_s"] > 0
-  costs = bench.model_costs(tiny_llm.engine.model_config, 1000, 10)
+  costs = bench.model_costs(timer.runner.model_cfg, 1000, 10)
   assert costs["flops_per_token"] > costs["prefill_flops_per_token"] > 0
   assert bench.measure_bandwidth(nbytes=4 * 2**20, repeats=1) > 0
 

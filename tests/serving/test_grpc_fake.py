@@ -1,10 +1,10 @@
-"""gRPC front end over the FakeEngine: Generate, Tokenize, health, reflection, errors, aborts."""
+"""gRPC front end over the fake engine: Generate, Tokenize, health, reflection, errors, aborts."""
 
 import pathlib
 
 import grpc
 import pytest
-from frontend_fake import FakeEngine, InProcessServer, wait_for
+from frontend_fake import InProcessServer, fake_engine, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -15,7 +15,7 @@ from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
 @pytest.fixture(scope="module")
 def srv():
-  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.01)
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.01)
   with InProcessServer(engine) as s:
     yield s
 
@@ -26,7 +26,7 @@ def stub(srv):
     yield pb_grpc.GenerationStub(channel)
 
 
-def _idle(engine: FakeEngine) -> bool:
+def _idle(engine) -> bool:
   s = engine.stats()
   return s.num_running == 0 and s.num_waiting == 0 and s.num_pages_free == s.num_pages_total
 
@@ -94,7 +94,7 @@ def test_invalid_argument(stub, req):
 def test_engine_error_is_internal(stub):
   with pytest.raises(grpc.RpcError) as e:
     list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 97]))))
-  assert e.value.code() == grpc.StatusCode.INTERNAL and "boom" in e.value.details()
+  assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
 
 
 def test_tokenize_detokenize_model_info(stub):
@@ -136,7 +136,7 @@ def test_deadline_aborts(srv, stub):
 
 
 def test_resource_exhausted_with_retry_after():
-  engine = FakeEngine(max_num_seqs=1, max_model_len=256, num_pages=64, step_s=0.02)
+  engine = fake_engine(max_num_seqs=1, max_model_len=256, num_pages=64, step_s=0.02)
   with InProcessServer(engine, max_queued_requests=0) as s, grpc.insecure_channel(s.grpc) as ch:
     stub = pb_grpc.GenerationStub(ch)
     busy = stub.Generate(pb.GenerateRequest(text="ab",
@@ -169,10 +169,10 @@ def test_api_key_metadata():
 def test_checked_in_stubs_are_fresh(tmp_path):
   proto_gen.generate(tmp_path)
   for name in ("xlaserve_pb2.py", "xlaserve_pb2_grpc.py"):
-    rel = pathlib.Path("serving/proto/xlaserve/v1") / name
+    rel = pathlib.Path("serving/entrypoints/proto/xlaserve/v1") / name
     fresh = (tmp_path / rel).read_text()
     assert (proto_gen.ROOT / rel).read_text() == fresh, (
-        f"{rel} is stale: run `python -m serving.proto.generate`")
+        f"{rel} is stale: run `python -m serving.entrypoints.proto.generate`")
 
 
 def test_message_size_limit():

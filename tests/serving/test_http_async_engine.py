@@ -1,17 +1,17 @@
-"""AsyncEngine, the asyncio bridge under the HTTP / gRPC / batch front ends (FakeEngine)."""
+"""AsyncEngine, the asyncio bridge under the HTTP / gRPC / batch front ends (the fake engine)."""
 
 import asyncio
 import contextlib
 
 import pytest
-from frontend_fake import FakeEngine
+from frontend_fake import fake_engine
 
 from serving.entrypoints.async_engine import AsyncEngine, ServerBusyError, ServerDrainingError
 from serving.entrypoints.metrics import Metrics
 from serving.types import SamplingParams
 
 
-def _idle(engine: FakeEngine) -> bool:
+def _idle(engine) -> bool:
   s = engine.stats()
   return s.num_running == 0 and s.num_waiting == 0 and s.num_pages_free == s.num_pages_total
 
@@ -26,7 +26,7 @@ async def _until(cond, timeout: float = 2.0) -> bool:
 
 @pytest.fixture
 def engine():
-  e = FakeEngine(max_num_seqs=2, max_model_len=256, num_pages=32, step_s=0.01)
+  e = fake_engine(max_num_seqs=2, max_model_len=256, num_pages=32, step_s=0.01)
   e.start()
   yield e
   e.shutdown()

@@ -1,16 +1,16 @@
-"""OpenAI-compatible HTTP server over the hand-computable FakeEngine (in-process, real sockets)."""
+"""OpenAI-compatible HTTP server over the fake engine (in-process, real sockets)."""
 
 import json
 
 import httpx
 import openai
 import pytest
-from frontend_fake import EOS, FakeEngine, InProcessServer, wait_for
+from frontend_fake import EOS, InProcessServer, fake_engine, wait_for
 
 
 @pytest.fixture(scope="module")
 def srv():
-  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.01)
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64, step_s=0.01)
   with InProcessServer(engine) as s:
     yield s
 
@@ -21,7 +21,7 @@ def client(srv):
     yield c
 
 
-def _idle(engine: FakeEngine) -> bool:
+def _idle(engine) -> bool:
   s = engine.stats()
   return s.num_running == 0 and s.num_waiting == 0 and s.num_pages_free == s.num_pages_total
 
@@ -264,7 +264,7 @@ def test_api_key():
 
 
 def test_queue_limit_429():
-  engine = FakeEngine(max_num_seqs=1, max_model_len=256, num_pages=64, step_s=0.02)
+  engine = fake_engine(max_num_seqs=1, max_model_len=256, num_pages=64, step_s=0.02)
   with InProcessServer(engine, max_queued_requests=1) as s, httpx.Client(timeout=20) as c:
     body = {"model": "fake", "prompt": "ab", "max_tokens": 200, "stream": True}
     streams = [c.stream("POST", f"{s.http}/v1/completions", json=body) for _ in range(2)]
@@ -310,11 +310,12 @@ def test_stream_logprobs_offsets_are_cumulative(client):
 def test_engine_error_is_a_500(client):
   r = client.post("/v1/completions", json={"model": "fake", "prompt": [0, 97], "max_tokens": 3})
   assert r.status_code == 500
-  assert r.json()["error"]["type"] == "server_error" and "boom" in r.json()["error"]["message"]
+  error = r.json()["error"]
+  assert error["type"] == "server_error" and "injected fault" in error["message"]
   body = {"model": "fake", "prompt": [0, 97], "max_tokens": 3, "stream": True}
   with client.stream("POST", "/v1/completions", json=body) as r:
     chunks = _sse(list(r.iter_lines()))
-  assert "boom" in chunks[-1]["error"]["message"]
+  assert "injected fault" in chunks[-1]["error"]["message"]
 
 
 def test_tokenize_detokenize(client):

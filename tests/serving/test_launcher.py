@@ -1,6 +1,5 @@
 """The absl launcher: flag -> config resolution, subcommand errors, graceful drain, TLS."""
 
-import importlib.util
 import json
 import shutil
 import ssl
@@ -14,6 +13,7 @@ from absl import app, flags
 from absl.testing import flagsaver
 from frontend_fake import InProcessServer
 from frontend_procs import (
+  FAKE_ENGINE,
   FAKE_ENGINE_FLAGS,
   REPO,
   ServerProcess,
@@ -21,7 +21,7 @@ from frontend_procs import (
   subprocess_env,
 )
 
-from serving import launcher
+from serving.entrypoints import flags as xlaserve_flags
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
@@ -37,10 +37,10 @@ def parsed_flags():
 def test_engine_options_layering():
   # Model preset engine block < --config preset < explicit flags.
   with flagsaver.flagsaver(model="smollm2-135m-instruct"):
-    assert launcher.engine_config_from_flags().max_model_len == 2048  # model preset
+    assert xlaserve_flags.engine_config_from_flags().max_model_len == 2048  # model preset
   with flagsaver.flagsaver(model="smollm2-135m-instruct", config="cpu-small", max_num_seqs=3,
                            enable_prefix_caching=False, quantization="none"):
-    cfg = launcher.engine_config_from_flags()
+    cfg = xlaserve_flags.engine_config_from_flags()
   assert (cfg.max_model_len, cfg.num_pages, cfg.max_num_batched_tokens) == (512, 256, 128)
   assert cfg.max_num_seqs == 3 and cfg.enable_prefix_caching is False
   assert cfg.quantization is None
@@ -52,55 +52,50 @@ def test_every_engine_option_has_a_flag():
   from serving.config import EngineConfig
 
   fields = {f.name for f in dataclasses.fields(EngineConfig)}
-  assert set(launcher.ENGINE_FLAGS) == fields, (
-      f"add launcher flags for {sorted(fields - set(launcher.ENGINE_FLAGS))}, remove "
-      f"{sorted(set(launcher.ENGINE_FLAGS) - fields)}")
+  assert set(xlaserve_flags.ENGINE_FLAGS) == fields, (
+      f"add launcher flags for {sorted(fields - set(xlaserve_flags.ENGINE_FLAGS))}, remove "
+      f"{sorted(set(xlaserve_flags.ENGINE_FLAGS) - fields)}")
 
 
 def test_config_preset_from_path_and_errors(tmp_path):
   path = tmp_path / "mine.json"
   path.write_text(json.dumps({"max_num_seqs": 5, "page_size": 32, "max_model_len": 256}))
   with flagsaver.flagsaver(model="fake", config=str(path)):
-    cfg = launcher.engine_config_from_flags()
+    cfg = xlaserve_flags.engine_config_from_flags()
   assert (cfg.max_num_seqs, cfg.page_size) == (5, 32)
   with flagsaver.flagsaver(config="no-such-preset"), pytest.raises(app.UsageError):
-    launcher.engine_config_from_flags()
+    xlaserve_flags.engine_config_from_flags()
   path.write_text(json.dumps({"max_num_sequences": 5}))
   with flagsaver.flagsaver(config=str(path)), pytest.raises(app.UsageError, match="unknown"):
-    launcher.engine_config_from_flags()
+    xlaserve_flags.engine_config_from_flags()
   with flagsaver.flagsaver(model="fake", page_size=7), pytest.raises(app.UsageError):
-    launcher.engine_config_from_flags()
+    xlaserve_flags.engine_config_from_flags()
 
 
 def test_flagfile(tmp_path):
   path = tmp_path / "serve.flags"
   path.write_text("--config=cpu-small\n--max_num_seqs=2\n--model=fake\n")
   flags.FLAGS(["xlaserve", f"--flagfile={path}"])
-  cfg = launcher.engine_config_from_flags()
+  cfg = xlaserve_flags.engine_config_from_flags()
   assert (cfg.max_num_seqs, cfg.max_model_len) == (2, 512)
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-  return subprocess.run(launcher_cmd(*args), env=subprocess_env(), cwd=REPO, text=True,
-                        capture_output=True, timeout=timeout)
+def _run(*args: str, timeout: float = 60, engine: str | None = None
+         ) -> subprocess.CompletedProcess:
+  return subprocess.run(launcher_cmd(*args, engine=engine), env=subprocess_env(), cwd=REPO,
+                        text=True, capture_output=True, timeout=timeout)
 
 
 def test_usage_errors():
   r = _run("frobnicate")
   assert r.returncode != 0 and "usage: xlaserve" in r.stderr
-  r = _run("batch", *FAKE_ENGINE_FLAGS)
+  r = _run("batch", *FAKE_ENGINE_FLAGS, engine=FAKE_ENGINE)
   assert r.returncode != 0 and "--input" in r.stderr
 
 
-@pytest.mark.skipif(importlib.util.find_spec("serving.bench") is not None,
-                    reason="serving.bench exists")
-def test_bench_without_module_is_a_clear_error():
-  r = _run("bench")
-  assert r.returncode != 0 and "serving.bench" in r.stderr
-
-
 def test_sigterm_drains_in_flight_requests_and_exits_0():
-  srv = ServerProcess(*FAKE_ENGINE_FLAGS, env=subprocess_env(XLASERVE_FAKE_STEP_S="0.02"))
+  srv = ServerProcess(*FAKE_ENGINE_FLAGS, env=subprocess_env(XLASERVE_FAKE_STEP_S="0.02"),
+                      engine=FAKE_ENGINE)
   try:
     body = {"model": "fake", "prompt": "ab", "max_tokens": 60, "stream": True}  # ~1.2 s
     lines: list[str] = []
@@ -124,7 +119,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
 
 def test_drain_deadline_aborts_what_is_left():
   srv = ServerProcess(*FAKE_ENGINE_FLAGS, "--drain_timeout_s=0.5",
-                      env=subprocess_env(XLASERVE_FAKE_STEP_S="0.05"))
+                      env=subprocess_env(XLASERVE_FAKE_STEP_S="0.05"), engine=FAKE_ENGINE)
   try:
     body = {"model": "fake", "prompt": "ab", "max_tokens": 200, "stream": True}  # ~10 s
     with httpx.Client(timeout=30) as c, c.stream("POST", f"{srv.http}/v1/completions",

@@ -2,12 +2,13 @@
 
 import httpx
 import pytest
-from frontend_fake import FakeEngine, FakeStats, InProcessServer
+from frontend_fake import InProcessServer, fake_engine
 from frontend_procs import metric_value
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.entrypoints import metrics as metrics_lib
 from serving.entrypoints.metrics import Metrics
+from serving.types import EngineStats
 
 REQUIRED = [
     "xlaserve_num_requests_running", "xlaserve_num_requests_waiting",
@@ -29,10 +30,10 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_engine_stats_read_at_scrape_time():
-  stats = FakeStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_pages_total=8,
-                    num_pages_free=6, num_preemptions_total=1, prompt_tokens_total=40,
-                    generation_tokens_total=12, prefix_cache_queries_total=32,
-                    prefix_cache_hits_total=16)
+  stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_pages_total=8,
+                      num_pages_free=6, num_preemptions_total=1, prompt_tokens_total=40,
+                      generation_tokens_total=12, prefix_cache_queries_total=32,
+                      prefix_cache_hits_total=16, prefill_tokens_computed_total=24)
   m = Metrics(lambda: stats, model_name="m")
   m.timer().on_finish("stop")
   body, content_type = m.render()
@@ -72,7 +73,7 @@ def test_request_timer_math(monkeypatch):
 
 
 def test_counters_match_a_known_load():
-  engine = FakeEngine(max_num_seqs=4, max_model_len=256, num_pages=64)
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64)
   with InProcessServer(engine) as s, httpx.Client(base_url=s.http, timeout=20) as c:
     prompts = ["abc", "de", "fghij"]
     for i, p in enumerate(prompts):

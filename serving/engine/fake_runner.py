@@ -1,0 +1,138 @@
+"""`FakeRunner`: the engine's Runner interface with hand-computable tokens and no jax.
+
+It stands in for `serving.runner.ModelRunner` wherever the device is not the
+thing under test (scheduler and engine tests, front-end servers) and runs a
+step in microseconds. It keeps the device's bookkeeping on the host, so the
+tests exercise the same contract a real runner relies on:
+
+  * a KV pool `kv[page][offset]` into which every step writes the token ids
+    of the positions it computes, through the sequence's pages, as the real
+    step writes K/V;
+  * before a token is produced, the sequence's whole context is read back
+    from the pool through its pages (what attention reads) and checked
+    against the tokens it must be: a scheduler or allocator bug that would
+    make a real model read another request's KV (a wrong page, a page freed
+    early, a poisoned prefix hash) raises `FakeKVError` instead of passing
+    silently;
+  * per decode slot, the last sampled token (the next decode's input).
+
+Tokens: the output token at index i of a request is its prompt token at
+`i % len(prompt)` *as read from the KV pool*, so "abc" with max_tokens=5
+yields "abcab"; its logprob is -0.5, and top alternative k is `token + k`
+with logprob `-0.5 - k`. `step_s` makes each step take that long (in
+`fetch`), so front-end tests can watch requests in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from serving.types import (
+    DecodeRow,
+    PrefillChunk,
+    SampledToken,
+    Sequence,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+
+
+class FakeKVError(AssertionError):
+  """A step read KV that is not its sequence's own (a page-accounting bug)."""
+
+
+@dataclasses.dataclass
+class _Handle:
+  tokens: dict[str, SampledToken]
+
+
+class FakeRunner:
+  """Runner interface over a host-side token pool (see module doc)."""
+
+  def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
+               vocab_size: int = 32000, step_s: float = 0.0):
+    self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
+    self.step_s = step_s
+    self.kv: list[list[int | None]] = [[None] * page_size for _ in range(num_pages)]
+    self.last_tokens: list[int] = [0] * (max_num_seqs + 1)
+    self.num_steps = 0
+    self.closed = False
+
+  def warm_up(self) -> int:
+    return 0
+
+  def execute(self, *, plan: StepPlan) -> _Handle:
+    tokens = {}
+    for chunk in plan.prefills:
+      sampled = self._prefill(chunk)
+      if sampled is not None:
+        tokens[chunk.seq.request_id] = sampled
+    for row in plan.decodes:
+      tokens[row.seq.request_id] = self._decode(row)
+    self.num_steps += 1
+    return _Handle(tokens)
+
+  def fetch(self, *, handle: _Handle) -> StepResult:
+    if self.step_s:
+      time.sleep(self.step_s)
+    return StepResult(tokens=handle.tokens)
+
+  def close(self) -> None:
+    self.closed = True
+
+  # ---- one sequence ----
+
+  def _prefill(self, chunk: PrefillChunk) -> SampledToken | None:
+    seq, known = chunk.seq, chunk.seq.token_ids()
+    for pos in range(chunk.start, chunk.end):
+      self._write(seq, pos, known[pos])
+    if not chunk.sample:
+      return None
+    return self._sample(seq, chunk.end)
+
+  def _decode(self, row: DecodeRow) -> SampledToken:
+    seq = row.seq
+    self._write(seq, row.position, self.last_tokens[seq.decode_slot])
+    return self._sample(seq, row.position + 1)
+
+  def _write(self, seq: Sequence, pos: int, token: int) -> None:
+    page, offset = seq.pages[pos // self.page_size], pos % self.page_size
+    if page == 0:
+      raise FakeKVError(f"{seq.request_id}: position {pos} maps to the reserved page 0")
+    self.kv[page][offset] = token
+
+  def _sample(self, seq: Sequence, length: int) -> SampledToken:
+    """The token after the first `length` positions, from the context read back."""
+    context = [self.kv[seq.pages[p // self.page_size]][p % self.page_size]
+               for p in range(length)]
+    expected = seq.token_ids()[:length]
+    if context[:len(expected)] != expected:
+      raise FakeKVError(f"{seq.request_id}: KV read back {context[:len(expected)]} "
+                        f"but the sequence holds {expected}")
+    n_prompt = len(seq.prompt_ids)
+    index = length - n_prompt  # output index of the token sampled now
+    token = context[index % n_prompt]
+    self.last_tokens[seq.decode_slot] = token
+    return SampledToken(token_id=token, logprob=self._logprob(seq, token))
+
+  def _logprob(self, seq: Sequence, token: int) -> TokenLogprob | None:
+    n = seq.params.logprobs
+    if n is None:
+      return None
+    top = [((token + k) % self.vocab_size, -0.5 - k) for k in range(n)]
+    return TokenLogprob(token, -0.5, top)
+
+
+def fake_engine(*, config: Any, tokenizer: Any, step_s: float = 0.0, model_name: str = "fake"):
+  """An `LLMEngine` over a `FakeRunner` sized from `config` (needs `config.num_pages`)."""
+  from serving.engine.llm_engine import LLMEngine
+
+  if config.num_pages is None:
+    raise ValueError("a fake engine needs num_pages in its config")
+  runner = FakeRunner(num_pages=config.num_pages, page_size=config.page_size,
+                      max_num_seqs=config.max_num_seqs,
+                      vocab_size=getattr(tokenizer, "vocab_size", 32000), step_s=step_s)
+  return LLMEngine(runner=runner, tokenizer=tokenizer, config=config, model_name=model_name)

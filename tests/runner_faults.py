@@ -1,0 +1,70 @@
+"""`FaultyRunner`: a Runner around another that fails or blocks chosen steps (tests only).
+
+Faults enter through the engine's Runner interface, the way a broken device
+call would, never by patching engine internals:
+  * `fail_request(seq) -> bool`: a step holding such a sequence raises
+    `StepError` naming those requests from `execute`, before anything is
+    dispatched (a failure the runner can attribute);
+  * `fail_steps`: indices (0-based, in execute order) of steps whose `fetch`
+    raises a plain RuntimeError (a failure nobody can attribute);
+  * `block_steps`: steps whose `fetch` blocks until `release()` (a wedged
+    device call);
+  * `dead_from`: from this step on, every call raises `RunnerDeadError`.
+Everything else is passed to the wrapped runner unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from serving.engine.runner_api import RunnerDeadError, StepError
+
+
+class FaultyRunner:
+  """See module doc."""
+
+  def __init__(self, runner: Any, *, fail_request: Callable[[Any], bool] | None = None,
+               fail_steps: frozenset[int] = frozenset(), block_steps: frozenset[int] = frozenset(),
+               dead_from: int | None = None):
+    self.runner = runner
+    self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+    self.fail_request, self.fail_steps, self.block_steps = fail_request, fail_steps, block_steps
+    self.dead_from = dead_from
+    self.num_executed = 0
+    self.unblock = threading.Event()
+
+  def warm_up(self) -> int:
+    return self.runner.warm_up()
+
+  def execute(self, *, plan):
+    step = self.num_executed
+    self.num_executed += 1
+    self._check_dead(step)
+    if self.fail_request is not None:
+      bad = [s.request_id for s in plan.sequences if self.fail_request(s)]
+      if bad:
+        raise StepError(f"injected fault in step {step}", bad)
+    return step, self.runner.execute(plan=plan)
+
+  def fetch(self, *, handle):
+    step, inner = handle
+    self._check_dead(step)
+    if step in self.block_steps:
+      self.unblock.wait()
+    if step in self.fail_steps:
+      raise RuntimeError(f"injected device failure in step {step}")
+    return self.runner.fetch(handle=inner)
+
+  def release(self) -> None:
+    """Unblocks the steps held by `block_steps`."""
+    self.unblock.set()
+
+  def close(self) -> None:
+    self.unblock.set()
+    self.runner.close()
+
+  def _check_dead(self, step: int) -> None:
+    if self.dead_from is not None and step >= self.dead_from:
+      raise RunnerDeadError(f"injected: the device is lost (step {step})")
