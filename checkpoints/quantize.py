@@ -4,13 +4,12 @@
    blocks onto a `serving.models.quantized.QuantizedWeight` without going through float:
    the block size 32 becomes the group, the f16 `d` the scale, Q4_1's `m` the
    offset, and the 16 packed bytes of a Q4 block keep their nibble order.
-2. `load_quantized(model, method)` loads any checkpoint for serving with
-   `quantization=method`. For a GGUF file, linear weights (and a tied
-   embedding) whose GGUF type matches the method (Q8_0 for int8, Q4_0/Q4_1
-   for int4; a Q8_0 embedding for both, as the LM head stays 8-bit) keep
-   their blocks; every other tensor is dequantized and left for
-   `checkpoints.quantizers.quantize_params` (which the runner applies) to quantize.
-   Other formats load as usual.
+2. `loader.load_gguf_quantized(path, method)` loads a GGUF file for serving
+   with `quantization=method`: linear weights (and a tied embedding) whose GGUF
+   type matches the method (Q8_0 for int8, Q4_0/Q4_1 for int4; a Q8_0 embedding for both, as
+   the LM head stays 8-bit) keep their blocks; every other tensor is
+   dequantized and left for `checkpoints.quantizers.quantize_params` (which
+   the runner applies) to quantize.
 3. `to_saveable` / `from_saveable` turn a params tree with quantized leaves
    into plain nested dicts of arrays plus a JSON spec and back (orbax_io).
 
@@ -20,13 +19,12 @@ them (serving/tools/gptq.py): an offline step, never done at start-up.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from checkpoints import gguf as gguf_io
-from checkpoints.layout import LoadedModel, Params
+from checkpoints.layout import Params
 from serving.models import quantized as quant
 from serving.models.model_config import ModelConfig
 
@@ -56,7 +54,7 @@ def gguf_quantized_weight(raw: gguf_io.RawTensor) -> quant.QuantizedWeight:
   return quant.QuantizedWeight(q=packed, scale=f16(0), offset=offset, kind="int4", group_size=32)
 
 
-def _stack(weights: list[quant.QuantizedWeight]) -> quant.QuantizedWeight | None:
+def stack_blocks(weights: list[quant.QuantizedWeight]) -> quant.QuantizedWeight | None:
   """Per-layer weights -> one [L, ...] weight; None if their layouts differ."""
   first = weights[0]
   if any((w.kind, w.group_size, w.offset is None) != (first.kind, first.group_size,
@@ -67,45 +65,8 @@ def _stack(weights: list[quant.QuantizedWeight]) -> quant.QuantizedWeight | None
   return quant.QuantizedWeight(**arrays, kind=first.kind, group_size=first.group_size)
 
 
-def _kept_keys(cfg: ModelConfig) -> tuple[str, ...]:
+def kept_keys(cfg: ModelConfig) -> tuple[str, ...]:
   return quant.LINEAR_KEYS if not cfg.is_moe else ("wq", "wk", "wv", "wo")
-
-
-def load_gguf_quantized(path: str, method: str) -> LoadedModel:
-  """A GGUF file with matching quantized blocks kept (see module doc, step 2)."""
-  import checkpoints  # noqa: PLC0415  (package import cycle)
-
-  loaded = checkpoints.load_gguf(path)
-  reader = gguf_io.read_gguf(path)
-  cfg, params = loaded.config, loaded.params
-  keep = KEEP_TYPES[method]
-  types = {t.name: t.tensor_type for t in reader.tensors}
-  layers = dict(params["layers"])
-  for key in _kept_keys(cfg):
-    names = [gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers)]
-    if all(types.get(n) in keep for n in names):
-      stacked = _stack([gguf_quantized_weight(gguf_io.raw_tensor(reader, n)) for n in names])
-      if stacked is not None:
-        layers[key] = stacked
-  params = {**params, "layers": layers}
-  emb_type = types.get(gguf_io.gguf_tensor_name("embed"))
-  if cfg.tie_word_embeddings and method in ("int8", "int4") and emb_type == Q.Q8_0:
-    params["embed"] = gguf_quantized_weight(gguf_io.raw_tensor(reader, "token_embd.weight"))
-  return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)
-
-
-def load_quantized(model: str, method: str) -> LoadedModel:
-  """Loads `model` for serving with weight quantization `method` (module doc, step 2)."""
-  import checkpoints  # noqa: PLC0415  (package import cycle)
-
-  if method not in quant.KINDS:
-    raise ValueError(f"unsupported quantization {method!r}; supported: {quant.KINDS}")
-  path = checkpoints.resolve_model_path(model)
-  if os.path.isfile(path) and path.endswith(".gguf"):
-    loaded = load_gguf_quantized(path, method)
-  else:
-    loaded = checkpoints.load_checkpoint(model)
-  return loaded
 
 
 def to_saveable(params: Params) -> tuple[Params, dict[str, Any]]:

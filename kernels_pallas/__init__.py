@@ -1,6 +1,6 @@
 """Pallas kernels for xlaserve, each beside its pure-jnp reference.
 
-Public entry points (stable; ``serving/attention.py`` calls them with ``impl``
+Public entry points (stable; ``serving/runner/attention.py`` calls them with ``impl``
 chosen by platform):
 
 - ``paged_decode_attention``: one query token per sequence.

@@ -10,7 +10,7 @@ does nothing; `auto=True` with nothing set lets jax detect the cluster
 (TPU pod slices, SLURM, Open MPI, Kubernetes).
 
 After start-up `jax.devices()` lists every process's devices, so
-`sharding.make_mesh` builds one global mesh; see serving/multihost.py for
+`sharding.make_mesh` builds one global mesh; see serving/runner/multihost.py for
 how the processes then run the steps in lock-step.
 """
 

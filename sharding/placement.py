@@ -61,7 +61,7 @@ class Placement:
   def place_params(self, params: Params, dtype: Any) -> Params:
     """Every leaf onto its NamedSharding, converted to `dtype` slice by slice.
 
-    A quantized weight (serving/quant.py, stored output-channel-major with
+    A quantized weight (serving/models/quantized.py, stored output-channel-major with
     scales) is not split yet: its codes and scales are replicated as stored.
     """
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 from serving.types import (
     DecodeRow,
@@ -124,15 +123,3 @@ class FakeRunner:
       return None
     top = [((token + k) % self.vocab_size, -0.5 - k) for k in range(n)]
     return TokenLogprob(token, -0.5, top)
-
-
-def fake_engine(*, config: Any, tokenizer: Any, step_s: float = 0.0, model_name: str = "fake"):
-  """An `LLMEngine` over a `FakeRunner` sized from `config` (needs `config.num_pages`)."""
-  from serving.engine.llm_engine import LLMEngine
-
-  if config.num_pages is None:
-    raise ValueError("a fake engine needs num_pages in its config")
-  runner = FakeRunner(num_pages=config.num_pages, page_size=config.page_size,
-                      max_num_seqs=config.max_num_seqs,
-                      vocab_size=getattr(tokenizer, "vocab_size", 32000), step_s=step_s)
-  return LLMEngine(runner=runner, tokenizer=tokenizer, config=config, model_name=model_name)

@@ -20,8 +20,8 @@ import jax
 
 import checkpoints
 import sharding
+from checkpoints import load_quantized
 from checkpoints.layout import LoadedModel
-from checkpoints.quantize import load_quantized
 from serving.config import EngineConfig
 from serving.engine import LLMEngine, Runner
 from serving.runner import multihost

@@ -14,7 +14,7 @@ and go to `--result_json` when given; `serve` also draws `--plot`.
 `--naive` runs them one request at a time. `--breakdown` times each step's
 parts (host scheduling, device prefill / decode / sampling, detokenization);
 `--profile_dir` records a `jax.profiler` trace and lists its costliest ops.
-`serve` drives any OpenAI-compatible endpoint (serving/bench_serve.py).
+`serve` drives any OpenAI-compatible endpoint (serving/tools/bench_serve.py).
 `roofline` measures the machine (memory copy bandwidth, matmul peaks) and the
 model's bytes and FLOPs per token, then the fraction a run achieved (MBU for
 batch-1 decode, MFU for prefill and the batched workload).

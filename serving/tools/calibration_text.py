@@ -1,4 +1,4 @@
-"""Calibration text for activation-aware int4 quantization (`serving/quant_calibration.py`).
+"""Calibration text for activation-aware int4 quantization (`serving/tools/gptq.py`).
 
 About 8 KB (2,200 SmolLM2 tokens) of generic English prose, dialogue, notes
 and code in several languages, written for this purpose. It is deliberately

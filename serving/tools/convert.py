@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 import checkpoints
+from checkpoints import load_quantized
 from checkpoints.orbax_io import save_orbax
-from checkpoints.quantize import load_quantized
 from checkpoints.quantizers import quantize_params
 from serving.tools import gptq
 

@@ -6,9 +6,9 @@ import pytest
 from ckpt_testutil import tiny_model
 
 from checkpoints import gguf as gguf_io
-from checkpoints import load_hf_dir, load_orbax, quantizers, save_orbax
+from checkpoints import load_hf_dir, load_orbax, load_quantized, quantizers, save_orbax
 from checkpoints.layout import LoadedModel
-from checkpoints.quantize import gguf_quantized_weight, load_quantized
+from checkpoints.quantize import gguf_quantized_weight
 from serving.models import quantized as quant
 
 Q = gguf.GGMLQuantizationType

@@ -7,7 +7,7 @@ scan keeps it that way: it fails on any use of pickle-based loading,
 dynamic imports of request-controlled names in the shipped packages.
 
 One exception is allowed, by file and rule: the executable store
-(serving/executable_store.py) pickles compiled programs into the local
+(serving/runner/executable_store.py) pickles compiled programs into the local
 compilation-cache directory and loads them back, through
 `jax.experimental.serialize_executable`, which is pickle-based. That is the
 trust boundary of JAX's own persistent cache (which loads machine code from
@@ -34,7 +34,7 @@ FORBIDDEN = {
 }
 
 
-ALLOWED = {("serving/executable_store.py", "pickle")}
+ALLOWED = {("serving/runner/executable_store.py", "pickle")}
 
 
 def package_sources() -> list[str]:

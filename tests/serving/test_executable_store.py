@@ -1,4 +1,4 @@
-"""The executable store (serving/executable_store.py) on a tiny model.
+"""The executable store (serving/runner/executable_store.py) on a tiny model.
 
 - A first engine compiles its steps and stores them; a second one, built
   the same way, loads every step from the store (no tracing) and generates

@@ -7,7 +7,7 @@ float32 model: mean KL of the next-token distributions and greedy agreement.
 The float32 reference is the GGUF's own Q4_1 weights dequantized, so int4
 with the file's group of 32 reproduces it, while group 64 re-quantizes a
 4-bit grid. int4 g64 is gated as `xlaserve convert` makes it: GPTQ on the
-shipped calibration text (serving/calibration_text.py, not this sample);
+shipped calibration text (serving/tools/calibration_text.py, not this sample);
 plain rounding (what `--quantization=int4` does at load) is kept as a
 looser regression case. Measured values (2026-12-02) are in the comments.
 """
@@ -17,8 +17,7 @@ import pytest
 import quant_testutil as qt
 
 import checkpoints
-from checkpoints import quantizers
-from checkpoints.quantize import load_quantized
+from checkpoints import load_quantized, quantizers
 from serving.models import quantized as quant
 from serving.runner.model_runner import ModelRunner
 from serving.tools.gptq import calibrated_int4

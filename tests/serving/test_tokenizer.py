@@ -1,4 +1,4 @@
-"""serving.tokenizer: incremental detokenization, chat templates, HF-dir round trip."""
+"""The tokenizer (checkpoints/) and incremental detokenizer (serving/engine/), chat templates."""
 
 import os
 import random

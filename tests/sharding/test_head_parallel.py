@@ -1,7 +1,7 @@
 """Head-parallel attention (sharding/attention.py) with the Pallas kernels at tp=4.
 
 The runner wraps its Pallas attend callback in `head_parallel`
-(serving/runner.py `_attend_fn`); the worker runs the tiny Llama with
+(serving/runner/steps.py `attend_fn`); the worker runs the tiny Llama with
 `attention_backend="pallas_interpret"` at tp=4 (KV heads repeated to 4, one
 per device): tokens and logits equal the unsharded run and the HLO gathers
 neither a weight nor the KV cache.

@@ -1,0 +1,117 @@
+"""The loaders: a model name -> `LoadedModel` (see the package doc for the formats)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from checkpoints import gguf as gguf_io
+from checkpoints import hf, presets, quantize
+from checkpoints.layout import LoadedModel, resolve_dtype
+from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
+from checkpoints.tokenizer import Tokenizer
+from serving.models.model_config import ModelConfig
+from serving.models.quantized import KINDS
+
+
+def resolve_model_path(model: str) -> str:
+  """A preset name -> its checkpoint path; other strings are returned as paths."""
+  if presets.get_preset(model) is not None and not os.path.exists(model):
+    return presets.resolve_preset(model)
+  return model
+
+
+def load_checkpoint(model: str, dtype: Any = np.float32) -> LoadedModel:
+  """Loads a preset, orbax dir, HF dir or GGUF file (see module docstring).
+
+  `dtype`: float32 or bfloat16 (numpy/ml_dtypes type or name), or "auto": the
+  stored dtype for orbax, bfloat16 for a HF dir whose config says so, else
+  float32 (GGUF dequantizes to float32).
+  """
+  auto = isinstance(dtype, str) and dtype == "auto"
+  if not auto:
+    resolve_dtype(dtype)
+  path = resolve_model_path(model)
+  if os.path.isdir(path) and is_orbax_dir(path):
+    return load_orbax(path, dtype=None if auto else dtype)
+  if os.path.isdir(path):
+    if not hf.is_hf_dir(path):
+      raise ValueError(f"unsupported model directory {path}: no config.json (HF) and no "
+                       f"{MARKER_FILE} (orbax)")
+    if auto:
+      raw, _ = hf.load_hf_config(path)
+      dtype = "bfloat16" if "bfloat16" in (raw.get("dtype"), raw.get("torch_dtype")) else "float32"
+    return load_hf_dir(path, dtype)
+  if os.path.isfile(path):
+    if not path.endswith(".gguf"):
+      raise ValueError(f"unsupported checkpoint file {path}: expected a .gguf file")
+    return load_gguf(path, np.float32 if auto else dtype)
+  raise FileNotFoundError(f"{model!r} is not a preset ({presets.list_presets()}), "
+                          "a directory or a .gguf file")
+
+
+def load_quantized(model: str, method: str) -> LoadedModel:
+  """Loads `model` for serving with weight quantization `method`: GGUF blocks of the
+  matching type stay as stored (checkpoints/quantize.py), anything else loads as usual
+  and is quantized by the runner."""
+  if method not in KINDS:
+    raise ValueError(f"unsupported quantization {method!r}; supported: {KINDS}")
+  path = resolve_model_path(model)
+  if os.path.isfile(path) and path.endswith(".gguf"):
+    return load_gguf_quantized(path, method)
+  return load_checkpoint(model)
+
+
+def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
+  """A Hugging Face directory: config.json, safetensors, tokenizer files."""
+  _, config = hf.load_hf_config(path)
+  params = hf.load_hf_params(path, config, dtype)
+  tokenizer = None
+  if os.path.exists(os.path.join(path, "tokenizer.json")):
+    tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
+  return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
+                     source=os.path.abspath(path))
+
+
+def load_gguf(path: str, dtype: Any = np.float32) -> LoadedModel:
+  """A GGUF file: metadata config, dequantized params, embedded tokenizer."""
+  reader = gguf_io.read_gguf(path)
+  config = ModelConfig.from_hf_config(gguf_io.gguf_hf_config(reader))
+  params = gguf_io.load_gguf_params(reader, config, dtype)
+  tokenizer = Tokenizer.from_gguf_metadata(reader, extra_eos_ids=config.eos_token_ids)
+  return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
+                     source=os.path.abspath(path))
+
+
+def _merge_eos(config: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
+  """config.eos_token_ids followed by the tokenizer's other end-of-generation ids."""
+  if tokenizer is None:
+    return config
+  extra = sorted(set(tokenizer.eos_token_ids) - set(config.eos_token_ids))
+  return dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *extra))
+
+
+def load_gguf_quantized(path: str, method: str) -> LoadedModel:
+  """A GGUF file with matching quantized blocks kept (see module doc, step 2)."""
+  loaded = load_gguf(path)
+  reader = gguf_io.read_gguf(path)
+  cfg, params = loaded.config, loaded.params
+  keep = quantize.KEEP_TYPES[method]
+  types = {t.name: t.tensor_type for t in reader.tensors}
+  layers = dict(params["layers"])
+  for key in quantize.kept_keys(cfg):
+    names = [gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers)]
+    if all(types.get(n) in keep for n in names):
+      blocks = [quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, n)) for n in names]
+      stacked = quantize.stack_blocks(blocks)
+      if stacked is not None:
+        layers[key] = stacked
+  params = {**params, "layers": layers}
+  emb_type = types.get(gguf_io.gguf_tensor_name("embed"))
+  if cfg.tie_word_embeddings and method in ("int8", "int4") and emb_type == gguf_io.Q.Q8_0:
+    raw = gguf_io.raw_tensor(reader, "token_embd.weight")
+    params["embed"] = quantize.gguf_quantized_weight(raw)
+  return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)
