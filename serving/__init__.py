@@ -1,6 +1,7 @@
 """xlaserve serving: the engine, scheduler, model code and front ends.
 
-The notebook / batch API is `LLM` and `SamplingParams` (see DESIGN.md).
+The notebook / batch API is `LLM` and `SamplingParams` (docs/api.md); the
+package layout is in docs/structure.md.
 """
 
 from serving.types import RequestOutput, SamplingParams, TokenLogprob

@@ -64,7 +64,8 @@ class EngineConfig:
   unroll_layers: bool | None = None  # None: unrolled on CPU, scanned on TPU/GPU
   compilation_cache: bool = True
   compilation_cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
-  seed: int = 0
+  seed: int | None = None  # for requests without a seed; None: a fresh one per process
+  step_timeout_s: float = 120.0  # a step running longer means a wedged device: unhealthy
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens",
@@ -90,6 +91,8 @@ class EngineConfig:
       raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
     if self.quantization not in QUANTIZATIONS:
       raise ValueError(f"quantization={self.quantization!r} not in {QUANTIZATIONS}")
+    if not self.step_timeout_s > 0:
+      raise ValueError(f"step_timeout_s={self.step_timeout_s} must be positive")
     if self.attention_block_tokens % self.page_size:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from serving.entrypoints.flags import (
 )
 
 COMMANDS = ("serve", "generate", "batch", "convert", "bench")
+EXIT_ENGINE_DEAD = 3  # `serve` exit status when the engine died or wedged
 EngineFactory = Callable[[str, EngineConfig], Any]
 
 
@@ -44,6 +46,7 @@ def default_build_engine(model: str, config: EngineConfig) -> Any:
 
 
 def cmd_serve(build_engine: EngineFactory) -> int:
+  from serving.engine.llm_engine import EngineDeadError
   from serving.entrypoints.api_server import serve
 
   config = engine_config_from_flags()
@@ -73,7 +76,13 @@ def cmd_serve(build_engine: EngineFactory) -> int:
       loop.add_signal_handler(sig, stop.set)
     await serve(engine, serve_cfg, stop, ready)
 
-  asyncio.run(main())
+  try:
+    asyncio.run(main())
+  except EngineDeadError as e:
+    # The engine thread may be stuck in a device call: leave without waiting for it.
+    print(f"xlaserve: the engine cannot serve ({e}); exiting", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_ENGINE_DEAD)
   print("xlaserve: drained, exiting", flush=True)
   return 0
 
@@ -103,6 +112,10 @@ def cmd_batch(build_engine: EngineFactory) -> int:
   engine = build_engine(FLAGS.model, config)
   summary = asyncio.run(run_batch(engine, batch_cfg))
   print(json.dumps(summary), flush=True)
+  if summary["failed"]:
+    print(f"xlaserve batch: {summary['failed']} lines failed on the server side; rerun the same "
+          "command to redo them", file=sys.stderr, flush=True)
+    return 1
   return 0
 
 

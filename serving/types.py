@@ -22,12 +22,41 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 # The most top-n logprobs a request may ask for (OpenAI allows 20).
 MAX_LOGPROBS = 20
+# Integer fields travel to the device as int32.
+INT32_MAX = 2**31 - 1
+# Beyond these, sampling is indistinguishable from the limit (and stays finite in float32).
+MAX_TEMPERATURE = 1e4
+MAX_REPETITION_PENALTY = 1e4
+
+
+def _int_in(name: str, value, low: int, high: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+  if not low <= value <= high:
+    raise ValueError(f"{name} must be in [{low}, {high}], got {_short(value)}")
+
+
+def _float_in(name: str, value, low: float, high: float, *, low_open: bool = False) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+  if not math.isfinite(value):
+    raise ValueError(f"{name} must be finite, got {value}")
+  if not (low < value if low_open else low <= value) or value > high:
+    bracket = "(" if low_open else "["
+    raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {_short(value)}")
+
+
+def _short(value) -> str:
+  if isinstance(value, int) and abs(value) > 10**30:  # repr of a huge int is slow or refused
+    return f"an integer of {value.bit_length()} bits"
+  return repr(value)
 
 
 @dataclasses.dataclass
@@ -64,33 +93,30 @@ class SamplingParams:
     self.validate()
 
   def validate(self) -> None:
-    """Raises ValueError naming the first invalid field."""
-    if self.max_tokens is not None and self.max_tokens < 1:
-      raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-    if not self.temperature >= 0.0:
-      raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    """Raises ValueError naming the first invalid field (types, ranges, finiteness)."""
+    if self.max_tokens is not None:
+      _int_in("max_tokens", self.max_tokens, 1, INT32_MAX)
+    _float_in("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+    _float_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+    _int_in("top_k", self.top_k, -1, INT32_MAX)
     if self.top_k == 0:
       self.top_k = -1
-    if self.top_k < -1:
-      raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
-    if not 0.0 <= self.min_p <= 1.0:
-      raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-    if not self.repetition_penalty > 0.0:
-      raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-    if not -2.0 <= self.presence_penalty <= 2.0:
-      raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-    if not -2.0 <= self.frequency_penalty <= 2.0:
-      raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-      raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-    if self.seed is not None and not 0 <= self.seed < 2**63:
-      raise ValueError(f"seed must be a non-negative 63-bit integer, got {self.seed}")
+    _float_in("min_p", self.min_p, 0.0, 1.0)
+    _float_in("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+              low_open=True)
+    _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+    _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+    if self.logprobs is not None:
+      _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+    if self.seed is not None:
+      _int_in("seed", self.seed, 0, 2**63 - 1)
     if any(not isinstance(s, str) or not s for s in self.stop):
       raise ValueError("stop strings must be non-empty strings")
-    if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-      raise ValueError("stop_token_ids must be non-negative integers")
+    for t in self.stop_token_ids:
+      _int_in("stop_token_ids", t, 0, INT32_MAX)
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a boolean")
 
   @property
   def greedy(self) -> bool:
@@ -249,6 +275,18 @@ class StepResult:
   """The runner's answer to a `StepPlan`: sampled tokens by request id."""
 
   tokens: dict[str, SampledToken]
+
+
+class StepError(RuntimeError):
+  """A step failed because of some of its requests (`request_ids`)."""
+
+  def __init__(self, message: str, request_ids: list[str]):
+    super().__init__(message)
+    self.request_ids = list(request_ids)
+
+
+class RunnerDeadError(RuntimeError):
+  """The runner's device state is lost: nothing can run any more."""
 
 
 # ---- counters ------------------------------------------------------------------

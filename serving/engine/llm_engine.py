@@ -13,12 +13,22 @@ The engine owns no device and loads nothing: it is given a `Runner`
 `add_request(...)` with an `on_output` callback that receives delta
 `RequestOutput`s on the engine thread; `LLM` and the async front ends
 (serving/entrypoints/) build on this.
+
+Failures (docs/reliability.md): a step whose runner call raises fails the
+requests it names (`StepError`), or all of that step, and rolls the others
+back to the queue; waiting requests are never touched. Anything else —
+`RunnerDeadError`, an exception escaping the loop — kills the engine: every
+request ends with an error, `add_request` raises `EngineDeadError`, and
+`health()` says why. `health()` also reports a step running longer than
+`config.step_timeout_s` (a wedged device call), so the server can give up on it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +37,16 @@ import numpy as np
 from serving.config import EngineConfig
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.page_allocator import PageAllocator
-from serving.engine.runner_api import Runner, StepError
+from serving.engine.runner_api import Runner, RunnerDeadError, StepError
 from serving.engine.scheduler import Scheduler
 from serving.types import EngineStats, RequestOutput, SamplingParams, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineDeadError(RuntimeError):
+  """The engine cannot serve any more (its reason is the message)."""
 
 
 class LLMEngine:
@@ -52,10 +66,13 @@ class LLMEngine:
     self._aborts: list[str] = []
     self._seqs: dict[str, Sequence] = {}
     self._inflight: tuple[StepPlan, Any] | None = None
-    self._rng = np.random.default_rng(config.seed)
+    seed = config.seed if config.seed is not None else secrets.randbits(63)
+    self._rng = np.random.default_rng(seed)
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self._wake = threading.Event()
+    self._step_started: float | None = None  # monotonic time the running step began
+    self.dead: str | None = None  # why the engine cannot serve, once it cannot
     self.prompt_tokens_total = 0
 
   # ---- requests (any thread) ----
@@ -69,6 +86,8 @@ class LLMEngine:
     eos = frozenset(self.tokenizer.eos_token_ids)
     seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, eos_ids=eos, seed=seed)
     with self._lock:
+      if self.dead is not None:
+        raise EngineDeadError(self.dead)
       if request_id in self._seqs or any(s.request_id == request_id for s, _ in self._inbox):
         raise ValueError(f"duplicate request id {request_id!r}")
       self._inbox.append((seq, on_output))
@@ -116,6 +135,13 @@ class LLMEngine:
 
   def step(self) -> None:
     """One iteration: admit, schedule, dispatch, postprocess the previous step."""
+    self._step_started = time.monotonic()
+    try:
+      self._step()
+    finally:
+      self._step_started = None
+
+  def _step(self) -> None:
     self._drain_inbox()
     plan = self.scheduler.schedule()
     inflight = None
@@ -162,6 +188,8 @@ class LLMEngine:
         self.outputs.emit(seq)
 
   def _fail_step(self, plan: StepPlan, error: Exception) -> None:
+    if isinstance(error, RunnerDeadError):
+      raise error
     """Fails the requests of a step that raised: those it names, else all of the step.
 
     `scheduler.fail` rolls every sequence of the step back to the queue (pages
@@ -194,23 +222,48 @@ class LLMEngine:
       if self.has_unfinished():
         try:
           self.step()
-        except Exception:  # a broken step must not leave requests hanging
-          log.exception("engine step failed; failing in-flight requests")
-          self._fail_all("engine error")
+        except Exception as e:  # the state is not trusted any more: stop serving
+          log.exception("engine step failed; the engine stops")
+          self.die(f"engine failed: {type(e).__name__}: {e}")
+          return
       else:
         self._wake.wait(0.05)
         self._wake.clear()
 
-  def _fail_all(self, message: str) -> None:
+  def die(self, reason: str) -> None:
+    """Stops serving for good: every request (queued or running) ends with `reason`."""
+    with self._lock:
+      if self.dead is None:
+        self.dead = reason
+      inbox, self._inbox = self._inbox, []
     self._inflight = None
+    for seq, cb in inbox:
+      self.outputs.add(seq, cb)
+      self._seqs[seq.request_id] = seq
     for seq in list(self._seqs.values()):
-      self._finish(seq, "error", error=message)
+      try:
+        self._finish(seq, "error", error=reason)
+      except Exception:  # noqa: BLE001 -- keep failing the others
+        log.exception("could not fail request %s", seq.request_id)
 
-  def shutdown(self) -> None:
+  def health(self) -> str | None:
+    """None while the engine can serve; otherwise why not (dead, loop gone, wedged step)."""
+    if self.dead is not None:
+      return self.dead
+    if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
+      return "the engine loop has stopped"
+    started = self._step_started
+    if started is not None and time.monotonic() - started > self.config.step_timeout_s:
+      return (f"a step has been running for {time.monotonic() - started:.0f} s "
+              f"(step_timeout_s={self.config.step_timeout_s:g}): the device looks wedged")
+    return None
+
+  def shutdown(self, timeout_s: float = 10.0) -> None:
+    """Stops the loop (waiting up to `timeout_s` for the current step) and the runner."""
     self._stop.set()
     self._wake.set()
     if self._thread is not None:
-      self._thread.join(timeout=10)
+      self._thread.join(timeout=timeout_s)
       self._thread = None
     self.runner.close()
 

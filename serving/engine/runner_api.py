@@ -27,19 +27,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from serving.types import StepPlan, StepResult
+from serving.types import RunnerDeadError, StepError, StepPlan, StepResult
 
-
-class StepError(RuntimeError):
-  """A step failed because of some of its requests (`request_ids`)."""
-
-  def __init__(self, message: str, request_ids: list[str]):
-    super().__init__(message)
-    self.request_ids = list(request_ids)
-
-
-class RunnerDeadError(RuntimeError):
-  """The runner's device state is lost: nothing can run any more."""
+__all__ = ["Runner", "RunnerDeadError", "StepError"]
 
 
 class Runner(Protocol):

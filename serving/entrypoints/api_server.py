@@ -5,10 +5,15 @@ Lifecycle (`serve()`):
      `Metrics` registry and `OpenAIServing` are built around it.
   2. gRPC binds and starts, then uvicorn; `ready(http_port, grpc_port)` is
      called once both accept connections.
-  3. `serve()` waits for `stop` (the launcher sets it on SIGTERM / SIGINT).
+  3. `serve()` waits for `stop` (the launcher sets it on SIGTERM / SIGINT),
+     while a watchdog polls `engine.health()`.
   4. Drain: new requests are refused (HTTP 503, gRPC UNAVAILABLE, health
      NOT_SERVING), listeners close, in-flight requests get `drain_timeout_s`
      to finish; whatever is left is aborted. The engine shuts down last.
+If the engine dies or wedges, the watchdog ends every in-flight request with
+an error, turns health to 503 / NOT_SERVING, refuses new requests with 503 /
+UNAVAILABLE and stops the server; `serve()` then raises `EngineDeadError`, so
+the process exits non-zero and an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -19,9 +24,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from serving.engine.llm_engine import EngineDeadError
 from serving.entrypoints.async_engine import AsyncEngine
 from serving.entrypoints.grpc_server import GrpcServer
-from serving.entrypoints.http_server import DEFAULT_MAX_BODY_BYTES, build_app, make_http_server
+from serving.entrypoints.http_server import (
+  DEFAULT_BODY_TIMEOUT_S,
+  DEFAULT_MAX_BODY_BYTES,
+  DEFAULT_MAX_CONNECTIONS,
+  build_app,
+  make_http_server,
+)
+from serving.entrypoints.limits import RequestLimits
 from serving.entrypoints.metrics import Metrics
 from serving.entrypoints.openai_serving import OpenAIServing
 
@@ -43,7 +56,10 @@ class ServeConfig:
   tls_key: str | None = None
   max_queued_requests: int | None = 256
   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body arriving slower: 408
+  max_connections: int = DEFAULT_MAX_CONNECTIONS  # HTTP connections; gRPC concurrent calls
   drain_timeout_s: float = 30.0
+  limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
   def __post_init__(self):
     if bool(self.tls_cert) != bool(self.tls_key):
@@ -52,6 +68,8 @@ class ServeConfig:
       raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
     if self.http_port < 0 and self.grpc_port < 0:
       raise ValueError("at least one of http_port and grpc_port must be enabled")
+    if self.max_connections < 1 or not self.body_timeout_s > 0:
+      raise ValueError("max_connections and body_timeout_s must be positive")
 
 
 async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
@@ -61,32 +79,53 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
   metrics = Metrics(engine.stats, model_name=cfg.served_model_name)
   aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
   names = list(dict.fromkeys([cfg.served_model_name, getattr(engine, "model_name", None)]))
-  serving = OpenAIServing(aengine, [n for n in names if n])
-  grpc_server = http_server = http_task = None
+  serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits)
+  grpc_server = http_server = http_task = watchdog = None
   http_port = grpc_port = None
   try:
     if cfg.grpc_port >= 0:
       grpc_server = GrpcServer(serving, cfg.served_model_name, api_key=cfg.api_key,
-                               max_message_bytes=cfg.max_body_bytes)
+                               max_message_bytes=cfg.max_body_bytes,
+                               max_concurrent_rpcs=cfg.max_connections)
       grpc_port = grpc_server.bind(cfg.host, cfg.grpc_port, tls_cert=cfg.tls_cert,
                                    tls_key=cfg.tls_key)
       await grpc_server.start()
     if cfg.http_port >= 0:
-      app = build_app(serving, metrics, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes)
+      app = build_app(serving, metrics, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                      body_timeout_s=cfg.body_timeout_s)
       http_server = make_http_server(app, cfg.host, cfg.http_port, ssl_certfile=cfg.tls_cert,
                                      ssl_keyfile=cfg.tls_key,
-                                     graceful_timeout_s=cfg.drain_timeout_s + _FLUSH_S)
+                                     graceful_timeout_s=cfg.drain_timeout_s + _FLUSH_S,
+                                     max_connections=cfg.max_connections)
       http_task = asyncio.create_task(http_server.serve())
       http_port = await _wait_started(http_server, http_task)
     log.info("serving %s: http port %s, grpc port %s", cfg.served_model_name, http_port,
              grpc_port)
     if ready is not None:
       ready(http_port, grpc_port)
+    watchdog = asyncio.create_task(_watch(engine, aengine, grpc_server, stop))
     await stop.wait()
     log.info("draining (up to %.0f s)", cfg.drain_timeout_s)
   finally:
+    if watchdog is not None:
+      watchdog.cancel()
     await _drain(aengine, grpc_server, http_server, http_task, cfg.drain_timeout_s)
-    engine.shutdown()
+    engine.shutdown(timeout_s=10.0 if aengine.unavailable is None else 1.0)
+  if aengine.unavailable is not None:
+    raise EngineDeadError(aengine.unavailable)
+
+
+async def _watch(engine: Any, aengine: AsyncEngine, grpc_server: GrpcServer | None,
+                 stop: asyncio.Event) -> None:
+  """Polls `engine.health()`; on the first failure, fails everything and stops the server."""
+  interval = min(0.5, engine.config.step_timeout_s / 4)
+  while (reason := engine.health()) is None:
+    await asyncio.sleep(interval)
+  log.error("the engine cannot serve: %s", reason)
+  aengine.fail_all(reason)
+  if grpc_server is not None:
+    await grpc_server.set_serving(False)
+  stop.set()
 
 
 async def _wait_started(server: Any, task: asyncio.Task) -> int:

@@ -13,6 +13,9 @@ Lifecycle of one request:
   4. If the caller stops early (task cancelled, client gone, deadline passed),
      `RequestStream.abort()` (called by `generate()` / `async with`) calls
      `engine.abort`, which frees the request's KV pages before the next step.
+If the engine can no longer serve (`engine.health()`, watched by the server),
+`fail_all(reason)` ends every stream with an error at once, and `submit`
+refuses new requests with `EngineUnavailableError` (HTTP 503 / UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from serving.engine.llm_engine import EngineDeadError
 from serving.entrypoints.metrics import Metrics, RequestTimer
 from serving.types import RequestOutput, SamplingParams
 
@@ -36,6 +40,10 @@ class ServerBusyError(Exception):
 
 class ServerDrainingError(Exception):
   """The server is shutting down and takes no new requests (HTTP 503 / UNAVAILABLE)."""
+
+
+class EngineUnavailableError(Exception):
+  """The engine is dead or wedged: nothing can be served (HTTP 503 / UNAVAILABLE)."""
 
 
 class RequestStream:
@@ -100,6 +108,7 @@ class AsyncEngine:
     self._idle = asyncio.Event()
     self._idle.set()
     self.draining = False
+    self.unavailable: str | None = None  # why the engine cannot serve (set by fail_all)
 
   @property
   def tokenizer(self) -> Any:
@@ -110,17 +119,28 @@ class AsyncEngine:
     return self.engine.config.max_model_len
 
   @property
+  def capacity(self) -> int | None:
+    """Most requests admitted at once (decode slots + queue), None if unbounded."""
+    if self.max_queued_requests is None:
+      return None
+    return self.engine.config.max_num_seqs + self.max_queued_requests
+
+  @property
   def num_inflight(self) -> int:
     return len(self._streams)
 
   def submit(self, prompt: str | list[int], params: SamplingParams,
              request_id: str | None = None) -> RequestStream:
-    """Admits a request; raises ServerDrainingError, ServerBusyError or ValueError."""
+    """Admits a request; raises EngineUnavailableError, ServerDrainingError, ServerBusyError
+    or ValueError."""
+    if self.unavailable is not None:
+      self._reject("unavailable")
+      raise EngineUnavailableError(f"the engine cannot serve: {self.unavailable}")
     if self.draining:
       self._reject("draining")
       raise ServerDrainingError("server is shutting down")
-    if self.max_queued_requests is not None:
-      limit = self.engine.config.max_num_seqs + self.max_queued_requests
+    limit = self.capacity
+    if limit is not None:
       if len(self._streams) >= limit:
         self._reject("queue_full")
         raise ServerBusyError(f"server is at its queue limit ({limit} requests); retry later")
@@ -142,6 +162,9 @@ class AsyncEngine:
     self._idle.clear()
     try:
       self.engine.add_request(request_id, prompt, params, on_output)
+    except EngineDeadError as e:
+      self._release(request_id)
+      raise EngineUnavailableError(f"the engine cannot serve: {e}") from None
     except BaseException:
       self._release(request_id)
       raise
@@ -182,3 +205,14 @@ class AsyncEngine:
   def abort_all(self) -> None:
     for stream in list(self._streams.values()):
       stream.abort()
+
+  def fail_all(self, reason: str) -> None:
+    """The engine cannot serve: refuse new requests and end every stream with `reason`
+    now, without waiting for the engine (which may be stuck in a device call)."""
+    self.unavailable = reason
+    for stream in list(self._streams.values()):
+      stream._queue.put_nowait(RequestOutput(
+          request_id=stream.request_id, prompt_token_ids=[], text="", token_ids=[],
+          finish_reason="error", error=f"the engine cannot serve: {reason}"))
+      self.engine.abort(stream.request_id)
+      stream._close("error")

@@ -5,11 +5,16 @@ Input lines: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}` where `body` is exactly what the HTTP server would return (the same
 `OpenAIServing` code path); a line that is not a valid request gets
-`response: null` and `error: {"code", "message"}`.
+`response: null` and `error: {"code", "message"}`. A request that is invalid gets
+its 4xx body (only that line); a line the server failed to answer (5xx: an
+engine error, the engine gone) is written with its 500/503 body and counted in
+`failed`: the job then exits non-zero, and a rerun starts over from the first
+such line.
 
 Lifecycle:
   1. Resume: output lines already written (a prefix of the input, checked by
-     custom_id) are kept; a torn last line from a killed run is cut off.
+     custom_id) are kept up to the first server-side failure; a torn last line
+     from a killed run is cut off.
   2. The remaining lines run concurrently (`max_concurrency` in flight), so
      the engine batches them.
   3. Results are written strictly in input order: a finished line waits in
@@ -30,10 +35,12 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from serving.entrypoints.async_engine import AsyncEngine
+from serving.entrypoints.limits import RequestLimits
 from serving.entrypoints.openai_protocol import (
   APIError,
   ChatCompletionRequest,
   CompletionRequest,
+  parse_json_object,
   validation_error,
 )
 from serving.entrypoints.openai_serving import OpenAIServing
@@ -49,6 +56,7 @@ class BatchConfig:
   served_model_name: str
   max_concurrency: int = 16
   show_progress: bool = True
+  limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
   def __post_init__(self):
     if self.max_concurrency < 1:
@@ -58,28 +66,40 @@ class BatchConfig:
 
 
 async def run_batch(engine: Any, cfg: BatchConfig) -> dict[str, int]:
-  """Runs every not-yet-done line of the input; returns a summary of counts."""
+  """Runs every not-yet-done line of the input; returns a summary of counts
+  (`failed`: lines the server could not answer, to be redone by a rerun)."""
   with open(cfg.input_path, encoding="utf-8") as f:
     lines = [line for line in f.read().splitlines() if line.strip()]
   done = resume_point(cfg.output_path, lines)
   engine.start()
   try:
     names = [n for n in dict.fromkeys([cfg.served_model_name, engine.model_name]) if n]
-    serving = OpenAIServing(AsyncEngine(engine), names)
+    serving = OpenAIServing(AsyncEngine(engine), names, cfg.limits)
     with open(cfg.output_path, "a", encoding="utf-8") as out, \
         tqdm(total=len(lines), initial=done, unit="req", disable=not cfg.show_progress,
              desc="batch") as bar:
       writer = OrderedWriter(out, next_index=done, on_write=lambda: bar.update(1))
       limit = asyncio.Semaphore(cfg.max_concurrency)
+      failed = 0
 
       async def one(i: int) -> None:
+        nonlocal failed
         async with limit:
-          writer.put(i, await process_line(serving, lines[i]))
+          result = await process_line(serving, lines[i])
+        failed += _server_failed(result)
+        writer.put(i, result)
 
       await asyncio.gather(*(one(i) for i in range(done, len(lines))))
   finally:
     engine.shutdown()
-  return {"total": len(lines), "skipped": done, "processed": len(lines) - done}
+  return {"total": len(lines), "skipped": done, "processed": len(lines) - done,
+          "failed": failed}
+
+
+def _server_failed(result: dict[str, Any]) -> bool:
+  """The server could not answer this line (a rerun should redo it)."""
+  response = result.get("response")
+  return isinstance(response, dict) and response.get("status_code", 0) >= 500
 
 
 class OrderedWriter:
@@ -108,8 +128,11 @@ def resume_point(output_path: str, lines: list[str]) -> int:
   done, keep = 0, 0
   for raw in data.split(b"\n")[:-1]:  # the last piece has no newline: torn or empty
     try:
-      got = json.loads(raw).get("custom_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+      written = json.loads(raw)
+      got = written.get("custom_id")
+    except (ValueError, RecursionError, AttributeError):  # torn or not ours
+      break
+    if _server_failed(written):  # redo it, and everything after it
       break
     if done >= len(lines):
       raise ValueError(f"{output_path} has more results than {len(lines)} input lines")
@@ -126,7 +149,7 @@ def resume_point(output_path: str, lines: list[str]) -> int:
 def _custom_id(line: str) -> Any:
   try:
     obj = json.loads(line)
-  except json.JSONDecodeError:
+  except (ValueError, RecursionError):  # a bad line has no custom_id
     return None
   return obj.get("custom_id") if isinstance(obj, dict) else None
 
@@ -136,11 +159,11 @@ async def process_line(serving: OpenAIServing, line: str) -> dict[str, Any]:
   result: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None,
                             "response": None, "error": None}
   try:
-    obj = json.loads(line)
-  except json.JSONDecodeError as e:
-    result["error"] = {"code": "invalid_json", "message": f"line is not valid JSON: {e}"}
+    obj = parse_json_object(line, "line")
+  except APIError as e:
+    result["error"] = {"code": e.code, "message": e.message}
     return result
-  if not isinstance(obj, dict) or not isinstance(obj.get("body"), dict):
+  if not isinstance(obj.get("body"), dict):
     result["error"] = {"code": "invalid_request", "message": "line must be an object with a body"}
     return result
   result["custom_id"] = obj.get("custom_id")
@@ -157,7 +180,8 @@ async def process_line(serving: OpenAIServing, line: str) -> dict[str, Any]:
       req = model.model_validate(obj["body"])
     except ValidationError as e:
       raise validation_error(e) from None
-    job = serving.prepare_chat(req) if kind == "chat" else serving.prepare_completion(req)
+    prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
+    job = await asyncio.to_thread(prepare, req)
     body, status, request_id = await serving.run(job), 200, job.id
   except APIError as e:
     body, status, request_id = e.body(), e.status, None

@@ -19,6 +19,7 @@ from checkpoints import presets
 from checkpoints.presets import CONFIGS_DIR
 from serving import config as config_lib
 from serving.config import EngineConfig
+from serving.entrypoints.limits import RequestLimits
 
 FLAGS = flags.FLAGS
 
@@ -47,14 +48,17 @@ flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powe
 flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
 flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
 flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
-flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none.")
+flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none (default: a "
+                     "fresh one per process).")
+flags.DEFINE_float("step_timeout_s", None, "A step running longer marks the engine wedged: "
+                   "health turns 503 and the process exits non-zero.")
 flags.DEFINE_bool("unroll_layers", None, "Unroll the layer loop (default: on CPU only).")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "tp", "ep", "dp",
                 "prefill_buckets", "attention_block_tokens", "compilation_cache",
-                "compilation_cache_dir", "seed", "unroll_layers")
+                "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s")
 # serve.
 # Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
@@ -72,6 +76,28 @@ flags.DEFINE_integer("max_queued_requests", 256, "Requests queued beyond max_num
 flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024,
                      "Largest HTTP request body / gRPC request message.")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, time allowed for in-flight requests.")
+flags.DEFINE_float("body_timeout_s", 30.0, "HTTP: a request body arriving slower gets 408.")
+flags.DEFINE_integer("max_connections", 1024, "Open HTTP connections / concurrent gRPC calls "
+                     "served; beyond them new requests get 503 / RESOURCE_EXHAUSTED.")
+# Per-request limits (serve and batch; serving/entrypoints/limits.py). Beyond one: 400.
+_LIMITS = RequestLimits()
+flags.DEFINE_integer("max_prompts_per_request", _LIMITS.max_prompts,
+                     "Prompts in one completions request.")
+flags.DEFINE_integer("max_n", _LIMITS.max_n, "Completions per prompt (`n`).")
+flags.DEFINE_integer("max_choices_per_request", _LIMITS.max_choices,
+                     "Completions one request may ask for in all (prompts x n).")
+flags.DEFINE_integer("max_stop", _LIMITS.max_stop, "Stop strings per request.")
+flags.DEFINE_integer("max_stop_chars", _LIMITS.max_stop_chars, "Characters of a stop string.")
+flags.DEFINE_integer("max_stop_token_ids", _LIMITS.max_stop_token_ids,
+                     "stop_token_ids per request.")
+flags.DEFINE_integer("max_logprobs", _LIMITS.max_logprobs, "Top alternatives per token.")
+flags.DEFINE_integer("max_input_chars", _LIMITS.max_input_chars,
+                     "Characters of text one request hands to the tokenizer / chat template.")
+flags.DEFINE_integer("max_request_id_chars", _LIMITS.max_request_id_chars,
+                     "Characters of a client-chosen request id (gRPC).")
+flags.DEFINE_bool("allow_request_chat_template", False,
+                  "Let requests bring their own Jinja chat template "
+                  "(chat_template_kwargs.chat_template). Off: such requests get 400.")
 # generate.
 flags.DEFINE_string("prompt", None, "generate: the prompt.")
 flags.DEFINE_bool("chat", False, "generate: treat --prompt as a user message (chat template).")
@@ -132,9 +158,24 @@ def serve_config_from_flags() -> Any:
         http_port=FLAGS.http_port, grpc_port=FLAGS.grpc_port,
         api_key=FLAGS.api_key or os.environ.get("XLASERVE_API_KEY") or None,
         tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_queued_requests=queued,
-        max_body_bytes=FLAGS.max_body_bytes, drain_timeout_s=FLAGS.drain_timeout_s)
+        max_body_bytes=FLAGS.max_body_bytes, body_timeout_s=FLAGS.body_timeout_s,
+        max_connections=FLAGS.max_connections, drain_timeout_s=FLAGS.drain_timeout_s,
+        limits=limits_from_flags())
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+
+
+def limits_from_flags() -> RequestLimits:
+  try:
+    return RequestLimits(
+        max_prompts=FLAGS.max_prompts_per_request, max_n=FLAGS.max_n,
+        max_choices=FLAGS.max_choices_per_request, max_stop=FLAGS.max_stop,
+        max_stop_chars=FLAGS.max_stop_chars, max_stop_token_ids=FLAGS.max_stop_token_ids,
+        max_logprobs=FLAGS.max_logprobs, max_input_chars=FLAGS.max_input_chars,
+        max_request_id_chars=FLAGS.max_request_id_chars,
+        allow_request_chat_template=FLAGS.allow_request_chat_template)
+  except ValueError as e:
+    raise app.UsageError(f"invalid request limits: {e}") from None
 
 
 def batch_config_from_flags(config: EngineConfig) -> Any:
@@ -146,4 +187,5 @@ def batch_config_from_flags(config: EngineConfig) -> Any:
   return BatchConfig(
       input_path=FLAGS.input, output_path=FLAGS.output,
       served_model_name=FLAGS.served_model_name or FLAGS.model,
-      max_concurrency=FLAGS.max_concurrency or 2 * config.max_num_seqs)
+      max_concurrency=FLAGS.max_concurrency or 2 * config.max_num_seqs,
+      limits=limits_from_flags())

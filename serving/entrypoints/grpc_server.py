@@ -11,11 +11,15 @@ A Generate call's life:
      `finally` aborts the engine request, freeing its KV pages before the
      engine's next step.
 The optional API key is checked by an interceptor (`authorization: Bearer
-<key>` metadata, constant-time compare); health and reflection stay open.
+<key>` metadata, constant-time compare); only health stays open (reflection
+needs the key too). A client's `request_id` is a label echoed in responses;
+the engine request gets a server-made unique id, so ids from different
+clients never collide and a cancelled id can be reused at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,8 +28,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.entrypoints.async_engine import AsyncEngine, ServerBusyError, ServerDrainingError
-from serving.entrypoints.openai_protocol import APIError
+from serving.entrypoints.async_engine import (
+  AsyncEngine,
+  EngineUnavailableError,
+  ServerBusyError,
+  ServerDrainingError,
+)
+from serving.entrypoints.openai_protocol import APIError, DetokenizeRequest
 from serving.entrypoints.openai_serving import OpenAIServing, admission_error
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
@@ -35,9 +44,15 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+           404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
+           413: grpc.StatusCode.INVALID_ARGUMENT,
            429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+# Connection hygiene: ping idle clients, drop dead ones, refuse ping floods.
+_KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                      ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                      ("grpc.http2.max_ping_strikes", 2),
+                      ("grpc.max_connection_idle_ms", 600_000)]
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -51,12 +66,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
   async def Generate(self, request: pb.GenerateRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
     try:
-      ids = self._prompt_ids(request)
-      params = self._sampling_params(request.sampling, ids)
-      stream = self.engine.submit(ids, params, request.request_id or None)
+      label = self._request_label(request.request_id)
+      ids, params = await asyncio.to_thread(self._prepare, request)
+      stream = self.engine.submit(ids, params)
     except APIError as e:
       await _abort(context, e)
-    except (ServerBusyError, ServerDrainingError, ValueError) as e:
+    except (ServerBusyError, ServerDrainingError, EngineUnavailableError, ValueError) as e:
       await _abort(context, admission_error(e))
     num_tokens = 0
     try:
@@ -65,23 +80,39 @@ class GenerationServicer(pb_grpc.GenerationServicer):
           await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {out.error}")
         num_tokens += len(out.token_ids)
         first = num_tokens == len(out.token_ids)
-        yield _response(stream.request_id, out, num_tokens,
+        yield _response(label or stream.request_id, out, num_tokens,
                         with_prompt=first and request.return_prompt_token_ids)
     finally:
       stream.abort()  # no-op when finished; frees the pages when cancelled
 
+  def _request_label(self, request_id: str) -> str:
+    limit = self.serving.limits.max_request_id_chars
+    if len(request_id) > limit:
+      raise APIError(400, f"request_id has {len(request_id)} characters; the limit is {limit}")
+    return request_id
+
+  def _prepare(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    """Tokenized prompt and checked sampling parameters (a worker thread's job)."""
+    ids = self._prompt_ids(request)
+    return ids, self.serving.checked(self._sampling_params(request.sampling, ids))
+
   async def Tokenize(self, request: pb.TokenizeRequest,
                      context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-    ids = self.serving.tokenizer.encode(request.text,
-                                        add_special_tokens=request.add_special_tokens)
+    if len(request.text) > self.serving.limits.max_input_chars:
+      await _abort(context, APIError(400, f"text has {len(request.text)} characters; the "
+                                     f"limit is {self.serving.limits.max_input_chars}"))
+    ids = await asyncio.to_thread(self.serving.tokenizer.encode, request.text,
+                                  add_special_tokens=request.add_special_tokens)
     return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
   async def Detokenize(self, request: pb.DetokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-    vocab = self.serving.tokenizer.vocab_size
-    if any(t >= vocab for t in request.token_ids):
-      await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be < {vocab}")
-    return pb.DetokenizeResponse(text=self.serving.tokenizer.decode(list(request.token_ids)))
+    try:
+      resp = await asyncio.to_thread(self.serving.detokenize,
+                                     DetokenizeRequest(tokens=list(request.token_ids)))
+    except APIError as e:
+      await _abort(context, e)
+    return pb.DetokenizeResponse(text=resp["prompt"])
 
   async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                          context: grpc.aio.ServicerContext) -> pb.ModelInfo:
@@ -185,11 +216,12 @@ class GrpcServer:
   """The gRPC server: Generation + Health + reflection on one port."""
 
   def __init__(self, serving: OpenAIServing, model_name: str, *, api_key: str | None = None,
-               max_message_bytes: int = 4 * 1024 * 1024):
+               max_message_bytes: int = 4 * 1024 * 1024, max_concurrent_rpcs: int = 1024):
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     self.server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", max_message_bytes)])
+        interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=[("grpc.max_receive_message_length", max_message_bytes),
+                 *_KEEPALIVE_OPTIONS])
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(serving, model_name), self.server)
     self.health = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -213,11 +245,16 @@ class GrpcServer:
 
   async def start(self) -> None:
     await self.server.start()
+    await self.set_serving(True)
+
+  async def set_serving(self, serving: bool) -> None:
+    """The health status of the server and of the Generation service."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ("", SERVICE_NAME):
-      await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+      await self.health.set(name, status)
 
   async def stop(self, grace_s: float | None) -> None:
     """Marks NOT_SERVING, refuses new calls, lets running calls finish within `grace_s`."""
-    for name in ("", SERVICE_NAME):
-      await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await self.set_serving(False)
     await self.server.stop(grace_s)

@@ -6,11 +6,16 @@ Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/cha
 and /detokenize. Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`.
 
-A request's life: the body is read under a size limit, decoded as strict
-UTF-8 JSON and validated (`serving.openai_protocol`); `OpenAIServing` admits
-its choices; a non-streaming request is raced against the client's
+A request's life: the body is read under a size limit and a time limit,
+decoded as strict UTF-8 JSON and validated (`openai_protocol`); the CPU work
+of preparing it (chat template, tokenization) runs in a worker thread, off
+the event loop that every other request and /health share; `OpenAIServing`
+admits its choices; a non-streaming request is raced against the client's
 disconnect, a streaming one is cancelled by Starlette when the client goes;
 either way leaving early aborts the engine requests and frees their pages.
+
+With an API key, everything but /health and /metrics needs it (there is no
+/docs or /openapi.json to read without it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serving.entrypoints.metrics import Metrics
 from serving.entrypoints.openai_protocol import (
@@ -37,6 +43,7 @@ from serving.entrypoints.openai_protocol import (
   CompletionRequest,
   DetokenizeRequest,
   TokenizeRequest,
+  parse_json_object,
   validation_error,
 )
 from serving.entrypoints.openai_serving import OpenAIServing
@@ -46,16 +53,23 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 1024
+HEADER_TIMEOUT_S = 10.0
 
 
 def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
-              api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
   """The FastAPI app serving `serving` (one engine, one model)."""
-  app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None)
+  openapi_url = None if api_key else "/openapi.json"
+  app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=openapi_url)
   _install_error_handlers(app)
   _add_ops_routes(app, serving, metrics)
   authorize = _authorizer(api_key)
+
+  async def parse(request: Request, model: type[M]) -> M:
+    return await _parse(request, model, max_body_bytes, body_timeout_s)
 
   @app.get("/v1/models")
   async def models(request: Request) -> Response:
@@ -71,27 +85,28 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
   @app.post("/v1/completions")
   async def completions(request: Request) -> Response:
     authorize(request)
-    req = await _parse(request, CompletionRequest, max_body_bytes)
-    job = serving.prepare_completion(req)
+    req = await parse(request, CompletionRequest)
+    job = await asyncio.to_thread(serving.prepare_completion, req)
     return await _respond(request, serving, job, req)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request) -> Response:
     authorize(request)
-    req = await _parse(request, ChatCompletionRequest, max_body_bytes)
-    job = serving.prepare_chat(req)
+    req = await parse(request, ChatCompletionRequest)
+    job = await asyncio.to_thread(serving.prepare_chat, req)
     return await _respond(request, serving, job, req)
 
   @app.post("/tokenize")
   async def tokenize(request: Request) -> Response:
     authorize(request)
-    return JSONResponse(serving.tokenize(await _parse(request, TokenizeRequest, max_body_bytes)))
+    req = await parse(request, TokenizeRequest)
+    return JSONResponse(await asyncio.to_thread(serving.tokenize, req))
 
   @app.post("/detokenize")
   async def detokenize(request: Request) -> Response:
     authorize(request)
-    req = await _parse(request, DetokenizeRequest, max_body_bytes)
-    return JSONResponse(serving.detokenize(req))
+    req = await parse(request, DetokenizeRequest)
+    return JSONResponse(await asyncio.to_thread(serving.detokenize, req))
 
   return app
 
@@ -101,6 +116,9 @@ def _add_ops_routes(app: FastAPI, serving: OpenAIServing, metrics: Metrics | Non
 
   @app.get("/health")
   async def health() -> Response:
+    if serving.engine.unavailable is not None:
+      return JSONResponse({"status": "unavailable", "reason": serving.engine.unavailable},
+                          status_code=503)
     if serving.engine.draining:
       return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
@@ -153,32 +171,37 @@ def _code_for(status: int) -> str | None:
   return {404: "not_found", 405: "method_not_allowed"}.get(status)
 
 
-async def _parse(request: Request, model: type[M], max_body_bytes: int) -> M:
+async def _parse(request: Request, model: type[M], max_body_bytes: int,
+                 body_timeout_s: float) -> M:
   """Reads, decodes and validates a JSON body into `model` (APIError on failure)."""
   length = request.headers.get("content-length", "")
   if length.isdigit() and int(length) > max_body_bytes:
     raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
+  try:
+    body = await asyncio.wait_for(_read_body(request, max_body_bytes), body_timeout_s)
+  except TimeoutError:
+    raise APIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
+                   code="request_timeout") from None
+  try:
+    text = bytes(body).decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise APIError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}",
+                   code="invalid_encoding") from None
+  obj = parse_json_object(text)
+  try:
+    return model.model_validate(obj)
+  except ValidationError as e:
+    raise validation_error(e) from None
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytearray:
   body = bytearray()
   async for chunk in request.stream():
     body += chunk
     if len(body) > max_body_bytes:
       raise APIError(413, f"request body exceeds {max_body_bytes} bytes",
                      code="request_too_large")
-  try:
-    text = bytes(body).decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise APIError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}",
-                   code="invalid_encoding") from None
-  try:
-    obj = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-  if not isinstance(obj, dict):
-    raise APIError(400, "request body must be a JSON object", code="invalid_json")
-  try:
-    return model.model_validate(obj)
-  except ValidationError as e:
-    raise validation_error(e) from None
+  return body
 
 
 async def _respond(request: Request, serving: OpenAIServing, job: Any,
@@ -224,6 +247,42 @@ async def _wait_disconnect(request: Request) -> None:
     pass
 
 
+class _H11WithHeaderTimeout(H11Protocol):
+  """uvicorn's h11 protocol, closing a connection whose request line and headers do not
+  all arrive within `HEADER_TIMEOUT_S` (uvicorn has no such limit: a client sending a
+  header byte a minute would hold its connection forever)."""
+
+  _header_timer: asyncio.TimerHandle | None = None
+
+  def connection_made(self, transport) -> None:  # type: ignore[override]
+    super().connection_made(transport)
+    self._arm()
+
+  def data_received(self, data: bytes) -> None:
+    if self._between_requests() and self._header_timer is None:
+      self._arm()
+    super().data_received(data)
+    if not self._between_requests() and self._header_timer is not None:
+      self._header_timer.cancel()
+      self._header_timer = None
+
+  def connection_lost(self, exc: Exception | None) -> None:
+    if self._header_timer is not None:
+      self._header_timer.cancel()
+    super().connection_lost(exc)
+
+  def _between_requests(self) -> bool:
+    return self.cycle is None or self.cycle.response_complete
+
+  def _arm(self) -> None:
+    self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expire)
+
+  def _expire(self) -> None:
+    self._header_timer = None
+    if self._between_requests():
+      self.transport.close()
+
+
 class UvicornServer(uvicorn.Server):
   """uvicorn server that leaves signal handling to the launcher (graceful drain)."""
 
@@ -233,9 +292,16 @@ class UvicornServer(uvicorn.Server):
 
 
 def make_http_server(app: FastAPI, host: str, port: int, *, ssl_certfile: str | None = None,
-                     ssl_keyfile: str | None = None,
-                     graceful_timeout_s: float = 30.0) -> UvicornServer:
+                     ssl_keyfile: str | None = None, graceful_timeout_s: float = 30.0,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                     keep_alive_timeout_s: float = 5.0) -> UvicornServer:
+  """uvicorn over `app`: past `max_connections` open connections new requests get 503;
+  an idle keep-alive connection is closed after `keep_alive_timeout_s`, one whose
+  headers do not arrive after HEADER_TIMEOUT_S; headers are bounded by h11's
+  incomplete-event limit."""
   config = uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
                           ssl_keyfile=ssl_keyfile, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=graceful_timeout_s, lifespan="off")
+                          timeout_graceful_shutdown=graceful_timeout_s, lifespan="off",
+                          limit_concurrency=max_connections,
+                          timeout_keep_alive=keep_alive_timeout_s, http=_H11WithHeaderTimeout)
   return UvicornServer(config)

@@ -11,13 +11,13 @@ saying so, rather than silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.types import MAX_LOGPROBS, SamplingParams
 
-MAX_N = 16  # most choices per request
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
@@ -34,6 +34,54 @@ class APIError(Exception):
   def body(self) -> dict[str, Any]:
     return {"error": {"message": self.message, "type": self.type, "param": self.param,
                       "code": self.code}}
+
+
+def parse_json_object(text: str, what: str = "request body") -> dict[str, Any]:
+  """A JSON object from `text`, or APIError 400: malformed JSON, NaN / Infinity, integers
+  past Python's digit limit, nesting deeper than the parser's recursion limit, or a
+  string holding a lone surrogate (not encodable as UTF-8) anywhere in it."""
+  try:
+    obj = json.loads(text, parse_constant=_reject_constant)
+  except RecursionError:
+    raise APIError(400, f"{what} nests too deeply", code="invalid_json") from None
+  except ValueError as e:  # JSONDecodeError, too many digits, NaN / Infinity
+    raise APIError(400, f"malformed JSON in the {what}: {_clip(str(e))}",
+                   code="invalid_json") from None
+  if not isinstance(obj, dict):
+    raise APIError(400, f"{what} must be a JSON object", code="invalid_json")
+  bad = _first_unencodable(obj)
+  if bad is not None:
+    raise APIError(400, f"{bad or what} holds a string that is not valid Unicode "
+                   "(a lone surrogate)", param=bad or None, code="invalid_encoding")
+  return obj
+
+
+def _reject_constant(name: str) -> Any:
+  raise ValueError(f"{name} is not a JSON number")
+
+
+def _first_unencodable(obj: Any) -> str | None:
+  """The dotted path of the first string (or key) that UTF-8 cannot encode, else None."""
+  stack: list[tuple[Any, str]] = [(obj, "")]
+  while stack:
+    x, path = stack.pop()
+    if isinstance(x, str):
+      try:
+        x.encode("utf-8")
+      except UnicodeEncodeError:
+        return path
+    elif isinstance(x, dict):
+      for k, v in x.items():
+        key = str(k).encode("utf-8", "backslashreplace").decode()  # printable even if bad
+        stack.append((k, path))
+        stack.append((v, f"{path}.{key}" if path else key))
+    elif isinstance(x, list):
+      stack.extend((v, f"{path}[{i}]") for i, v in enumerate(x))
+  return None
+
+
+def _clip(text: str, n: int = 200) -> str:
+  return text if len(text) <= n else text[:n] + "..."
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -70,7 +118,7 @@ class _SamplingRequest(_Strict):
   max_tokens: int | None = Field(None, ge=1)
   temperature: float | None = None
   top_p: float | None = None
-  n: int = Field(1, ge=1, le=MAX_N)
+  n: int = Field(1, ge=1)  # at most RequestLimits.max_n
   stream: bool = False
   stream_options: StreamOptions | None = None
   stop: str | list[str] | None = None

@@ -2,10 +2,13 @@
 
 Shared by the HTTP server (JSON and SSE) and the batch runner (JSON lines).
 One request becomes `len(prompts) * n` engine requests ("choices"):
-  1. `prepare_*` validates the request, applies the chat template, tokenizes
-     and checks lengths against `max_model_len` (APIError 4xx on bad input).
-  2. `submit` admits every choice or none (queue limit -> 429, draining -> 503,
-     engine ValueError -> 400); a failure aborts the choices already admitted.
+  1. `prepare_*` validates the request against the `RequestLimits` before any
+     work, applies the chat template, tokenizes and checks lengths against
+     `max_model_len` (APIError 4xx on bad input). It is CPU work: the servers
+     run it in a worker thread, off the event loop.
+  2. `submit` admits every choice or none (more choices than the server can
+     ever hold -> 400, queue limit -> 429, draining or engine unavailable ->
+     503, engine ValueError -> 400); a failure aborts the choices admitted.
   3. `merge()` interleaves the choices' deltas; leaving it early (client gone,
      task cancelled) aborts every unfinished choice, freeing its KV pages.
   4. `run` returns the final JSON body; `chunks` yields the streaming chunks.
@@ -23,10 +26,12 @@ from typing import Any
 
 from serving.entrypoints.async_engine import (
   AsyncEngine,
+  EngineUnavailableError,
   RequestStream,
   ServerBusyError,
   ServerDrainingError,
 )
+from serving.entrypoints.limits import LimitError, RequestLimits
 from serving.entrypoints.openai_protocol import (
   APIError,
   ChatCompletionRequest,
@@ -74,9 +79,11 @@ class Job:
 class OpenAIServing:
   """Turns OpenAI request models into engine requests and responses."""
 
-  def __init__(self, engine: AsyncEngine, model_names: list[str]):
+  def __init__(self, engine: AsyncEngine, model_names: list[str],
+               limits: RequestLimits | None = None):
     self.engine = engine
     self.model_names = model_names
+    self.limits = limits or RequestLimits()
     self.tokenizer = engine.tokenizer
 
   # 1. Preparation ------------------------------------------------------------
@@ -95,34 +102,59 @@ class OpenAIServing:
   def prepare_completion(self, req: CompletionRequest) -> Job:
     self.check_model(req.model)
     req.check_supported()
+    with _limit_errors():
+      self.limits.check_counts(len(req.prompts()), req.n)
     prompts = [self.tokenize_prompt(p, add_special_tokens=True) for p in req.prompts()]
     choices = []
     for ids in prompts:
       max_tokens = self.resolve_max_tokens(ids, req.max_tokens, 16)
       for i in range(req.n):
-        params = req.sampling_params(max_tokens, req.logprobs, i)
+        params = self.checked(req.sampling_params(max_tokens, req.logprobs, i))
         choices.append(Choice(len(choices), ids, params, i))
     return Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices, req.logprobs)
 
   def prepare_chat(self, req: ChatCompletionRequest) -> Job:
     self.check_model(req.model)
     req.check_supported()
+    with _limit_errors():
+      self.limits.check_counts(1, req.n)
     text = self.render_chat(req.message_dicts(), req.add_generation_prompt,
                             req.chat_template_kwargs)
     ids = self.tokenize_prompt(text, add_special_tokens=False)
     max_tokens = self.resolve_max_tokens(ids, req.requested_max_tokens(), None)
     n_lp = req.num_logprobs()
-    choices = [Choice(i, ids, req.sampling_params(max_tokens, n_lp, i), i)
+    choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i)), i)
                for i in range(req.n)]
     return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp)
 
+  def checked(self, params: SamplingParams) -> SamplingParams:
+    """`params` if they are within the limits (APIError 400 naming the field otherwise)."""
+    with _limit_errors():
+      self.limits.check_sampling(params)
+    return params
+
   def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                   template_kwargs: dict[str, Any] | None = None) -> str:
-    """The chat template applied to `messages` (APIError 400 if it fails)."""
+    """The chat template applied to `messages` (APIError 400 if it fails).
+
+    Request `chat_template_kwargs` are data for the template; a template of the
+    client's own (`chat_template`) runs only if the operator allows it, and
+    `tools` / `documents` are not accepted through them.
+    """
+    kwargs = dict(template_kwargs or {})
+    if "chat_template" in kwargs and not self.limits.allow_request_chat_template:
+      raise APIError(400, "a request may not bring its own chat template (the server was "
+                     "started without --allow_request_chat_template)",
+                     param="chat_template_kwargs.chat_template")
+    for key in ("tools", "documents"):
+      if key in kwargs:
+        raise APIError(400, f"{key} cannot be passed through chat_template_kwargs",
+                       param=f"chat_template_kwargs.{key}")
+    with _limit_errors():
+      self.limits.check_text("".join(str(m.get("content") or "") for m in messages), "messages")
     try:
       return self.tokenizer.apply_chat_template(
-          messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-          **(template_kwargs or {}))
+          messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 -- template errors come from the client's input
       raise APIError(400, f"chat template could not be applied: {e}", param="messages") from e
 
@@ -132,6 +164,8 @@ class OpenAIServing:
         prompt.encode("utf-8")
       except UnicodeEncodeError:
         raise APIError(400, "prompt is not valid UTF-8 (lone surrogate)", param="prompt") from None
+      with _limit_errors():
+        self.limits.check_text(prompt, "prompt")
       ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if prompt else []
     else:
       ids = list(prompt)
@@ -163,15 +197,21 @@ class OpenAIServing:
     if req.messages is not None:
       text = self.render_chat([{"role": m.role, "content": m.text()} for m in req.messages],
                               req.add_generation_prompt)
-      ids = self.tokenizer.encode(text, add_special_tokens=False)
+      add_special = False
     else:
-      ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+      text, add_special = req.prompt, req.add_special_tokens
+    with _limit_errors():
+      self.limits.check_text(text, "prompt")
+    ids = self.tokenizer.encode(text, add_special_tokens=add_special)
     return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
 
   def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
     if req.model is not None:
       self.check_model(req.model)
     vocab = self.tokenizer.vocab_size
+    if len(req.tokens) > self.limits.max_input_chars:
+      raise APIError(400, f"{len(req.tokens)} tokens exceed the limit of "
+                     f"{self.limits.max_input_chars}", param="tokens")
     if any(not 0 <= t < vocab for t in req.tokens):
       raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
     return {"prompt": self.tokenizer.decode(req.tokens)}
@@ -180,11 +220,15 @@ class OpenAIServing:
 
   def submit(self, job: Job) -> list[RequestStream]:
     """Admits every choice of `job` or none; maps admission errors to APIError."""
+    capacity = self.engine.capacity
+    if capacity is not None and len(job.choices) > capacity:
+      raise APIError(400, f"the request asks for {len(job.choices)} completions but the server "
+                     f"holds at most {capacity} requests at once", param="n")
     streams: list[RequestStream] = []
     try:
       for c in job.choices:
         streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}"))
-    except (ServerBusyError, ServerDrainingError, ValueError) as e:
+    except (ServerBusyError, ServerDrainingError, EngineUnavailableError, ValueError) as e:
       for s in streams:
         s.abort()
       raise admission_error(e) from None
@@ -233,6 +277,9 @@ class OpenAIServing:
     for c in job.choices:
       if c.finish_reason == "error":
         raise APIError(500, f"generation failed: {c.error}", type="server_error")
+      if c.finish_reason == "abort":  # the server gave up on it (drain deadline)
+        raise APIError(503, "the server stopped before the request finished; retry",
+                       type="server_error", code="server_draining")
     if job.kind == "chat":
       choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                   "logprobs": self._chat_logprobs(c.logprobs, job),
@@ -313,4 +360,17 @@ def admission_error(e: Exception) -> APIError:
                     headers={"Retry-After": str(e.retry_after_s)})
   if isinstance(e, ServerDrainingError):
     return APIError(503, str(e), type="server_error", code="server_draining")
+  if isinstance(e, EngineUnavailableError):
+    return APIError(503, str(e), type="server_error", code="engine_unavailable")
+  if isinstance(e, LimitError):
+    return APIError(400, str(e), param=e.param, code="limit_exceeded")
   return APIError(400, str(e), code="invalid_value")
+
+
+@contextlib.contextmanager
+def _limit_errors():
+  """LimitError -> APIError 400 naming the field."""
+  try:
+    yield
+  except LimitError as e:
+    raise admission_error(e) from None

@@ -13,6 +13,7 @@ in. A chunk ending at position `end` samples output index
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from serving.config import EngineConfig, bucket_for
 from serving.runner.sampling import SamplingTensors
 from serving.runner.steps import DecodeInput, PrefillInput
-from serving.types import DecodeRow, PrefillChunk, Sequence, StepPlan
+from serving.types import DecodeRow, PrefillChunk, Sequence, StepError, StepPlan
 
 
 @dataclasses.dataclass
@@ -38,12 +39,41 @@ class StepInputs:
 
 
 def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
-  """Every input of the plan's device calls (see module doc)."""
-  prefills = [build_prefill_input(c, config) for c in plan.prefills]
+  """Every input of the plan's device calls (see module doc).
+
+  A sequence whose values cannot be turned into arrays (a request that slipped
+  past validation) raises `StepError` naming it, before anything is dispatched.
+  """
+  prefills = []
+  for chunk in plan.prefills:
+    with _blame([chunk.seq]):
+      prefills.append(build_prefill_input(chunk, config))
   ids = [c.seq.request_id if c.sample else None for c in plan.prefills]
-  decode = build_decode_input(plan.decodes, config) if plan.decodes else None
+  decode = None
+  if plan.decodes:
+    with _blame([r.seq for r in plan.decodes]):
+      decode = build_decode_input(plan.decodes, config)
   return StepInputs(prefills=prefills, prefill_ids=ids, decode=decode,
                     decode_ids=[r.seq.request_id for r in plan.decodes])
+
+
+@contextlib.contextmanager
+def _blame(seqs: list[Sequence]):
+  """Turns a failure to build inputs into a StepError naming the sequences at fault:
+  those whose own sampling tensors fail to build, else all of `seqs`."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001 -- re-raised, attributed
+    bad = [s.request_id for s in seqs if not _builds(s)] or [s.request_id for s in seqs]
+    raise StepError(f"could not build the step's inputs: {e}", bad) from e
+
+
+def _builds(seq: Sequence) -> bool:
+  try:
+    SamplingTensors.build([seq.params], [seq.seed], [0], 1)
+  except Exception:  # noqa: BLE001 -- a probe
+    return False
+  return True
 
 
 def kv_index(seq: Sequence, positions: np.ndarray, page_size: int) -> np.ndarray:

@@ -21,6 +21,7 @@ penalty counters) is donated into every step, so it is updated in place.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -51,7 +52,7 @@ from serving.runner.steps import (
     prefill_step,
     sample_step,
 )
-from serving.types import SampledToken, StepPlan, StepResult, TokenLogprob
+from serving.types import RunnerDeadError, SampledToken, StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,8 @@ class ModelRunner:
 
   def fetch(self, *, handle: StepHandle) -> StepResult:
     """Waits for the step's samples and reads them per request."""
-    prefill_outs, decode_out = jax.device_get((handle.prefill_outs, handle.decode_out))
+    with self._device_errors():
+      prefill_outs, decode_out = jax.device_get((handle.prefill_outs, handle.decode_out))
     tokens: dict[str, SampledToken] = {}
     rows = [(rid, out, 0) for rid, out in zip(handle.prefill_ids, prefill_outs, strict=True)]
     rows += [(rid, decode_out, i) for i, rid in enumerate(handle.decode_ids)]
@@ -210,8 +212,23 @@ class ModelRunner:
   def close(self) -> None:
     """Nothing to release: device memory goes with the runner."""
 
+  @contextlib.contextmanager
+  def _device_errors(self):
+    """A device call that failed after the state was donated to it leaves no state to
+    run on: that is `RunnerDeadError`; other failures propagate as they are."""
+    try:
+      yield
+    except Exception as e:
+      if any(a.is_deleted() for a in jax.tree.leaves(self.state)):
+        raise RunnerDeadError(f"device state lost in a failed step: {e}") from e
+      raise
+
   def run(self, inputs: StepInputs) -> StepHandle:
     """Dispatches a step's prefill chunks, then its decode batch (asynchronous)."""
+    with self._device_errors():
+      return self._run(inputs)
+
+  def _run(self, inputs: StepInputs) -> StepHandle:
     ids, outs, logprobs = [], [], {}
     for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
       out = self.run_prefill(inp, sample=rid is not None)

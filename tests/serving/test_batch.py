@@ -41,7 +41,7 @@ def test_results_in_input_order(tmp_path):
   inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   write_input(inp, 30)
   assert run(tmp_path, inp, out, max_concurrency=8) == {"total": 30, "skipped": 0,
-                                                        "processed": 30}
+                                                        "processed": 30, "failed": 0}
   results = read_output(out)
   assert [r["custom_id"] for r in results] == [f"req-{i}" for i in range(30)]
   assert results[1]["response"]["body"]["choices"][0]["text"] == "p00"
@@ -79,7 +79,7 @@ def test_resume_keeps_done_lines_and_cuts_a_torn_tail(tmp_path):
   run(tmp_path, inp, out)
   full = out.read_text().splitlines(keepends=True)
   out.write_text("".join(full[:7]) + full[7][:25])  # killed while writing line 8
-  assert run(tmp_path, inp, out) == {"total": 20, "skipped": 7, "processed": 13}
+  assert run(tmp_path, inp, out) == {"total": 20, "skipped": 7, "processed": 13, "failed": 0}
   again = out.read_text().splitlines(keepends=True)
   assert again[:7] == full[:7]  # untouched, not redone (ids are random per run)
   assert [json.loads(x)["custom_id"] for x in again] == [f"req-{i}" for i in range(20)]

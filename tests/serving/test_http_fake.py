@@ -189,7 +189,7 @@ BAD_REQUESTS = [
     ("temperature < 0", {"model": "fake", "prompt": "a", "temperature": -0.1}, 400, None),
     ("top_p zero", {"model": "fake", "prompt": "a", "top_p": 0.0}, 400, None),
     ("top_p > 1", {"model": "fake", "prompt": "a", "top_p": 1.5}, 400, None),
-    ("huge n", {"model": "fake", "prompt": "a", "n": 1000}, 400, "invalid_value"),
+    ("huge n", {"model": "fake", "prompt": "a", "n": 1000}, 400, "limit_exceeded"),
     ("logprobs > 20", {"model": "fake", "prompt": "a", "logprobs": 21}, 400, "invalid_value"),
     ("token id out of vocab", {"model": "fake", "prompt": [1, 99999]}, 400, None),
     ("unknown field", {"model": "fake", "prompt": "a", "frobnicate": 1}, 400,
