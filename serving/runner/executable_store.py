@@ -18,7 +18,11 @@ depends on: the step's name and static options, the avals (shape, dtype,
 sharding) of every argument, the jax/jaxlib versions, the backend and its
 devices, and a hash of xlaserve's own device-side source. Anything that
 changes any of these misses the store and compiles afresh; a file that fails
-to load is recompiled and overwritten.
+to load is recompiled and overwritten. A file records how many devices its
+program spans and is loaded onto this process's first device only when that
+is one: XLA aborts the process, rather than raising, when a program is loaded
+onto devices it was not compiled for (and a process that sees 8 devices but
+serves on one would otherwise load its programs onto all 8).
 
 The store replaces JAX's persistent cache; the two do not mix. An executable
 that JAX's cache deserialized serializes into a file that fails when run
@@ -54,7 +58,7 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what a stored file holds changes
+FORMAT = 2  # bump when what a stored file holds changes
 # The code traced into the steps: the layers below the engine (the runner imports only
 # these and the two vocabulary modules).
 _TRACED_SOURCES = ("kernels_pallas", "serving/models", "sharding", "serving/runner",
@@ -96,6 +100,14 @@ def _shape_key(tree: Any) -> tuple:
   """Shapes and dtypes of the leaves (arrays, numpy values or `jax.ShapeDtypeStruct`s)."""
   return tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
                for x in jax.tree.leaves(tree))
+
+
+def _num_devices(exe: jax.stages.Compiled) -> int:
+  """How many devices the program's inputs span."""
+  devices = set()
+  for sharding in jax.tree.leaves(exe.input_shardings):
+    devices |= set(sharding.device_set)
+  return len(devices)
 
 
 def jax_cache_active() -> bool:
@@ -148,10 +160,15 @@ class ExecutableStore:
       log.warning("ignoring stored executable %s: not owned by this user or writable by "
                   "others (executables are loaded only from files this server wrote)", path)
       return None
+    device = jax.devices()[0]  # where a single-device runner's arrays live
     try:
       with open(path, "rb") as f:
-        payload, in_tree, out_tree = pickle.load(f)
-      return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        num_devices, payload, in_tree, out_tree = pickle.load(f)
+      # Checked before loading: XLA aborts the process on a program for other devices.
+      if num_devices != 1:
+        raise ValueError(f"it runs on {num_devices} devices, not on one")
+      return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                       execution_devices=[device])
     except Exception as e:  # noqa: BLE001 - a bad file is only a cache miss
       log.warning("could not load stored executable %s (%s: %s); recompiling", path,
                   type(e).__name__, e)
@@ -164,7 +181,7 @@ class ExecutableStore:
         self._warned = True
       return
     try:
-      data = pickle.dumps(serialize_executable.serialize(compiled))
+      data = pickle.dumps((_num_devices(compiled), *serialize_executable.serialize(compiled)))
     except Exception as e:  # noqa: BLE001 - some executables cannot be serialized
       log.warning("executable %s not stored (%s: %s)", name, type(e).__name__, e)
       return

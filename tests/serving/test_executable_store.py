@@ -61,10 +61,10 @@ def steps(engine) -> tuple[StepProgram, ...]:
   return r._prefill, r._decode, r._sample
 
 
-def _worker(model_dir: str, cache_dir: str) -> None:
-  """Two engines in a row on one store; prints one JSON line."""
+def _worker(model_dir: str, cache_dir: str, engines: str = "2") -> None:
+  """`engines` engines in a row on one store; prints one JSON line."""
   out = {}
-  for name in ("first", "second"):
+  for name in ("first", "second")[:int(engines)]:
     engine = make_engine(model_dir, cache_dir)
     out[name] = {"tokens": generate(engine),
                  "compiled": sum(s.compiled for s in steps(engine)),
@@ -94,8 +94,78 @@ def test_second_engine_loads_every_step_and_matches(tmp_path):
   assert second["programs"] == first["programs"]
 
 
+def _run_worker(model_dir: str, cache_dir: str, engines: int, devices: int) -> dict:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(HERE)])}
+  proc = subprocess.run([sys.executable, __file__, model_dir, cache_dir, str(engines)], env=env,
+                        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_processes_with_other_device_counts_share_a_store(tmp_path):
+  """A process that sees 8 devices (serving on one) next to a one-device process with the
+  same options: each gets executables for its own device set, and a warm restart of the
+  8-device process loads its own and serves the same tokens (it once crashed there:
+  "Expected args to execute_sharded_on_local_devices to have 8 shards")."""
+  from tiny_models import save_tiny_model
+
+  model_dir, cache = str(tmp_path / "model"), str(tmp_path / "cache")
+  save_tiny_model("llama", model_dir)
+  one = _run_worker(model_dir, cache, 1, devices=1)["first"]
+  eight = _run_worker(model_dir, cache, 1, devices=8)["first"]
+  warm = _run_worker(model_dir, cache, 1, devices=8)["first"]
+  assert one["compiled"] > 0 and eight["compiled"] > 0 and eight["loaded"] == 0
+  assert warm["compiled"] == 0 and warm["loaded"] == eight["compiled"]
+  assert one["tokens"] == eight["tokens"] == warm["tokens"]
+
+
 def _double(x, y):
   return x * 2 + y
+
+
+def _stored_sharded_program(path: str) -> None:
+  """Writes, at `path`, an executable of `_double` compiled for two devices."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(np.ones((4,), np.float32), NamedSharding(mesh, PartitionSpec("x")))
+  compiled = jax.jit(_double).lower(x, x).compile()
+  store = ExecutableStore(os.path.dirname(path))
+  store.save("f", "tmp", compiled)
+  os.replace(store._path("f", "tmp"), path)
+
+
+def _mismatch_worker(directory: str) -> None:
+  """In a two-device process: a single-device program's key holding a two-device program."""
+  import logging
+
+  import jax
+
+  logging.basicConfig(level=logging.WARNING)
+  store = ExecutableStore(directory)
+  x = np.ones((4,), np.float32)
+  _stored_sharded_program(store._path("f", store.key("f", "", (x, x))))
+  prog = StepProgram("f", jax.jit(_double), static="", num_fixed=0, store=store)
+  out = np.asarray(prog(x, x)).tolist()
+  print(json.dumps({"out": out, "loaded": prog.loaded, "compiled": prog.compiled}), flush=True)
+
+
+def test_a_stored_program_for_other_devices_is_recompiled(tmp_path):
+  """A file under the right key that holds a program for another device set (what a
+  mixed-up store would give) is a miss: recompiled, never called."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(HERE)])}
+  proc = subprocess.run([sys.executable, __file__, "--mismatch", str(tmp_path)], env=env,
+                        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  res = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert res == {"out": [3.0] * 4, "loaded": 0, "compiled": 1}
+  assert "could not load stored executable" in proc.stderr and "not on one" in proc.stderr
 
 
 def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes):
@@ -175,4 +245,7 @@ def test_files_others_can_write_are_not_loaded(tmp_path, caplog, toy_store_write
 
 
 if __name__ == "__main__":
-  _worker(*sys.argv[1:])
+  if sys.argv[1] == "--mismatch":
+    _mismatch_worker(sys.argv[2])
+  else:
+    _worker(*sys.argv[1:])
