@@ -8,6 +8,12 @@ the attribute names of `gguf.GGUFReader` tensors (`name`, `tensor_type`,
 `gguf.quants.dequantize(t.data, t.tensor_type)` works on its tensors.
 
 `metadata_value(reader, key)` reads a value from either reader.
+
+Nothing in the file is trusted: counts are bounded by the bytes left, array
+nesting by `MAX_NESTING`, the alignment must be a power of two, every tensor
+must lie inside the file with at most `MAX_DIMS` whole-block dimensions, and a
+split model's count must match its file name. A bad file is a ValueError
+naming what is wrong, never a crash or an out-of-bounds read.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 _SPLIT_RE = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+MAX_NESTING = 4  # arrays of arrays of ... in metadata
+MAX_DIMS = 4  # ggml tensors have at most four dimensions
+MAX_ALIGNMENT = 1 << 16
 # Plain (non-block) tensor types and their numpy element types.
 _PLAIN = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
           gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
@@ -69,13 +78,16 @@ class GGUFFile:
     self.version = self._scalar("<I")
     if self.version not in (2, 3):
       raise ValueError(f"unsupported GGUF version {self.version} in {path} (supported: 2, 3)")
-    n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+    n_tensors, n_kv = self._count(8), self._count(8)
     self.fields: dict[str, Any] = {}
     for _ in range(n_kv):
       key = self._string()
       self.fields[key] = self._value(self._scalar("<I"))
     infos = [self._tensor_info() for _ in range(n_tensors)]
-    align = int(self.fields.get("general.alignment", 32))
+    align = self.fields.get("general.alignment", 32)
+    if not isinstance(align, int) or not 0 < align <= MAX_ALIGNMENT or align & (align - 1):
+      raise ValueError(f"{path}: general.alignment={align!r} is not a power of two up to "
+                       f"{MAX_ALIGNMENT}")
     data_start = -(-self._pos // align) * align
     # A plain read-only ndarray over the mapping (np.memmap slices are slow to make).
     self._mm = np.frombuffer(self._buf, dtype=np.uint8)
@@ -88,9 +100,18 @@ class GGUFFile:
     except ValueError:
       raise ValueError(f"unsupported GGUF tensor type id {ttype} for tensor {name!r}") from None
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    n_elems = int(np.prod(dims)) if dims else 1
+    if len(dims) > MAX_DIMS or any(d < 1 for d in dims) or (dims and dims[0] % block):
+      raise ValueError(f"{self.path}: tensor {name!r} has invalid dimensions {dims} for "
+                       f"{qtype.name} (blocks of {block})")
+    n_elems = 1
+    for d in dims:
+      n_elems *= d
+    n_bytes = n_elems // block * type_size
+    if offset + n_bytes > len(self._buf):
+      raise ValueError(f"{self.path}: tensor {name!r} ({n_bytes} bytes at offset {offset}) "
+                       f"runs past the end of the file ({len(self._buf)} bytes)")
     return TensorInfo(name=name, shape=tuple(dims), tensor_type=qtype, offset=offset,
-                      n_bytes=n_elems // block * type_size, _mm=self._mm)
+                      n_bytes=n_bytes, _mm=self._mm)
 
   def _take(self, n: int) -> bytes:
     if self._pos + n > len(self._buf):
@@ -104,18 +125,31 @@ class GGUFFile:
     self._pos += struct.calcsize(fmt)
     return value
 
+  def _count(self, min_item_bytes: int) -> int:
+    """A count read from the file that the bytes left could hold (at least that many bytes
+    an item), so that a forged count cannot make a loop run for ever."""
+    count = self._scalar("<Q")
+    if count * min_item_bytes > len(self._buf) - self._pos:
+      raise ValueError(f"{self.path}: a count of {count} items at byte {self._pos} does not "
+                       "fit in the file")
+    return count
+
   def _string(self) -> str:
     return self._take(self._scalar("<Q")).decode("utf-8", errors="replace")
 
-  def _value(self, vtype: int) -> Any:
+  def _value(self, vtype: int, depth: int = 0) -> Any:
     if vtype == _STRING:
       return self._string()
     if vtype == _ARRAY:
-      item_type, count = self._scalar("<I"), self._scalar("<Q")
+      if depth >= MAX_NESTING:
+        raise ValueError(f"{self.path}: metadata arrays nest deeper than {MAX_NESTING}")
+      item_type = self._scalar("<I")
       if item_type in _NUMPY:
         dt = np.dtype(_NUMPY[item_type]).newbyteorder("<")
+        count = self._count(dt.itemsize)
         return np.frombuffer(self._take(count * dt.itemsize), dtype=dt).tolist()
-      return [self._value(item_type) for _ in range(count)]
+      count = self._count(8 if item_type in (_STRING, _ARRAY) else 1)
+      return [self._value(item_type, depth + 1) for _ in range(count)]
     if vtype not in _SCALARS:
       raise ValueError(f"unsupported GGUF metadata value type {vtype} in {self.path}")
     return self._scalar(_SCALARS[vtype])
@@ -123,6 +157,9 @@ class GGUFFile:
   def _tensor_info(self) -> tuple[str, list[int], int, int]:
     name = self._string()
     n_dims = self._scalar("<I")
+    if n_dims > MAX_DIMS:
+      raise ValueError(f"{self.path}: tensor {name!r} has {n_dims} dimensions (at most "
+                       f"{MAX_DIMS})")
     dims = [self._scalar("<Q") for _ in range(n_dims)]
     return name, dims, self._scalar("<I"), self._scalar("<Q")
 
@@ -132,13 +169,15 @@ def open_gguf(path: str) -> GGUFFile:
   gguf-split) the tensors of every split are gathered into the first's list.
   """
   first = GGUFFile(path)
-  count = int(first.fields.get("split.count", 1))
+  count = first.fields.get("split.count", 1)
+  if not isinstance(count, int):
+    raise ValueError(f"{path}: split.count={count!r} is not an integer")
   if count <= 1:
     return first
   m = _SPLIT_RE.fullmatch(path)
-  if m is None:
-    raise ValueError(f"{path} is one of {count} splits but its name does not end in "
-                     "-NNNNN-of-NNNNN.gguf")
+  if m is None or int(m.group(3)) != count:
+    raise ValueError(f"{path} says it is one of {count} splits but its name does not end in "
+                     f"-NNNNN-of-{count:05d}.gguf")
   paths = [f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
   merged = first if paths[0] == path else GGUFFile(paths[0])
   for other in paths[1:]:

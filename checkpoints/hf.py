@@ -104,7 +104,12 @@ def safetensors_files(path: str) -> list[str]:
   if os.path.exists(index):
     with open(index, encoding="utf-8") as f:
       weight_map = json.load(f)["weight_map"]
-    return [os.path.join(path, s) for s in sorted(set(weight_map.values()))]
+    shards = sorted(set(weight_map.values()))
+    for s in shards:  # file names in this directory only: no "../x", "/etc/x" or "sub/x"
+      if not isinstance(s, str) or os.path.basename(s) != s or s in ("", ".", ".."):
+        raise ValueError(f"{index}: shard name {s!r} is not a file name in the model "
+                         "directory")
+    return [os.path.join(path, s) for s in shards]
   single = os.path.join(path, "model.safetensors")
   if os.path.exists(single):
     return [single]
