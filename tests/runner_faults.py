@@ -7,9 +7,11 @@ call would, never by patching engine internals:
     dispatched (a failure the runner can attribute);
   * `fail_steps`: indices (0-based, in execute order) of steps whose `fetch`
     raises a plain RuntimeError (a failure nobody can attribute);
-  * `block_steps`: steps whose `fetch` blocks until `release()` (a wedged
-    device call);
-  * `dead_from`: from this step on, every call raises `RunnerDeadError`.
+  * `block_steps` / `block_request(seq)`: steps (by index, or holding such a
+    sequence) whose `fetch` blocks until `release()` (a wedged device call);
+  * `dead_from` / `dead_request(seq)`: from that step on (by index, or from
+    the first step holding such a sequence), every call raises
+    `RunnerDeadError` (the device state is lost).
 Everything else is passed to the wrapped runner unchanged.
 """
 
@@ -21,17 +23,25 @@ from typing import Any
 
 from serving.engine.runner_api import RunnerDeadError, StepError
 
+Predicate = Callable[[Any], bool]
+
+
+def _any(predicate: Predicate | None, plan) -> bool:
+  return predicate is not None and any(predicate(s) for s in plan.sequences)
+
 
 class FaultyRunner:
   """See module doc."""
 
-  def __init__(self, runner: Any, *, fail_request: Callable[[Any], bool] | None = None,
+  def __init__(self, runner: Any, *, fail_request: Predicate | None = None,
                fail_steps: frozenset[int] = frozenset(), block_steps: frozenset[int] = frozenset(),
-               dead_from: int | None = None):
+               block_request: Predicate | None = None, dead_from: int | None = None,
+               dead_request: Predicate | None = None):
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
-    self.fail_request, self.fail_steps, self.block_steps = fail_request, fail_steps, block_steps
-    self.dead_from = dead_from
+    self.fail_request, self.fail_steps = fail_request, fail_steps
+    self.block_steps, self.block_request = set(block_steps), block_request
+    self.dead_from, self.dead_request = dead_from, dead_request
     self.num_executed = 0
     self.unblock = threading.Event()
 
@@ -41,6 +51,10 @@ class FaultyRunner:
   def execute(self, *, plan):
     step = self.num_executed
     self.num_executed += 1
+    if _any(self.dead_request, plan) and (self.dead_from is None or step < self.dead_from):
+      self.dead_from = step
+    if _any(self.block_request, plan):
+      self.block_steps.add(step)
     self._check_dead(step)
     if self.fail_request is not None:
       bad = [s.request_id for s in plan.sequences if self.fail_request(s)]

@@ -114,6 +114,8 @@ class LLMEngine:
     vocab = self.runner.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
       raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if any(t >= vocab for t in params.stop_token_ids):
+      raise ValueError(f"stop_token_ids must be in [0, {vocab})")
     limit = self.config.max_model_len
     if len(ids) >= limit:
       raise ValueError(f"prompt has {len(ids)} tokens; the maximum context length is {limit} "

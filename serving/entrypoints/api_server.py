@@ -29,6 +29,7 @@ from serving.entrypoints.async_engine import AsyncEngine
 from serving.entrypoints.grpc_server import GrpcServer
 from serving.entrypoints.http_server import (
   DEFAULT_BODY_TIMEOUT_S,
+  DEFAULT_HEADER_TIMEOUT_S,
   DEFAULT_MAX_BODY_BYTES,
   DEFAULT_MAX_CONNECTIONS,
   build_app,
@@ -57,6 +58,7 @@ class ServeConfig:
   max_queued_requests: int | None = 256
   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
   body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body arriving slower: 408
+  header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # request headers slower: closed
   max_connections: int = DEFAULT_MAX_CONNECTIONS  # HTTP connections; gRPC concurrent calls
   drain_timeout_s: float = 30.0
   limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
@@ -68,8 +70,8 @@ class ServeConfig:
       raise ValueError(f"max_queued_requests={self.max_queued_requests} must be >= 0")
     if self.http_port < 0 and self.grpc_port < 0:
       raise ValueError("at least one of http_port and grpc_port must be enabled")
-    if self.max_connections < 1 or not self.body_timeout_s > 0:
-      raise ValueError("max_connections and body_timeout_s must be positive")
+    if self.max_connections < 1 or not self.body_timeout_s > 0 or not self.header_timeout_s > 0:
+      raise ValueError("max_connections, body_timeout_s and header_timeout_s must be positive")
 
 
 async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
@@ -96,7 +98,8 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
       http_server = make_http_server(app, cfg.host, cfg.http_port, ssl_certfile=cfg.tls_cert,
                                      ssl_keyfile=cfg.tls_key,
                                      graceful_timeout_s=cfg.drain_timeout_s + _FLUSH_S,
-                                     max_connections=cfg.max_connections)
+                                     max_connections=cfg.max_connections,
+                                     header_timeout_s=cfg.header_timeout_s)
       http_task = asyncio.create_task(http_server.serve())
       http_port = await _wait_started(http_server, http_task)
     log.info("serving %s: http port %s, grpc port %s", cfg.served_model_name, http_port,

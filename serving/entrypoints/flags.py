@@ -77,6 +77,8 @@ flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024,
                      "Largest HTTP request body / gRPC request message.")
 flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, time allowed for in-flight requests.")
 flags.DEFINE_float("body_timeout_s", 30.0, "HTTP: a request body arriving slower gets 408.")
+flags.DEFINE_float("header_timeout_s", 10.0, "HTTP: a connection whose request headers take "
+                   "longer is closed.")
 flags.DEFINE_integer("max_connections", 1024, "Open HTTP connections / concurrent gRPC calls "
                      "served; beyond them new requests get 503 / RESOURCE_EXHAUSTED.")
 # Per-request limits (serve and batch; serving/entrypoints/limits.py). Beyond one: 400.
@@ -159,6 +161,7 @@ def serve_config_from_flags() -> Any:
         api_key=FLAGS.api_key or os.environ.get("XLASERVE_API_KEY") or None,
         tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_queued_requests=queued,
         max_body_bytes=FLAGS.max_body_bytes, body_timeout_s=FLAGS.body_timeout_s,
+        header_timeout_s=FLAGS.header_timeout_s,
         max_connections=FLAGS.max_connections, drain_timeout_s=FLAGS.drain_timeout_s,
         limits=limits_from_flags())
   except ValueError as e:

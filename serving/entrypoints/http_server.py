@@ -14,8 +14,8 @@ admits its choices; a non-streaming request is raced against the client's
 disconnect, a streaming one is cancelled by Starlette when the client goes;
 either way leaving early aborts the engine requests and frees their pages.
 
-With an API key, everything but /health and /metrics needs it (there is no
-/docs or /openapi.json to read without it).
+With an API key, everything but /health and /metrics needs it, /openapi.json
+included.
 """
 
 from __future__ import annotations
@@ -55,18 +55,22 @@ M = TypeVar("M", bound=BaseModel)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 1024
-HEADER_TIMEOUT_S = 10.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
   """The FastAPI app serving `serving` (one engine, one model)."""
-  openapi_url = None if api_key else "/openapi.json"
-  app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=openapi_url)
+  app = FastAPI(title="xlaserve", docs_url=None, redoc_url=None, openapi_url=None)
   _install_error_handlers(app)
   _add_ops_routes(app, serving, metrics)
   authorize = _authorizer(api_key)
+
+  @app.get("/openapi.json", include_in_schema=False)
+  async def openapi(request: Request) -> Response:
+    authorize(request)
+    return JSONResponse(app.openapi())
 
   async def parse(request: Request, model: type[M]) -> M:
     return await _parse(request, model, max_body_bytes, body_timeout_s)
@@ -249,9 +253,10 @@ async def _wait_disconnect(request: Request) -> None:
 
 class _H11WithHeaderTimeout(H11Protocol):
   """uvicorn's h11 protocol, closing a connection whose request line and headers do not
-  all arrive within `HEADER_TIMEOUT_S` (uvicorn has no such limit: a client sending a
+  all arrive within `header_timeout_s` (uvicorn has no such limit: a client sending a
   header byte a minute would hold its connection forever)."""
 
+  header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
   _header_timer: asyncio.TimerHandle | None = None
 
   def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -275,7 +280,7 @@ class _H11WithHeaderTimeout(H11Protocol):
     return self.cycle is None or self.cycle.response_complete
 
   def _arm(self) -> None:
-    self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._expire)
+    self._header_timer = self.loop.call_later(self.header_timeout_s, self._expire)
 
   def _expire(self) -> None:
     self._header_timer = None
@@ -294,14 +299,16 @@ class UvicornServer(uvicorn.Server):
 def make_http_server(app: FastAPI, host: str, port: int, *, ssl_certfile: str | None = None,
                      ssl_keyfile: str | None = None, graceful_timeout_s: float = 30.0,
                      max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                     keep_alive_timeout_s: float = 5.0) -> UvicornServer:
+                     keep_alive_timeout_s: float = 5.0,
+                     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> UvicornServer:
   """uvicorn over `app`: past `max_connections` open connections new requests get 503;
   an idle keep-alive connection is closed after `keep_alive_timeout_s`, one whose
-  headers do not arrive after HEADER_TIMEOUT_S; headers are bounded by h11's
+  headers do not arrive after `header_timeout_s`; headers are bounded by h11's
   incomplete-event limit."""
+  protocol = type("H11Protocol", (_H11WithHeaderTimeout,), {"header_timeout_s": header_timeout_s})
   config = uvicorn.Config(app, host=host, port=port, ssl_certfile=ssl_certfile,
                           ssl_keyfile=ssl_keyfile, log_level="warning", access_log=False,
                           timeout_graceful_shutdown=graceful_timeout_s, lifespan="off",
                           limit_concurrency=max_connections,
-                          timeout_keep_alive=keep_alive_timeout_s, http=_H11WithHeaderTimeout)
+                          timeout_keep_alive=keep_alive_timeout_s, http=protocol)
   return UvicornServer(config)

@@ -7,9 +7,11 @@ instead of a model:
   * generated token i is prompt token i (cycling), so "abc" with max_tokens=5
     yields "abcab"; stop strings, stop_token_ids and EOS end a request early;
   * the sampled token's logprob is -0.5; top alternative k is token + k with -0.5 - k;
-  * a prompt starting with token 0 (NUL) fails its step (`StepError` naming
-    it, through the Runner seam): that request finishes with "error", the
-    others of the step are recomputed.
+  * faults through the Runner seam (tests/runner_faults.py), by the prompt's
+    first byte: NUL (0) fails its step with a `StepError` naming it (that
+    request finishes with "error", the others of the step are recomputed);
+    \x01 loses the device (`RunnerDeadError`: the engine dies); \x02 wedges
+    the step (its fetch blocks until the engine shuts down).
 `fake_engine_factory` is the launcher's `build_engine` for subprocess tests
 (`launch_with.py frontend_fake:fake_engine_factory ...`).
 """
@@ -50,8 +52,8 @@ class ByteTokenizer:
     return self.encode(text) if tokenize else text
 
 
-def _starts_with_nul(seq) -> bool:
-  return seq.prompt_ids[0] == 0
+def _first_byte(value: int):
+  return lambda seq: seq.prompt_ids[0] == value
 
 
 def fake_engine(config: EngineConfig | None = None, step_s: float = 0.002,
@@ -60,8 +62,9 @@ def fake_engine(config: EngineConfig | None = None, step_s: float = 0.002,
   config = config or EngineConfig(**engine_kwargs)
   runner = FakeRunner(num_pages=config.num_pages or 64, page_size=config.page_size,
                       max_num_seqs=config.max_num_seqs, vocab_size=VOCAB, step_s=step_s)
-  return LLMEngine(runner=FaultyRunner(runner, fail_request=_starts_with_nul),
-                   tokenizer=ByteTokenizer(), config=config, model_name=model)
+  faulty = FaultyRunner(runner, fail_request=_first_byte(0), dead_request=_first_byte(1),
+                        block_request=_first_byte(2))
+  return LLMEngine(runner=faulty, tokenizer=ByteTokenizer(), config=config, model_name=model)
 
 
 def fake_engine_factory(model: str, config: EngineConfig) -> LLMEngine:
