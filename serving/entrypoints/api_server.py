@@ -61,6 +61,9 @@ class ServeConfig:
   header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # request headers slower: closed
   max_connections: int = DEFAULT_MAX_CONNECTIONS  # HTTP connections; gRPC concurrent calls
   drain_timeout_s: float = 30.0
+  # Once the engine cannot serve, how long health (503 / NOT_SERVING) and new requests
+  # (503 / UNAVAILABLE) say so before the process exits: probes and load balancers see it.
+  unhealthy_exit_delay_s: float = 2.0
   limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
   def __post_init__(self):
@@ -106,7 +109,8 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
              grpc_port)
     if ready is not None:
       ready(http_port, grpc_port)
-    watchdog = asyncio.create_task(_watch(engine, aengine, grpc_server, stop))
+    watchdog = asyncio.create_task(_watch(engine, aengine, grpc_server, stop,
+                                          cfg.unhealthy_exit_delay_s))
     await stop.wait()
     log.info("draining (up to %.0f s)", cfg.drain_timeout_s)
   finally:
@@ -119,8 +123,9 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
 
 
 async def _watch(engine: Any, aengine: AsyncEngine, grpc_server: GrpcServer | None,
-                 stop: asyncio.Event) -> None:
-  """Polls `engine.health()`; on the first failure, fails everything and stops the server."""
+                 stop: asyncio.Event, exit_delay_s: float) -> None:
+  """Polls `engine.health()`; on the first failure, fails everything, reports unhealthy
+  for `exit_delay_s`, then stops the server."""
   interval = min(0.5, engine.config.step_timeout_s / 4)
   while (reason := engine.health()) is None:
     await asyncio.sleep(interval)
@@ -128,6 +133,7 @@ async def _watch(engine: Any, aengine: AsyncEngine, grpc_server: GrpcServer | No
   aengine.fail_all(reason)
   if grpc_server is not None:
     await grpc_server.set_serving(False)
+  await asyncio.sleep(exit_delay_s)
   stop.set()
 
 

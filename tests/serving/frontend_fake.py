@@ -127,7 +127,8 @@ class InProcessServer:
     return self
 
   def stop(self) -> None:
-    self._loop.call_soon_threadsafe(self._stop.set)
+    if self._thread.is_alive():  # not when the server stopped itself (engine dead)
+      self._loop.call_soon_threadsafe(self._stop.set)
     self._thread.join(timeout=60)
 
   def __exit__(self, *exc) -> None:

@@ -123,3 +123,62 @@ def test_killed_halfway_then_rerun_cli(tmp_path):
   assert [x["custom_id"] for x in results] == [f"req-{i}" for i in range(200)]
   assert [x["id"] for x in results[:summary["skipped"]]] == done[:summary["skipped"]]
   assert "batch" in r.stderr  # the tqdm progress bar
+
+
+def _line(i: int, body: dict | str) -> str:
+  text = body if isinstance(body, str) else json.dumps(body)
+  return f'{{"custom_id": "c{i}", "method": "POST", "url": "/v1/completions", "body": {text}}}'
+
+
+def test_bad_lines_get_their_400_and_good_lines_their_completions(tmp_path):
+  """The issue's job: six lines, one with a 401-digit top_k, one with temperature
+  Infinity (and a few more kinds of bad input)."""
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  good = {"model": "fake", "prompt": "abc", "max_tokens": 4}
+  huge = "1" + "0" * 400
+  lines = [_line(0, good), _line(1, f'{{"model": "fake", "prompt": "x", "top_k": {huge}}}'),
+           _line(2, good), _line(3, '{"model": "fake", "prompt": "x", "temperature": Infinity}'),
+           _line(4, good), _line(5, good),
+           _line(6, {"model": "fake", "prompt": "x", "stop": ["s"] * 100}),
+           "[" * 100_000, _line(8, {"model": "fake", "prompt": "\ud800"})]
+  inp.write_text("\n".join(lines) + "\n")
+  assert run(tmp_path, inp, out) == {"total": 9, "skipped": 0, "processed": 9, "failed": 0}
+  results = read_output(out)
+  for i in (0, 2, 4, 5):
+    assert results[i]["response"]["status_code"] == 200
+    assert results[i]["response"]["body"]["choices"][0]["text"] == "abca"
+  for i in (1, 6):
+    assert results[i]["response"]["status_code"] == 400, results[i]
+    assert results[i]["response"]["body"]["error"]["message"]
+  assert results[3]["error"]["code"] == "invalid_json"  # Infinity is not JSON
+  assert "Infinity" in results[3]["error"]["message"]
+  assert results[7]["error"]["code"] == "invalid_json" and "deep" in results[7]["error"]["message"]
+  assert results[8]["error"]["code"] == "invalid_encoding"
+
+
+def test_lines_the_server_failed_are_redone_by_a_rerun(tmp_path):
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  good = {"model": "fake", "prompt": "abc", "max_tokens": 4}
+  failing = {"model": "fake", "prompt": [0, 97, 98], "max_tokens": 4}  # NUL: its step fails
+  inp.write_text("\n".join([_line(0, good), _line(1, failing), _line(2, good)]) + "\n")
+  summary = run(tmp_path, inp, out)
+  assert summary["failed"] == 1 and summary["processed"] == 3
+  results = read_output(out)
+  assert results[1]["response"]["status_code"] == 500
+  assert [r["response"]["status_code"] for r in results[::2]] == [200, 200]
+  # A rerun keeps what succeeded before the failed line and redoes the rest.
+  inp.write_text("\n".join([_line(0, good), _line(1, good), _line(2, good)]) + "\n")
+  assert run(tmp_path, inp, out) == {"total": 3, "skipped": 1, "processed": 2, "failed": 0}
+  assert [r["response"]["status_code"] for r in read_output(out)] == [200, 200, 200]
+
+
+def test_cli_exits_non_zero_when_lines_failed_on_the_server(tmp_path):
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  failing = {"model": "fake", "prompt": [0, 97], "max_tokens": 2}
+  inp.write_text(_line(0, failing) + "\n")
+  proc = subprocess.run(launcher_cmd("batch", *FAKE_ENGINE_FLAGS, f"--input={inp}",
+                                     f"--output={out}", engine=FAKE_ENGINE),
+                        env=subprocess_env(), cwd=REPO, text=True, capture_output=True,
+                        timeout=120)
+  assert proc.returncode == 1 and "rerun" in proc.stderr
+  assert json.loads(proc.stdout.strip().splitlines()[-1])["failed"] == 1

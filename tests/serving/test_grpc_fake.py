@@ -180,3 +180,42 @@ def test_message_size_limit():
     with pytest.raises(grpc.RpcError) as e:
       pb_grpc.GenerationStub(ch).Tokenize(pb.TokenizeRequest(text="a" * 2000))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_request_ids_are_labels(srv, stub):
+  """Two clients may pick the same id, an id may be reused right after a cancel, and an
+  id is echoed back; the engine never sees them (no collision, no cross-abort)."""
+  sampling = pb.SamplingParams(max_tokens=30)
+  first = stub.Generate(pb.GenerateRequest(text="ab", request_id="dup", sampling=sampling))
+  second = stub.Generate(pb.GenerateRequest(text="cd", request_id="dup", sampling=sampling))
+  a, b = list(first), list(second)
+  assert {m.request_id for m in a + b} == {"dup"}
+  assert "".join(m.text for m in a) == "ab" * 15 and "".join(m.text for m in b) == "cd" * 15
+  cancelled = stub.Generate(pb.GenerateRequest(text="ab", request_id="again",
+                                               sampling=pb.SamplingParams(max_tokens=250)))
+  next(iter(cancelled))
+  cancelled.cancel()
+  again = list(stub.Generate(pb.GenerateRequest(text="ab", request_id="again",
+                                                sampling=pb.SamplingParams(max_tokens=4))))
+  assert again[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+BAD_GENERATE = [
+    ("request id of 1 MB", pb.GenerateRequest(text="ab", request_id="x" * 1_000_000)),
+    ("temperature inf", pb.GenerateRequest(text="ab", sampling=pb.SamplingParams(
+        temperature=float("inf")))),
+    ("top_p nan", pb.GenerateRequest(text="ab", sampling=pb.SamplingParams(top_p=float("nan")))),
+    ("200k stop strings", pb.GenerateRequest(text="ab", sampling=pb.SamplingParams(
+        stop=["s"] * 200_000))),
+    ("token id out of vocabulary", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[300]))),
+    ("stop token id out of vocabulary", pb.GenerateRequest(text="ab", sampling=pb.SamplingParams(
+        stop_token_ids=[300]))),
+]
+
+
+@pytest.mark.parametrize("name,req", BAD_GENERATE, ids=[c[0] for c in BAD_GENERATE])
+def test_bad_generate_requests_are_invalid_argument(stub, name, req):
+  with pytest.raises(grpc.RpcError) as e:
+    list(stub.Generate(req))
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+  assert e.value.details()
