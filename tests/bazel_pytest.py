@@ -1,4 +1,4 @@
-"""Runs one pytest file under Bazel (`bazel test //tests:serving/test_engine`).
+"""Runs one pytest file under Bazel (`bazel test //tests:serving/engine/test_engine`).
 
 Bazel starts tests in the runfiles tree, the repository's layout, so pytest
 finds pyproject.toml (its `pythonpath` and options) there as in a checkout.

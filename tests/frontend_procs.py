@@ -28,7 +28,7 @@ REAL_START_TIMEOUT_S = 240
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-  """Launcher child environment with this folder importable (frontend_fake)."""
+  """Launcher child environment with tests/ importable (frontend_fake, launch_with)."""
   return server_procs.subprocess_env(HERE, **extra)
 
 

@@ -1,6 +1,6 @@
 """The servers when the engine cannot serve, and the HTTP front end's own limits.
 
-Over the fake engine (tests/serving/frontend_fake.py), whose runner loses the
+Over the fake engine (tests/frontend_fake.py), whose runner loses the
 device on a prompt starting with \\x01 and wedges on \\x02:
   * in process: HTTP /health turns 503 with the reason, gRPC health
     NOT_SERVING, in-flight streams end with an error, new requests get 503 /

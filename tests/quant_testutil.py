@@ -20,7 +20,7 @@ from serving.models import llama
 from serving.runner import model_runner as runner_lib
 from serving.runner import steps
 
-SAMPLE_PATH = os.path.join(os.path.dirname(__file__), "..", "data", "quality_sample.txt")
+SAMPLE_PATH = os.path.join(os.path.dirname(__file__), "data", "quality_sample.txt")
 
 
 def sample_tokens(tokenizer) -> np.ndarray:

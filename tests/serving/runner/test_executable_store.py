@@ -27,7 +27,8 @@ from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.types import SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+TESTS = os.path.dirname(os.path.dirname(HERE))
+REPO = os.path.dirname(TESTS)
 
 PROMPTS = [[3, 17, 101, 45, 8, 250, 77, 12, 5, 60], [200, 31, 9, 144, 2]]
 
@@ -80,7 +81,7 @@ def test_second_engine_loads_every_step_and_matches(tmp_path):
   model_dir = str(tmp_path / "model")
   save_tiny_model("llama", model_dir)
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(HERE)])}
+         "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
   proc = subprocess.run([sys.executable, __file__, model_dir, str(tmp_path / "cache")], env=env,
                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -97,7 +98,7 @@ def test_second_engine_loads_every_step_and_matches(tmp_path):
 def _run_worker(model_dir: str, cache_dir: str, engines: int, devices: int) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-         "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(HERE)])}
+         "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
   proc = subprocess.run([sys.executable, __file__, model_dir, cache_dir, str(engines)], env=env,
                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -159,7 +160,7 @@ def test_a_stored_program_for_other_devices_is_recompiled(tmp_path):
   mixed-up store would give) is a miss: recompiled, never called."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-         "PYTHONPATH": os.pathsep.join([REPO, os.path.dirname(HERE)])}
+         "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
   proc = subprocess.run([sys.executable, __file__, "--mismatch", str(tmp_path)], env=env,
                         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
