@@ -7,8 +7,9 @@ engine, entry points) can import it without importing the others:
   `TokenLogprob`, `FinishReason`;
 - the scheduler's view of a request: `Sequence` and its `SequenceStatus`;
 - one engine iteration: `StepPlan` (prefill `PrefillChunk`s and a decode
-  batch, decided on the host) and `StepResult` (what the runner sampled for
-  each sequence, by request id);
+  batch of `DecodeRow`s, decided on the host), `StepResult` (what the runner
+  sampled for each sequence, by request id), and how a step fails
+  (`StepError` naming the requests at fault, `RunnerDeadError`);
 - `EngineStats`, the counters that metrics and health read.
 
 Words used throughout: a *position* is the index of a token in a sequence's

@@ -157,17 +157,17 @@ def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale
 
 def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, scale: float,
                          sliding_window: int | None = None, soft_cap: float | None = None):
-  """Causal attention of S sequences' new queries over their pages.
+  """Causal attention of B sequences' new queries over their pages.
 
-  q [T, N, H] (sequence s owns rows cu_q_lens[s]:cu_q_lens[s+1]); block_tables
-  [S, W] (layer-offset); kv_lens [S] keys per sequence including the new
-  queries. Cost is O(T * S * W * page_size): the engine sends one sequence
-  per prefill call (S = 1), where it is plain causal attention.
+  q [T, N, H] (sequence b owns rows cu_q_lens[b]:cu_q_lens[b+1]); block_tables
+  [B, W] (layer-offset); kv_lens [B] keys per sequence including the new
+  queries. Cost is O(T * B * W * page_size): the engine sends one sequence
+  per prefill call (B = 1), where it is plain causal attention.
   """
   t, n, h = q.shape
   nseq = block_tables.shape[0]
   nk = kv.k.shape[2]
-  k = _gather_pages(kv.k, block_tables, kv)  # [S, Skv, K, H]
+  k = _gather_pages(kv.k, block_tables, kv)  # [B, S, K, H]
   v = _gather_pages(kv.v, block_tables, kv)
   kpos = jnp.arange(k.shape[1])
   v = jnp.where((kpos[None, :] < kv_lens[:, None])[:, :, None, None], v, 0)  # NaN-safe

@@ -30,8 +30,8 @@ row, not Gumbel-max (B x V random numbers: ~35 ms vs ~2 ms at 32 x 49152 on
 CPU), and exactly as deterministic. Min-p comes after top-k / top-p (vLLM v0
 order; v1 applies it first); ties at a top-k / top-p boundary are all kept.
 
-The runner keeps per-slot penalty state `prompt_mask [S, V] bool` and
-`output_counts [S, V] i32` on device (serving/runner/steps.py updates it).
+The runner keeps per-slot penalty state `prompt_mask [R, V] bool` and
+`output_counts [R, V] i32` on device (serving/runner/steps.py updates it).
 
 Modules: tensors.py (per-row parameters), penalties.py, thresholds.py
 (top-k / top-p / min-p), reductions.py (two-level argmax / top-n), and

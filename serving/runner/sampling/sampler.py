@@ -26,12 +26,12 @@ def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
   Args:
     logits: [B, V] float logits of the next token.
     t: per-row parameters (`SamplingTensors.build`).
-    prompt_mask: [B, V] bool, token appears in the row's prompt; or [S, V]
+    prompt_mask: [B, V] bool, token appears in the row's prompt; or [R, V]
       per-slot state when `rows` is given.
-    output_counts: [B, V] int, times the token was generated so far; or [S, V].
-    rows: optional [B] i32 slot of each row into [S, V] state. The gather then
-      happens only when some row has a penalty, which saves two [B, V] copies
-      a step otherwise.
+    output_counts: [B, V] int, times the token was generated so far; or [R, V].
+    rows: optional [B] i32 decode slot of each row into the [R, V] state of R
+      slots. The gather then happens only when some row has a penalty, which
+      saves two [B, V] copies a step otherwise.
     num_top: width of `top_ids` / `top_logprobs` (static).
   Returns:
     SampleOutput with tokens [B] i32, logprob [B], top_ids / top_logprobs [B, num_top].
