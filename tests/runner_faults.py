@@ -3,8 +3,9 @@
 Faults enter through the engine's Runner interface, the way a broken device
 call would, never by patching engine internals:
   * `fail_request(seq) -> bool`: a step holding such a sequence raises
-    `StepError` naming those requests from `execute`, before anything is
-    dispatched (a failure the runner can attribute);
+    `StepError` naming those requests, from `execute` before anything is
+    dispatched, or from `fetch` with `fail_at="fetch"` (when the next step is
+    already in flight): a failure the runner can attribute;
   * `fail_steps`: indices (0-based, in execute order) of steps whose `fetch`
     raises a plain RuntimeError (a failure nobody can attribute);
   * `block_steps` / `block_request(seq)`: steps (by index, or holding such a
@@ -36,12 +37,13 @@ class FaultyRunner:
   def __init__(self, runner: Any, *, fail_request: Predicate | None = None,
                fail_steps: frozenset[int] = frozenset(), block_steps: frozenset[int] = frozenset(),
                block_request: Predicate | None = None, dead_from: int | None = None,
-               dead_request: Predicate | None = None):
+               dead_request: Predicate | None = None, fail_at: str = "execute"):
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.fail_request, self.fail_steps = fail_request, fail_steps
     self.block_steps, self.block_request = set(block_steps), block_request
     self.dead_from, self.dead_request = dead_from, dead_request
+    self.fail_at = fail_at
     self.num_executed = 0
     self.unblock = threading.Event()
 
@@ -56,15 +58,18 @@ class FaultyRunner:
     if _any(self.block_request, plan):
       self.block_steps.add(step)
     self._check_dead(step)
+    bad = []
     if self.fail_request is not None:
       bad = [s.request_id for s in plan.sequences if self.fail_request(s)]
-      if bad:
-        raise StepError(f"injected fault in step {step}", bad)
-    return step, self.runner.execute(plan=plan)
+    if bad and self.fail_at == "execute":
+      raise StepError(f"injected fault in step {step}", bad)
+    return step, bad, self.runner.execute(plan=plan)
 
   def fetch(self, *, handle):
-    step, inner = handle
+    step, bad, inner = handle
     self._check_dead(step)
+    if bad:
+      raise StepError(f"injected fault in step {step}", bad)
     if step in self.block_steps:
       self.unblock.wait()
     if step in self.fail_steps:

@@ -150,7 +150,7 @@ class LLMEngine:
     if not plan.empty:
       try:
         inflight = (plan, self.runner.execute(plan=plan))
-      except Exception as e:  # nothing of this plan reached the device
+      except Exception as e:  # the plan was not (fully) dispatched
         self._fail_step(plan, e)
     previous, self._inflight = self._inflight, inflight
     if previous is not None:
@@ -190,13 +190,15 @@ class LLMEngine:
         self.outputs.emit(seq)
 
   def _fail_step(self, plan: StepPlan, error: Exception) -> None:
-    if isinstance(error, RunnerDeadError):
-      raise error
     """Fails the requests of a step that raised: those it names, else all of the step.
 
     `scheduler.fail` rolls every sequence of the step back to the queue (pages
-    freed, no prefix hash published); the blameless ones are recomputed.
+    freed, no prefix hash published); the blameless ones are recomputed. A lost
+    device (`RunnerDeadError`) is not a step failure: it propagates and kills
+    the engine.
     """
+    if isinstance(error, RunnerDeadError):
+      raise error
     named = set(error.request_ids) if isinstance(error, StepError) else None
     log.error("step failed (%s): %s", "requests " + ", ".join(sorted(named)) if named else
               "whole step", error)

@@ -196,16 +196,24 @@ class Scheduler:
   def postprocess(self, plan: StepPlan,
                   result: StepResult) -> list[tuple[Sequence, SampledToken]]:
     """Applies a completed step: appends its sampled tokens, publishes the pages it
-    filled; returns the (sequence, token) pairs appended, in plan order."""
+    filled; returns the (sequence, token) pairs appended, in plan order.
+
+    A token is appended only if the sequence still holds exactly the tokens it was
+    sampled after: when an earlier step failed and rolled the sequence back, a later
+    step already in flight sampled from a token that was never kept, and its token
+    is dropped (the sequence is recomputed).
+    """
     appended = []
-    for seq in plan.sampled:
+    sampled = [(c.seq, c.end) for c in plan.prefills if c.sample]
+    sampled += [(r.seq, r.position + 1) for r in plan.decodes]
+    for seq, context in sampled:
       seq.pending -= 1
-      if seq.status is Status.FINISHED:
+      if seq.status is Status.FINISHED or seq.num_known != context:
         continue
-      sampled = result.tokens[seq.request_id]
-      seq.output_ids.append(sampled.token_id)
-      appended.append((seq, sampled))
-      reason = self._stop_reason(seq, sampled.token_id)
+      token = result.tokens[seq.request_id]
+      seq.output_ids.append(token.token_id)
+      appended.append((seq, token))
+      reason = self._stop_reason(seq, token.token_id)
       if reason is not None:
         self.finish(seq, reason)
     # Written KV: prefill chunks up to their end, decode rows up to their input position.

@@ -233,3 +233,25 @@ def test_engine_matches_alone_under_preemption_and_prefix_sharing():
   stats = eng.stats()
   assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
   assert_all_pages_free(eng)
+
+
+def test_a_failure_seen_at_fetch_drops_the_next_steps_tokens_of_its_sequences():
+  """Step N fails when it is fetched, after step N+1 (which decodes from N's tokens) was
+  dispatched. The blameless sequences are rolled back; N+1's tokens for them were
+  sampled after a token that was never kept and must be dropped, not appended."""
+  fired = []
+
+  def once(seq) -> bool:  # fails one step only: the next one, in flight, must not fail
+    if seq.request_id == "bad" and seq.num_generated >= 3 and not fired:
+      fired.append(seq)
+      return True
+    return False
+
+  eng = engine(faults=dict(fail_request=once, fail_at="fetch"))
+  good = submit(eng, "good", prompt(1, 9), max_tokens=12)
+  bad = submit(eng, "bad", prompt(2, 9), max_tokens=12)
+  eng.run_until_idle()
+  assert bad[-1].finish_reason == "error"
+  assert good[-1].finish_reason == "length"
+  assert tokens_of(good) == echo(prompt(1, 9), 12)
+  assert_all_pages_free(eng)
