@@ -159,7 +159,7 @@ async def process_line(serving: OpenAIServing, line: str) -> dict[str, Any]:
   result: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None,
                             "response": None, "error": None}
   try:
-    obj = parse_json_object(line, "line")
+    obj = await asyncio.to_thread(parse_json_object, line, "line")
   except APIError as e:
     result["error"] = {"code": e.code, "message": e.message}
     return result
@@ -176,14 +176,19 @@ async def process_line(serving: OpenAIServing, line: str) -> dict[str, Any]:
   try:
     if obj["body"].get("stream"):
       raise APIError(400, "stream is not supported in batch jobs", param="stream")
-    try:
-      req = model.model_validate(obj["body"])
-    except ValidationError as e:
-      raise validation_error(e) from None
-    prepare = serving.prepare_chat if kind == "chat" else serving.prepare_completion
-    job = await asyncio.to_thread(prepare, req)
+    job = await asyncio.to_thread(_prepare, serving, kind, model, obj["body"])
     body, status, request_id = await serving.run(job), 200, job.id
   except APIError as e:
     body, status, request_id = e.body(), e.status, None
   result["response"] = {"status_code": status, "request_id": request_id, "body": body}
   return result
+
+
+def _prepare(serving: OpenAIServing, kind: str, model: Any, body: dict[str, Any]) -> Any:
+  """A validated, tokenized job from a line's body (worker-thread CPU work)."""
+  serving.precheck(body)
+  try:
+    req = model.model_validate(body)
+  except ValidationError as e:
+    raise validation_error(e) from None
+  return serving.prepare_chat(req) if kind == "chat" else serving.prepare_completion(req)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -212,12 +213,52 @@ def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
   return grpc.unary_unary_rpc_method_handler(deny, **kw)
 
 
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+  """A request that is not a valid message of its type (bad UTF-8 in a string field,
+  corrupt wire format) gets INVALID_ARGUMENT, not UNKNOWN with protobuf's exception.
+
+  The handler receives the raw bytes and parses them itself, where a `DecodeError`
+  can be answered properly (gRPC would otherwise fail the call before any handler).
+  """
+
+  async def intercept_service(self, continuation: Callable[..., Any],
+                              details: grpc.HandlerCallDetails) -> Any:
+    handler = await continuation(details)
+    if handler is None or handler.request_deserializer is None or handler.request_streaming:
+      return handler
+    parse, kw = handler.request_deserializer, {"response_serializer": handler.response_serializer}
+    if handler.unary_stream:
+      inner = handler.unary_stream
+
+      async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        request = await _parse_or_abort(parse, raw, context)
+        async for response in inner(request, context):
+          yield response
+
+      return grpc.unary_stream_rpc_method_handler(stream, **kw)
+    inner = handler.unary_unary
+
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+      return await inner(await _parse_or_abort(parse, raw, context), context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+async def _parse_or_abort(parse: Callable[[bytes], Any], raw: bytes,
+                          context: grpc.aio.ServicerContext) -> Any:
+  try:
+    return parse(raw)
+  except DecodeError as e:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid "
+                        f"message: {str(e).rsplit(': ', 1)[-1]}")
+
+
 class GrpcServer:
   """The gRPC server: Generation + Health + reflection on one port."""
 
   def __init__(self, serving: OpenAIServing, model_name: str, *, api_key: str | None = None,
                max_message_bytes: int = 4 * 1024 * 1024, max_concurrent_rpcs: int = 1024):
-    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    interceptors = [DecodeErrorInterceptor()] + ([ApiKeyInterceptor(api_key)] if api_key else [])
     self.server = grpc.aio.server(
         interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[("grpc.max_receive_message_length", max_message_bytes),

@@ -73,7 +73,7 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
     return JSONResponse(app.openapi())
 
   async def parse(request: Request, model: type[M]) -> M:
-    return await _parse(request, model, max_body_bytes, body_timeout_s)
+    return await _parse(request, model, max_body_bytes, body_timeout_s, serving.precheck)
 
   @app.get("/v1/models")
   async def models(request: Request) -> Response:
@@ -175,9 +175,10 @@ def _code_for(status: int) -> str | None:
   return {404: "not_found", 405: "method_not_allowed"}.get(status)
 
 
-async def _parse(request: Request, model: type[M], max_body_bytes: int,
-                 body_timeout_s: float) -> M:
-  """Reads, decodes and validates a JSON body into `model` (APIError on failure)."""
+async def _parse(request: Request, model: type[M], max_body_bytes: int, body_timeout_s: float,
+                 precheck: Callable[[dict[str, Any]], None]) -> M:
+  """Reads, decodes and validates a JSON body into `model` (APIError on failure); the
+  decoding runs in a worker thread (a 4 MiB body takes a fraction of a second)."""
   length = request.headers.get("content-length", "")
   if length.isdigit() and int(length) > max_body_bytes:
     raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
@@ -186,12 +187,17 @@ async def _parse(request: Request, model: type[M], max_body_bytes: int,
   except TimeoutError:
     raise APIError(408, f"the request body did not arrive within {body_timeout_s:g} s",
                    code="request_timeout") from None
+  return await asyncio.to_thread(_decode, bytes(body), model, precheck)
+
+
+def _decode(body: bytes, model: type[M], precheck: Callable[[dict[str, Any]], None]) -> M:
   try:
-    text = bytes(body).decode("utf-8")
+    text = body.decode("utf-8")
   except UnicodeDecodeError as e:
     raise APIError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}",
                    code="invalid_encoding") from None
   obj = parse_json_object(text)
+  precheck(obj)  # list sizes, before the (costlier) model validation
   try:
     return model.model_validate(obj)
   except ValidationError as e:

@@ -12,6 +12,7 @@ saying so, rather than silently ignored.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -49,11 +50,15 @@ def parse_json_object(text: str, what: str = "request body") -> dict[str, Any]:
                    code="invalid_json") from None
   if not isinstance(obj, dict):
     raise APIError(400, f"{what} must be a JSON object", code="invalid_json")
-  bad = _first_unencodable(obj)
+  # Decoded text holds no surrogates but those written as \\u escapes: walk only then.
+  bad = _first_unencodable(obj) if _SURROGATE_ESCAPE.search(text) else None
   if bad is not None:
     raise APIError(400, f"{bad or what} holds a string that is not valid Unicode "
                    "(a lone surrogate)", param=bad or None, code="invalid_encoding")
   return obj
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _reject_constant(name: str) -> Any:

@@ -219,3 +219,25 @@ def test_bad_generate_requests_are_invalid_argument(stub, name, req):
     list(stub.Generate(req))
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
   assert e.value.details()
+
+
+def test_malformed_messages_are_invalid_argument(srv):
+  """Bytes that are not a valid request (bad UTF-8 in a string field, corrupt wire format)
+  get INVALID_ARGUMENT with a message, not UNKNOWN with protobuf's exception."""
+  good = pb.GenerateRequest(text="Hello", sampling=pb.SamplingParams(max_tokens=2))
+  bad_utf8 = good.SerializeToString().replace(b"Hello", b"He\xff\xfeo")
+  with grpc.insecure_channel(srv.grpc) as ch:
+    generate = ch.unary_stream("/xlaserve.v1.Generation/Generate",
+                               request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+    tokenize = ch.unary_unary("/xlaserve.v1.Generation/Tokenize",
+                              request_serializer=lambda b: b,
+                              response_deserializer=pb.TokenizeResponse.FromString)
+    for call, raw in ((generate, bad_utf8), (generate, b"\x12\xff\xff\xff\xff\x0f"),
+                      (tokenize, b"\x0a\x02\xff\xfe")):
+      with pytest.raises(grpc.RpcError) as e:
+        result = call(raw)
+        list(result) if call is generate else result
+      assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+      assert "not a valid message" in e.value.details()
+    assert [m.text for m in generate(good.SerializeToString())]  # a valid one still works
