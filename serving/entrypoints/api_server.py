@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from serving.engine.llm_engine import EngineDeadError
+from serving.engine.llm_engine import EngineDeadError, LLMEngine
 from serving.entrypoints.async_engine import AsyncEngine
 from serving.entrypoints.grpc_server import GrpcServer
 from serving.entrypoints.http_server import (
@@ -77,13 +77,13 @@ class ServeConfig:
       raise ValueError("max_connections, body_timeout_s and header_timeout_s must be positive")
 
 
-async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
+async def serve(engine: LLMEngine, cfg: ServeConfig, stop: asyncio.Event,
                 ready: Callable[[int | None, int | None], None] | None = None) -> None:
   """Serves `engine` over HTTP and gRPC until `stop` is set, then drains."""
   engine.start()
   metrics = Metrics(engine.stats, model_name=cfg.served_model_name)
   aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
-  names = list(dict.fromkeys([cfg.served_model_name, getattr(engine, "model_name", None)]))
+  names = list(dict.fromkeys([cfg.served_model_name, engine.model_name]))
   serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits)
   grpc_server = http_server = http_task = watchdog = None
   http_port = grpc_port = None
@@ -122,7 +122,7 @@ async def serve(engine: Any, cfg: ServeConfig, stop: asyncio.Event,
     raise EngineDeadError(aengine.unavailable)
 
 
-async def _watch(engine: Any, aengine: AsyncEngine, grpc_server: GrpcServer | None,
+async def _watch(engine: LLMEngine, aengine: AsyncEngine, grpc_server: GrpcServer | None,
                  stop: asyncio.Event, exit_delay_s: float) -> None:
   """Polls `engine.health()`; on the first failure, fails everything, reports unhealthy
   for `exit_delay_s`, then stops the server."""

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from serving.engine.llm_engine import EngineDeadError
+from serving.engine.llm_engine import EngineDeadError, LLMEngine
 from serving.entrypoints.metrics import Metrics, RequestTimer
 from serving.types import RequestOutput, SamplingParams
 
@@ -99,7 +99,7 @@ class AsyncEngine:
   decode slots (`max_num_seqs`); None means unbounded.
   """
 
-  def __init__(self, engine: Any, *, metrics: Metrics | None = None,
+  def __init__(self, engine: LLMEngine, *, metrics: Metrics | None = None,
                max_queued_requests: int | None = None):
     self.engine = engine
     self.metrics = metrics
