@@ -94,13 +94,10 @@ class OpenAIServing:
     limits, max_len = self.limits, self.engine.max_model_len
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-      if len(prompt) >= max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens; the "
-                       f"prompt has {len(prompt)} tokens.", param="prompt",
-                       code="context_length_exceeded")
-    elif isinstance(prompt, list) and len(prompt) > limits.max_prompts:
-      raise APIError(400, f"{len(prompt)} prompts exceed the limit of {limits.max_prompts} per "
-                     "request", param="prompt", code="limit_exceeded")
+      self._check_context(len(prompt))
+    elif isinstance(prompt, list):
+      with _limit_errors():
+        limits.check_counts(len(prompt), 1)
     bounds = {"messages": (max_len, "messages"), "stop": (limits.max_stop, "stop strings"),
               "stop_token_ids": (limits.max_stop_token_ids, "stop_token_ids"),
               "tokens": (limits.max_input_chars, "tokens")}
@@ -196,11 +193,14 @@ class OpenAIServing:
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     if not ids:
       raise APIError(400, "prompt must not be empty", param="prompt")
-    limit = self.engine.max_model_len
-    if len(ids) >= limit:
-      raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt "
-                     f"has {len(ids)} tokens.", param="prompt", code="context_length_exceeded")
+    self._check_context(len(ids))
     return ids
+
+  def _check_context(self, num_tokens: int) -> None:
+    limit = self.engine.max_model_len
+    if num_tokens >= limit:
+      raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt "
+                     f"has {num_tokens} tokens.", param="prompt", code="context_length_exceeded")
 
   def resolve_max_tokens(self, ids: list[int], requested: int | None, default: int | None) -> int:
     room = self.engine.max_model_len - len(ids)

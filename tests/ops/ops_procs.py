@@ -58,3 +58,10 @@ def wait_idle(base_url: str, timeout_s: float = 60, **client_kw) -> tuple[float,
     time.sleep(0.2)
     state = idle_state(base_url, **client_kw)
   return state
+
+
+def assert_pages_free(srv: OpsServer) -> None:
+  """Once idle, a live server has nothing running or waiting and every KV page free."""
+  if srv.proc.poll() is None:
+    state = wait_idle(srv.http, timeout_s=60)
+    assert state == (0.0, 0.0, 0.0), f"(running, waiting, kv usage) after the test: {state}"

@@ -48,7 +48,7 @@ import httpx
 import pytest
 from ops_clients import MODEL, completion_body, grpc_generate, grpc_request
 from ops_faults import POISON_PREFIX, POISON_SEED
-from ops_procs import OpsServer, idle_state, metrics, wait_idle
+from ops_procs import OpsServer, assert_pages_free, idle_state, metrics, wait_idle
 from server_procs import DEFAULT_MODEL_TEST_CONFIG
 
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
@@ -88,9 +88,7 @@ def srv():
 @pytest.fixture(autouse=True)
 def pages_free_after(srv):
   yield
-  if srv.proc.poll() is None:
-    state = wait_idle(srv.http, timeout_s=60)
-    assert state == (0.0, 0.0, 0.0), f"(running, waiting, kv usage) after the test: {state}"
+  assert_pages_free(srv)
 
 
 @dataclasses.dataclass

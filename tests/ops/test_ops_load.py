@@ -29,7 +29,7 @@ from ops_clients import (
   stream_completion,
 )
 from ops_faults import POISON_PREFIX
-from ops_procs import REPO, OpsServer, idle_state, metrics, rss_bytes, wait_idle
+from ops_procs import REPO, OpsServer, assert_pages_free, idle_state, metrics, rss_bytes
 from server_procs import DEFAULT_MODEL_TEST_CONFIG
 
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
@@ -54,9 +54,7 @@ def srv():
 @pytest.fixture(autouse=True)
 def pages_free_after(srv):
   yield
-  if srv.proc.poll() is None:
-    state = wait_idle(srv.http, timeout_s=60)
-    assert state == (0.0, 0.0, 0.0), f"(running, waiting, kv usage) after the test: {state}"
+  assert_pages_free(srv)
 
 
 def _client(srv, n: int = 16, timeout: float = 300) -> httpx.AsyncClient:
