@@ -66,6 +66,8 @@ class EngineConfig:
   compilation_cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
   seed: int | None = None  # for requests without a seed; None: a fresh one per process
   step_timeout_s: float = 120.0  # a step running longer means a wedged device: unhealthy
+  max_loras: int = 0  # LoRA adapter slots on the device; 0: LoRA off
+  max_lora_rank: int = 16  # every slot's rank; adapters of lower rank are zero-padded
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens",
@@ -91,6 +93,10 @@ class EngineConfig:
       raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
     if self.quantization not in QUANTIZATIONS:
       raise ValueError(f"quantization={self.quantization!r} not in {QUANTIZATIONS}")
+    if not 0 <= self.max_loras <= 256:
+      raise ValueError(f"max_loras={self.max_loras} must be in [0, 256]")
+    if not 1 <= self.max_lora_rank <= 1024:
+      raise ValueError(f"max_lora_rank={self.max_lora_rank} must be in [1, 1024]")
     if not self.step_timeout_s > 0:
       raise ValueError(f"step_timeout_s={self.step_timeout_s} must be positive")
     if self.attention_block_tokens % self.page_size:

@@ -10,6 +10,8 @@ engine, entry points) can import it without importing the others:
   batch of `DecodeRow`s, decided on the host), `StepResult` (what the runner
   sampled for each sequence, by request id), and how a step fails
   (`StepError` naming the requests at fault, `RunnerDeadError`);
+- `LoraAdapter`, an adapter registered with the engine, resident in a
+  runner *LoRA slot* while requests use it;
 - `EngineStats`, the counters that metrics and health read.
 
 Words used throughout: a *position* is the index of a token in a sequence's
@@ -24,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -159,6 +161,26 @@ class RequestOutput:
     return len(self.prompt_token_ids)
 
 
+# ---- LoRA adapters --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoraAdapter:
+  """A LoRA adapter registered with the engine.
+
+  `lora_id` is unique per registration (a re-load under the same name gets a
+  new one): it identifies the adapter in a device slot and keys its prefix-cache
+  pages. `weights` is what the runner installs (checkpoints.lora.LoraWeights
+  for the model runner); the engine never looks inside.
+  """
+
+  name: str
+  lora_id: int
+  path: str
+  rank: int
+  weights: Any = dataclasses.field(repr=False, default=None)
+
+
 # ---- the scheduler's view of a request --------------------------------------
 
 
@@ -194,6 +216,13 @@ class Sequence:
   finish_reason: FinishReason | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   admit_order: int = 0
+  lora: LoraAdapter | None = None
+  lora_slot: int | None = None  # the runner slot holding `lora` while running
+
+  @property
+  def cache_salt(self) -> bytes | None:
+    """Root of the sequence's prefix hashes: KV computed under an adapter is its own."""
+    return None if self.lora is None else b"lora:%d" % self.lora.lora_id
 
   @property
   def num_tokens(self) -> int:
@@ -243,10 +272,15 @@ class DecodeRow:
 
 @dataclasses.dataclass
 class StepPlan:
-  """What one step runs: prefill chunks, then one decode batch."""
+  """What one step runs: adapters to install first, prefill chunks, then one decode batch.
+
+  `lora_loads` are (slot, adapter) pairs the runner writes into its LoRA
+  slots before anything of the step runs.
+  """
 
   prefills: list[PrefillChunk]
   decodes: list[DecodeRow]
+  lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
 
   @property
   def empty(self) -> bool:
@@ -308,3 +342,5 @@ class EngineStats:
   prefix_cache_queries_total: int
   prefix_cache_hits_total: int
   prefill_tokens_computed_total: int
+  lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running
+  lora_swaps_total: int = 0  # adapters written into a runner slot

@@ -48,6 +48,8 @@ LOGICAL_AXIS_RULES: Rules = {
     "router_out": None,  # E as the router's output (tiny, replicated)
     "cache_pages": None,  # L*P, the page pool
     "page": None,  # page_size
+    "lora_slot": None,  # S, resident LoRA adapters
+    "lora_rank": None,  # R, the slots' LoRA rank
 }
 
 # Logical axes of every params leaf, without the leading "layers" axis.
@@ -154,17 +156,36 @@ def replicate_kv_heads(params: Params, cfg: ModelConfig,
   """
   if replicas == 1:
     return params, cfg
-  h = cfg.head_dim
-
-  def rep(x):
-    xp = jnp if isinstance(x, jax.Array) else np
-    # [..., K*H] -> [..., K, H] -> [..., K*r, H] -> [..., K*r*H]
-    heads = x.reshape(*x.shape[:-1], -1, h)
-    return xp.repeat(heads, replicas, axis=-2).reshape(*x.shape[:-1], -1)
-
   def layer(lp: Params) -> Params:
-    return {k: rep(v) if k in ("wk", "wv", "bk", "bv") else v for k, v in lp.items()}
+    return {k: repeat_kv_heads(v, cfg.head_dim, replicas) if k in ("wk", "wv", "bk", "bv")
+            else v for k, v in lp.items()}
 
   layers = params["layers"]
   layers = [layer(lp) for lp in layers] if isinstance(layers, (list, tuple)) else layer(layers)
   return {**params, "layers": layers}, with_kv_replicas(cfg, replicas)
+
+
+def repeat_kv_heads(x: Any, head_dim: int, replicas: int) -> Any:
+  """[..., K*H] -> [..., K*replicas*H]: each head's columns repeated (see above)."""
+  if replicas == 1:
+    return x
+  xp = jnp if isinstance(x, jax.Array) else np
+  heads = x.reshape(*x.shape[:-1], -1, head_dim)  # [..., K, H]
+  return xp.repeat(heads, replicas, axis=-2).reshape(*x.shape[:-1], -1)
+
+
+def lora_specs(lora: Any, cfg: ModelConfig, mesh) -> Any:
+  """PartitionSpecs of the LoRA slots (serving/runner/lora_state.py), split like their
+  base weights: A [S, In, R] along the base weight's input axis, B [S, R, Out]
+  along its output axis; the slot and rank axes are replicated."""
+  rules = resolve_rules(cfg, mesh)
+
+  def specs(key: str, stacked: bool) -> tuple[P, P]:
+    d_in, d_out = PARAM_AXES[key]
+    lead = ("layers",) if stacked else ()
+    return (logical_spec((*lead, "lora_slot", d_in, "lora_rank"), rules),
+            logical_spec((*lead, "lora_slot", "lora_rank", d_out), rules))
+
+  if isinstance(lora, (list, tuple)):
+    return [{k: specs(k, False) for k in lp} for lp in lora]
+  return {k: specs(k, True) for k in lora}

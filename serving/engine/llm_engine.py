@@ -25,6 +25,7 @@ request ends with an error, `add_request` raises `EngineDeadError`, and
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -35,14 +36,23 @@ from typing import Any
 import numpy as np
 
 from serving.config import EngineConfig
+from serving.engine.lora_slots import LoraSlots
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.page_allocator import PageAllocator
 from serving.engine.runner_api import Runner, RunnerDeadError, StepError
 from serving.engine.scheduler import Scheduler
-from serving.types import EngineStats, RequestOutput, SamplingParams, Sequence, StepPlan
+from serving.types import (
+    EngineStats,
+    LoraAdapter,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    StepPlan,
+)
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+LoraLoader = Callable[[str], tuple[int, Any]]
 
 
 class EngineDeadError(RuntimeError):
@@ -53,12 +63,18 @@ class LLMEngine:
   """Continuous-batching engine over one runner (see module doc)."""
 
   def __init__(self, *, runner: Runner, tokenizer: Any, config: EngineConfig,
-               model_name: str = ""):
+               model_name: str = "", lora_loader: LoraLoader | None = None):
+    """`lora_loader(path) -> (rank, weights)` reads and validates an adapter for this
+    runner (serving/entrypoints/engine_builder.py); needed by `load_lora`."""
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
+    self.lora_loader = lora_loader
     self.allocator = PageAllocator(runner.num_pages, config.page_size,
                                    config.enable_prefix_caching)
-    self.scheduler = Scheduler(config, self.allocator)
+    self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None
+    self.scheduler = Scheduler(config, self.allocator, self.lora_slots)
+    self._loras: dict[str, LoraAdapter] = {}  # registered adapters by name
+    self._lora_ids = itertools.count(1)
     self.outputs = OutputProcessor(tokenizer)
     self.num_programs = runner.warm_up()
     self._lock = threading.Lock()
@@ -78,13 +94,18 @@ class LLMEngine:
   # ---- requests (any thread) ----
 
   def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  on_output: OutputCallback) -> None:
-    """Validates and queues a request; raises ValueError with a message if invalid."""
+                  on_output: OutputCallback, lora: str | None = None) -> None:
+    """Validates and queues a request; raises ValueError with a message if invalid.
+
+    `lora` names a registered adapter (`add_lora`); None serves the base model.
+    """
     ids = self._prompt_ids(prompt)
     self._validate(ids, params)
+    adapter = self.get_lora(lora) if lora is not None else None
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
     eos = frozenset(self.tokenizer.eos_token_ids)
-    seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, eos_ids=eos, seed=seed)
+    seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, eos_ids=eos, seed=seed,
+                   lora=adapter)
     with self._lock:
       if self.dead is not None:
         raise EngineDeadError(self.dead)
@@ -92,6 +113,60 @@ class LLMEngine:
         raise ValueError(f"duplicate request id {request_id!r}")
       self._inbox.append((seq, on_output))
     self._wake.set()
+
+  # ---- LoRA adapters (any thread) ----
+
+  def add_lora(self, name: str, path: str, rank: int, weights) -> LoraAdapter:
+    """Registers an adapter under `name` (validated weights from checkpoints.lora).
+
+    It takes a runner slot only while requests use it (lora_slots.py). A name
+    already registered raises ValueError: unload it first.
+    """
+    if self.lora_slots is None:
+      raise ValueError("LoRA is not enabled on this engine (start it with max_loras >= 1)")
+    if not name or name == self.model_name:
+      raise ValueError(f"LoRA adapter name {name!r} must be non-empty and differ from the "
+                       "base model's")
+    with self._lock:
+      if name in self._loras:
+        raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+      adapter = LoraAdapter(name=name, lora_id=next(self._lora_ids), path=path, rank=rank,
+                            weights=weights)
+      self._loras[name] = adapter
+    log.info("LoRA adapter %r registered (rank %d, %s)", name, rank, path)
+    return adapter
+
+  def load_lora(self, name: str, path: str) -> LoraAdapter:
+    """Reads an adapter with `lora_loader` and registers it (`add_lora`).
+
+    Raises ValueError (checkpoints.lora.LoraError among them) for an adapter that
+    cannot be served, with a message saying why.
+    """
+    if self.lora_loader is None:
+      raise ValueError("LoRA is not enabled on this engine (start it with max_loras >= 1)")
+    with self._lock:
+      if name in self._loras:
+        raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+    rank, weights = self.lora_loader(path)
+    return self.add_lora(name, path, rank, weights)
+
+  def remove_lora(self, name: str) -> None:
+    """Unregisters an adapter: new requests cannot name it; running ones finish with it."""
+    with self._lock:
+      if self._loras.pop(name, None) is None:
+        raise KeyError(f"no LoRA adapter named {name!r}")
+    log.info("LoRA adapter %r unregistered", name)
+
+  def get_lora(self, name: str) -> LoraAdapter:
+    with self._lock:
+      adapter = self._loras.get(name)
+    if adapter is None:
+      raise ValueError(f"no LoRA adapter named {name!r}")
+    return adapter
+
+  def list_loras(self) -> list[LoraAdapter]:
+    with self._lock:
+      return list(self._loras.values())
 
   def abort(self, request_id: str) -> None:
     with self._lock:
@@ -279,4 +354,6 @@ class LLMEngine:
         num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
         generation_tokens_total=self.outputs.generation_tokens_total,
         prefix_cache_queries_total=a.stats.queries, prefix_cache_hits_total=a.stats.hits,
-        prefill_tokens_computed_total=s.prefill_tokens_computed)
+        prefill_tokens_computed_total=s.prefill_tokens_computed,
+        lora_running=self.lora_slots.running_by_adapter() if self.lora_slots else {},
+        lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0)

@@ -90,16 +90,19 @@ class PageAllocator:
         else:
           self._free.append(page)
 
-  def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+  def match_prefix(self, tokens: list[int], salt: bytes | None = None
+                   ) -> tuple[list[int], list[bytes]]:
     """Longest cached full-page prefix of `tokens` (leaving >= 1 token to compute).
 
+    `salt` roots the hash chain (None: the base model's): pages committed
+    under one root are never found under another (LoRA adapters).
     Returns (pages, their hashes); each returned page gains a reference.
     """
     if not self.enable_prefix_caching:
       return [], []
     ps = self.page_size
     max_pages = (len(tokens) - 1) // ps
-    pages, hashes, parent = [], [], None
+    pages, hashes, parent = [], [], salt
     for i in range(max_pages):
       h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
       page = self._page_of.get(h)

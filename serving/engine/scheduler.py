@@ -16,6 +16,11 @@ Lifecycle of a sequence:
   4. When pages run out, the most recently admitted running sequence is
      preempted (pages freed, back to the front of the queue) and later
      recomputed — requests are never failed for lack of memory.
+  5. A request with a LoRA adapter is admitted only when its adapter holds
+     (or can take) a runner slot (lora_slots.py); until then later requests
+     pass it. The plan carries the slot loads the runner must do first. Its
+     prefix hashes are rooted in the adapter (`Sequence.cache_salt`), so KV
+     computed under one adapter is never shared with another or the base.
 
 Tokens sampled by an in-flight step are "pending": the next decode step
 reads them on the device, so the host need not wait for them. A sequence
@@ -28,6 +33,7 @@ import collections
 import itertools
 
 from serving.config import EngineConfig
+from serving.engine.lora_slots import LoraSlots
 from serving.engine.page_allocator import PageAllocator, page_hash
 from serving.types import (
   DecodeRow,
@@ -45,9 +51,11 @@ from serving.types import SequenceStatus as Status
 class Scheduler:
   """Continuous batching over `max_num_seqs` slots (see module doc)."""
 
-  def __init__(self, config: EngineConfig, allocator: PageAllocator):
+  def __init__(self, config: EngineConfig, allocator: PageAllocator,
+               lora_slots: LoraSlots | None = None):
     self.config = config
     self.allocator = allocator
+    self.lora_slots = lora_slots
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []
     self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
@@ -73,9 +81,12 @@ class Scheduler:
       if self._ensure_pages_or_preempt(seq, end, protected):
         prefills.append(self._chunk(seq, end))
         budget -= end - prefills[-1].start
+    passed: list[Sequence] = []  # waiting for a LoRA slot: later requests go first
     while budget > 0 and self.waiting and self.free_slots and not self.waiting[0].pending:
       seq = self.waiting[0]
-      self._admit(seq)
+      if not self._admit(seq):
+        passed.append(self.waiting.popleft())
+        continue
       end = min(seq.num_computed + budget, seq.num_known)
       if not self._ensure_pages(seq, end):
         self._release(seq)
@@ -84,8 +95,10 @@ class Scheduler:
         break
       prefills.append(self._chunk(seq, end))
       budget -= end - prefills[-1].start
+    self.waiting.extendleft(reversed(passed))
     self.prefill_tokens_computed += sum(c.end - c.start for c in prefills)
-    return StepPlan(prefills=prefills, decodes=decodes)
+    loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
+    return StepPlan(prefills=prefills, decodes=decodes, lora_loads=loads)
 
   def _schedule_decodes(self) -> list[DecodeRow]:
     """One token for every running sequence past prefill; preempts if pages run out."""
@@ -120,14 +133,21 @@ class Scheduler:
     max_tokens = seq.params.max_tokens or self.config.max_model_len
     return seq.num_generated < max_tokens and seq.num_tokens < self.config.max_model_len
 
-  def _admit(self, seq: Sequence) -> None:
-    """Moves the head of the queue into a slot, sharing cached prefix pages.
+  def _admit(self, seq: Sequence) -> bool:
+    """Moves the head of the queue into a slot, sharing cached prefix pages; False
+    (nothing changed) when its LoRA adapter can get no runner slot now.
 
     Requests with penalties skip the prefix cache: their on-device penalty
     state is rebuilt from the tokens of a prefill that starts at 0.
     """
+    if seq.lora is not None:
+      if self.lora_slots is None:
+        raise ValueError(f"{seq.request_id}: LoRA adapter {seq.lora.name!r} but LoRA is off")
+      seq.lora_slot = self.lora_slots.acquire(seq.lora)
+      if seq.lora_slot is None:
+        return False
     pages, hashes = ([], []) if _uses_penalties(seq.params) else self.allocator.match_prefix(
-        seq.token_ids())
+        seq.token_ids(), seq.cache_salt)
     seq.pages, seq.page_hashes = pages, hashes
     seq.num_computed = len(pages) * self.config.page_size
     seq.decode_slot = self.free_slots.pop()
@@ -135,6 +155,7 @@ class Scheduler:
     seq.admit_order = next(self._order)
     self.waiting.popleft()
     self.running.append(seq)
+    return True
 
   def _chunk(self, seq: Sequence, end: int) -> PrefillChunk:
     """Prefill of known tokens [num_computed, end); pages must be allocated."""
@@ -161,7 +182,7 @@ class Scheduler:
     ps = self.config.page_size
     tokens = seq.token_ids()
     for i in range(len(seq.page_hashes), min(num_tokens, len(tokens)) // ps):
-      parent = seq.page_hashes[-1] if seq.page_hashes else None
+      parent = seq.page_hashes[-1] if seq.page_hashes else seq.cache_salt
       h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
       seq.page_hashes.append(h)
       self.allocator.commit(seq.pages[i], h)
@@ -173,6 +194,9 @@ class Scheduler:
     if seq.decode_slot is not None:
       self.free_slots.append(seq.decode_slot)
       seq.decode_slot = None
+    if seq.lora_slot is not None:
+      self.lora_slots.release(seq.lora_slot)
+      seq.lora_slot = None
     if seq in self.running:
       self.running.remove(seq)
 
@@ -249,6 +273,8 @@ class Scheduler:
     for seq in reversed(victims):
       if seq.status is Status.RUNNING:
         self._preempt(seq, count=False)
+    for slot, _ in plan.lora_loads:  # maybe never written
+      self.lora_slots.forget(slot)
     return victims
 
 

@@ -7,6 +7,9 @@ The one place that wires the layers together for the entry points (`LLM`,
      blocks of the matching type are kept as stored.
   2. `ModelRunner` puts it on the device(s) and sizes the KV cache.
   3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up.
+  4. LoRA adapters given as `lora_modules` are read, validated against the
+     model (checkpoints/lora.py) and registered; the engine keeps the reader
+     (`lora_loader`) for adapters loaded at run time.
 With several processes (`jax.distributed`), `start_multihost` does the same
 in lock-step: process 0 gets the engine, the others follow its steps.
 """
@@ -14,7 +17,8 @@ in lock-step: process 0 gets the engine, the others follow its steps.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 
@@ -22,8 +26,10 @@ import checkpoints
 import sharding
 from checkpoints import load_quantized
 from checkpoints.layout import LoadedModel
+from checkpoints.lora import load_lora_adapter
 from serving.config import EngineConfig
 from serving.engine import LLMEngine, Runner
+from serving.models.model_config import ModelConfig
 from serving.runner import multihost
 from serving.runner.model_runner import ModelRunner
 
@@ -40,17 +46,44 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
 
 
 def build_engine(model: str | LoadedModel, config: EngineConfig, *,
-                 wrap_runner: Callable[[ModelRunner], Runner] | None = None) -> LLMEngine:
+                 wrap_runner: Callable[[ModelRunner], Runner] | None = None,
+                 lora_modules: Mapping[str, str] | None = None) -> LLMEngine:
   """A single-controller engine over all the devices `config` asks for.
 
   `wrap_runner` puts another `Runner` around the model's (the benchmark's step
-  timer, the tests' fault injection).
+  timer, the tests' fault injection). `lora_modules`: adapter name -> PEFT
+  directory, registered before the engine is returned (needs `max_loras`).
   """
   loaded = load_model(model, config)
   runner = ModelRunner(loaded.params, loaded.config, config)
-  return LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
-                   tokenizer=loaded.tokenizer, config=config,
-                   model_name=_model_name(model, loaded))
+  engine = LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
+                     tokenizer=loaded.tokenizer, config=config,
+                     model_name=_model_name(model, loaded),
+                     lora_loader=lora_loader(loaded.config, config))
+  register_loras(engine, lora_modules)
+  return engine
+
+
+def lora_loader(model_cfg: ModelConfig, config: EngineConfig
+                ) -> Callable[[str], tuple[int, Any]] | None:
+  """path -> (rank, validated weights) for this model, or None when LoRA is off."""
+  if not config.max_loras:
+    return None
+
+  def load(path: str) -> tuple[int, Any]:
+    weights = load_lora_adapter(path, model_cfg, max_rank=config.max_lora_rank)
+    return weights.rank, weights
+
+  return load
+
+
+def register_loras(engine: LLMEngine, lora_modules: Mapping[str, str] | None) -> None:
+  """Reads and registers each adapter; any failure raises (a server must not start
+  without an adapter it was told to serve)."""
+  if lora_modules and not engine.config.max_loras:
+    raise ValueError("lora_modules need max_loras >= 1 (LoRA slots on the device)")
+  for name, path in (lora_modules or {}).items():
+    engine.load_lora(name, path)
 
 
 def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine | None:
@@ -61,6 +94,9 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   if devices != len(jax.devices()):
     raise ValueError(f"tp*ep*dp = {devices} must equal the {len(jax.devices())} devices of all "
                      f"{jax.process_count()} processes (one global mesh runs every step)")
+  if config.max_loras:
+    raise ValueError("LoRA adapters are not supported with several processes yet "
+                     "(max_loras must be 0)")
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)
   runner = ModelRunner(loaded.params, loaded.config, config)

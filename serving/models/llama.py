@@ -29,9 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.models.lora import LoraBatch, apply_lora
 from serving.models.model_config import ModelConfig
 
 Params = dict[str, Any]
+# A layer's LoRA: (its {module: (a, b)} slots, each row's slot, method) or None.
+LayerLora = tuple[dict, jax.Array, str] | None
 AttendFn = Callable[..., tuple[jax.Array, Any]]
 ExpertsFn = Callable[..., jax.Array]
 
@@ -101,14 +104,23 @@ def linear(x: jax.Array, w: Any) -> jax.Array:
   return dot_f32_accumulate("...i,io->...o", x, w).astype(x.dtype)
 
 
+def project(x: jax.Array, lp: Params, name: str, lora: LayerLora) -> jax.Array:
+  """The layer's linear module `name`, plus its LoRA update when adapters are active."""
+  y = linear(x, lp[name])
+  if lora is None:
+    return y
+  weights, rows, method = lora
+  return apply_lora(y, x, weights, rows, name, method)
+
+
 def _attention_block(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
                      inv_freq: jax.Array, layer: jax.Array, kv: Any,
-                     attend: AttendFn) -> tuple[jax.Array, Any]:
+                     attend: AttendFn, lora: LayerLora = None) -> tuple[jax.Array, Any]:
   """Pre-norm self-attention sub-block for one layer; returns (residual delta, kv)."""
   t = x.shape[0]
   n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   xn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-  q, kk, v = linear(xn, lp["wq"]), linear(xn, lp["wk"]), linear(xn, lp["wv"])
+  q, kk, v = (project(xn, lp, name, lora) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, kk, v = q + lp["bq"].astype(q.dtype), kk + lp["bk"].astype(q.dtype), v + lp["bv"].astype(
         q.dtype)
@@ -120,14 +132,14 @@ def _attention_block(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.
   q, kk = apply_rope(q, positions, inv_freq), apply_rope(kk, positions, inv_freq)
   out, kv = attend(layer, q, kk, v, kv)
   # [T, N, H] -> [T, N*H]
-  return linear(out.reshape(t, n * h).astype(x.dtype), lp["wo"]), kv
+  return project(out.reshape(t, n * h).astype(x.dtype), lp, "wo", lora), kv
 
 
-def dense_mlp(lp: Params, x: jax.Array) -> jax.Array:
+def dense_mlp(lp: Params, x: jax.Array, lora: LayerLora = None) -> jax.Array:
   """SwiGLU: down(silu(gate(x)) * up(x))."""
-  g = linear(x, lp["w_gate"])
-  u = linear(x, lp["w_up"])
-  return linear(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, lp["w_down"])
+  g = project(x, lp, "w_gate", lora)
+  u = project(x, lp, "w_up", lora)
+  return project(jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u, lp, "w_down", lora)
 
 
 def moe_route(cfg: ModelConfig, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -195,35 +207,46 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.A
 
 def decoder_layer(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array,
                   inv_freq: jax.Array, layer: jax.Array, kv: Any, attend: AttendFn,
-                  experts_fn: ExpertsFn | None = None) -> tuple[jax.Array, Any]:
+                  experts_fn: ExpertsFn | None = None, lora: LayerLora = None
+                  ) -> tuple[jax.Array, Any]:
   """One pre-norm layer (attention, then dense or MoE MLP): h [T, D] -> (h, kv)."""
-  delta, kv = _attention_block(cfg, lp, h, positions, inv_freq, layer, kv, attend)
+  delta, kv = _attention_block(cfg, lp, h, positions, inv_freq, layer, kv, attend, lora)
   h = h + delta
   hn = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-  return h + (moe_mlp(cfg, lp, hn, experts_fn) if cfg.is_moe else dense_mlp(lp, hn)), kv
+  mlp = moe_mlp(cfg, lp, hn, experts_fn) if cfg.is_moe else dense_mlp(lp, hn, lora)
+  return h + mlp, kv
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             kv: Any, attend: AttendFn, *, act_dtype=jnp.float32,
-            experts_fn: ExpertsFn | None = None) -> tuple[jax.Array, Any]:
-  """Runs the layer stack. tokens/positions [T] -> (final-normed hidden [T, D], kv)."""
+            experts_fn: ExpertsFn | None = None,
+            lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
+  """Runs the layer stack. tokens/positions [T] -> (final-normed hidden [T, D], kv).
+
+  `lora` (serving/models/lora.py): resident adapters, laid out like `layers`,
+  and each token row's slot.
+  """
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   x = embed_tokens(params["embed"], tokens).astype(act_dtype)  # [T, D]
 
   def layer_fn(carry, xs):
     h, kv = carry
-    lp, layer = xs
-    return decoder_layer(cfg, lp, h, positions, inv_freq, layer, kv, attend, experts_fn), None
+    lp, layer, lora_lp = xs
+    layer_lora = None if lora is None else (lora_lp, lora.rows, lora.method)
+    return decoder_layer(cfg, lp, h, positions, inv_freq, layer, kv, attend, experts_fn,
+                         layer_lora), None
 
   layers = params["layers"]
   if isinstance(layers, (list, tuple)):
     # Unrolled over per-layer arrays: fastest on XLA:CPU (no per-layer weight copies).
     for i, lp in enumerate(layers):
-      (x, kv), _ = layer_fn((x, kv), (lp, jnp.int32(i)))
+      lora_lp = None if lora is None else lora.weights[i]
+      (x, kv), _ = layer_fn((x, kv), (lp, jnp.int32(i), lora_lp))
   else:
     # One scanned layer over stacked [L, ...] weights: fast to compile.
     ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layers, ids))
+    lora_layers = None if lora is None else lora.weights
+    (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layers, ids, lora_layers))
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 

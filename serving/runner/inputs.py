@@ -21,7 +21,7 @@ import numpy as np
 from serving.config import EngineConfig, bucket_for
 from serving.runner.sampling import SamplingTensors
 from serving.runner.steps import DecodeInput, PrefillInput
-from serving.types import DecodeRow, PrefillChunk, Sequence, StepError, StepPlan
+from serving.types import DecodeRow, LoraAdapter, PrefillChunk, Sequence, StepError, StepPlan
 
 
 @dataclasses.dataclass
@@ -36,6 +36,8 @@ class StepInputs:
   prefill_ids: list[str | None]
   decode: DecodeInput | None
   decode_ids: list[str]
+  lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
+  lora_users: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # slot -> ids
 
 
 def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
@@ -53,8 +55,17 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
   if plan.decodes:
     with _blame([r.seq for r in plan.decodes]):
       decode = build_decode_input(plan.decodes, config)
+  users: dict[int, list[str]] = {}
+  for seq in plan.sequences:
+    if seq.lora_slot is not None:
+      users.setdefault(seq.lora_slot, []).append(seq.request_id)
   return StepInputs(prefills=prefills, prefill_ids=ids, decode=decode,
-                    decode_ids=[r.seq.request_id for r in plan.decodes])
+                    decode_ids=[r.seq.request_id for r in plan.decodes],
+                    lora_loads=list(plan.lora_loads), lora_users=users)
+
+
+def _lora_slot(seq: Sequence) -> int:
+  return -1 if seq.lora_slot is None else seq.lora_slot
 
 
 @contextlib.contextmanager
@@ -101,6 +112,7 @@ def build_prefill_input(chunk: PrefillChunk, config: EngineConfig) -> PrefillInp
       tokens=tokens, positions=positions, kv_index=index, is_output=is_output,
       num_tokens=np.int32(n), block_table=table, kv_len=np.array([chunk.end], np.int32),
       decode_slot=np.int32(seq.decode_slot), reset=np.bool_(chunk.start == 0),
+      lora_slot=np.int32(_lora_slot(seq)),
       sampling=SamplingTensors.build([seq.params], [seq.seed], [output_index], 1))
 
 
@@ -112,13 +124,15 @@ def build_decode_input(rows: list[DecodeRow], config: EngineConfig) -> DecodeInp
   index = np.zeros((b,), np.int32)
   tables = np.zeros((b, width), np.int32)
   seq_lens = np.zeros((b,), np.int32)
+  lora_slots = np.full((b,), -1, np.int32)
   for i, row in enumerate(rows):
     seq, pos = row.seq, row.position
     slots[i], positions[i], seq_lens[i] = seq.decode_slot, pos, pos + 1
+    lora_slots[i] = _lora_slot(seq)
     index[i] = kv_index(seq, np.array([pos]), config.page_size)[0]
     tables[i, :len(seq.pages)] = seq.pages
   return DecodeInput(
       decode_slots=slots, positions=positions, kv_index=index, block_tables=tables,
-      seq_lens=seq_lens,
+      seq_lens=seq_lens, lora_slots=lora_slots,
       sampling=SamplingTensors.build([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                      [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b))

@@ -40,7 +40,7 @@ from serving.config import EngineConfig
 from serving.models import llama
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import has_quantized, is_quantized, params_nbytes
-from serving.runner import attention, sampling
+from serving.runner import attention, lora_state, sampling
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.inputs import StepInputs, build_step_inputs
 from serving.runner.kv_cache import create_kv_cache, kv_bytes_per_token
@@ -52,7 +52,14 @@ from serving.runner.steps import (
     prefill_step,
     sample_step,
 )
-from serving.types import RunnerDeadError, SampledToken, StepPlan, StepResult, TokenLogprob
+from serving.types import (
+    RunnerDeadError,
+    SampledToken,
+    StepError,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +138,7 @@ class ModelRunner:
     if placement is not None and (engine_cfg.quantization or has_quantized(params)):
       raise NotImplementedError("quantized weights on a mesh (tp/ep/dp > 1) are not supported "
                                 "yet; serve them on one device or without quantization")
+    self.source_cfg = model_cfg  # before tp repeats KV heads: what adapters must fit
     if placement is not None:
       _enable_jax_compilation_cache(engine_cfg)
       params, model_cfg = placement.adapt(params), placement.model_cfg
@@ -153,6 +161,8 @@ class ModelRunner:
       self.params = put_params(params, weight_dtype)  # quantized leaves keep their dtypes
     self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(model_cfg, engine_cfg)
     self.state = self._initial_state(placement)
+    self._kv_replicas = placement.kv_replicas if placement is not None else 1
+    self.lora, self._write_lora = self._lora_slots(placement)
     kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
               block_tokens=engine_cfg.attention_block_tokens)
     jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
@@ -161,12 +171,13 @@ class ModelRunner:
                                        engine_cfg.compilation_cache_dir, placement is not None)
     self._store = store
     static = repr(sorted(kw.items()))
+    # Arguments: params, LoRA slots, state (donated), the step's input.
     self._prefill = StepProgram("prefill", jit(functools.partial(prefill_step, **kw),
-                                               donate_argnums=(1,)),
-                                static=static, num_fixed=2, store=store)
+                                               donate_argnums=(2,)),
+                                static=static, num_fixed=3, store=store)
     self._decode = StepProgram("decode", jit(functools.partial(decode_step, **kw),
-                                             donate_argnums=(1,)),
-                               static=static, num_fixed=2, store=store)
+                                             donate_argnums=(2,)),
+                               static=static, num_fixed=3, store=store)
     self._sample = StepProgram("sample", jit(sample_step, donate_argnums=(0,)), static="",
                                num_fixed=1, store=store)
     self._log_capacity()
@@ -184,6 +195,35 @@ class ModelRunner:
       return state
     rest = placement.replicate(dataclasses.replace(state, kv=None))
     return dataclasses.replace(rest, kv=state.kv)
+
+  def _lora_slots(self, placement):
+    """The LoRA slots (zero) and their jitted slot write; (None, None) when LoRA is off."""
+    ec = self.engine_cfg
+    if not ec.max_loras:
+      return None, None
+    unrolled = isinstance(self.params["layers"], (list, tuple))
+    zeros = lora_state.lora_zeros(self.model_cfg, ec.max_loras, ec.max_lora_rank, unrolled,
+                                  jnp.dtype(self.dtype_name))
+    if placement is None:
+      return jax.tree.map(jnp.asarray, zeros), jax.jit(lora_state.write_slot, donate_argnums=0)
+    shardings = jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(self.mesh, spec),
+        sharding.rules.lora_specs(zeros, self.model_cfg, self.mesh),
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    lora = jax.tree.map(sharding.placement.place, zeros, shardings)
+    write = jax.jit(sharding.placement.in_mesh(lora_state.write_slot, self.mesh),
+                    donate_argnums=0, out_shardings=shardings)
+    return lora, write
+
+  def load_lora(self, slot: int, weights) -> None:
+    """Writes an adapter (checkpoints.lora.LoraWeights; None: zeros) into LoRA slot `slot`."""
+    ec = self.engine_cfg
+    if self.lora is None or not 0 <= slot < ec.max_loras:
+      raise ValueError(f"no LoRA slot {slot} (max_loras={ec.max_loras})")
+    contents = lora_state.slot_contents(
+        weights, self.source_cfg, ec.max_lora_rank, isinstance(self.lora, list),
+        jnp.dtype(self.dtype_name), self._kv_replicas)
+    self.lora = self._write_lora(self.lora, jnp.int32(slot), contents)
 
   # ---- the Runner interface ----
 
@@ -219,7 +259,7 @@ class ModelRunner:
     try:
       yield
     except Exception as e:
-      if any(a.is_deleted() for a in jax.tree.leaves(self.state)):
+      if any(a.is_deleted() for a in jax.tree.leaves((self.state, self.lora))):
         raise RunnerDeadError(f"device state lost in a failed step: {e}") from e
       raise
 
@@ -229,6 +269,14 @@ class ModelRunner:
       return self._run(inputs)
 
   def _run(self, inputs: StepInputs) -> StepHandle:
+    for slot, adapter in inputs.lora_loads:
+      try:
+        self.load_lora(slot, adapter.weights)
+      except Exception as e:
+        if any(a.is_deleted() for a in jax.tree.leaves(self.lora)):
+          raise
+        raise StepError(f"could not load LoRA adapter {adapter.name!r}: {e}",
+                        inputs.lora_users.get(slot, [])) from e
     ids, outs, logprobs = [], [], {}
     for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
       out = self.run_prefill(inp, sample=rid is not None)
@@ -246,14 +294,14 @@ class ModelRunner:
 
   def run_prefill(self, inp: PrefillInput, sample: bool = True) -> sampling.SampleOutput | None:
     """Runs a chunk; samples the next token only for a sequence's last chunk."""
-    self.state, logits = self._prefill(self.params, self.state, inp)
+    self.state, logits = self._prefill(self.params, self.lora, self.state, inp)
     if not sample:
       return None
     self.state, out = self._sample(self.state, logits, inp.decode_slot[None], inp.sampling)
     return out
 
   def run_decode(self, inp: DecodeInput) -> sampling.SampleOutput:
-    self.state, logits = self._decode(self.params, self.state, inp)
+    self.state, logits = self._decode(self.params, self.lora, self.state, inp)
     self.state, out = self._sample(self.state, logits, inp.decode_slots, inp.sampling)
     return out
 
@@ -268,6 +316,8 @@ class ModelRunner:
     without running anything; without one, each is run once on dummy inputs.
     """
     start = time.perf_counter()
+    if self.lora is not None:  # compiles the slot write; slot 0 stays zero
+      self.load_lora(0, None)
     programs = self._bucket_programs()
     if self._store is not None:
       with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -292,9 +342,9 @@ class ModelRunner:
     ec, vocab = self.engine_cfg, self.model_cfg.vocab_size
     out = []
     for t in ec.prefill_token_buckets:
-      out.append((self._prefill, (self.params, self.state, self.dummy_prefill(t))))
+      out.append((self._prefill, (self.params, self.lora, self.state, self.dummy_prefill(t))))
     for b in ec.decode_batch_buckets:
-      out.append((self._decode, (self.params, self.state, self.dummy_decode(b))))
+      out.append((self._decode, (self.params, self.lora, self.state, self.dummy_decode(b))))
     for b in sorted({1, *ec.decode_batch_buckets}):
       inp = self.dummy_decode(b)
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
@@ -308,7 +358,7 @@ class ModelRunner:
     return PrefillInput(tokens=z, positions=z, kv_index=z, is_output=np.zeros(t, bool),
                         num_tokens=np.int32(1), block_table=np.zeros((1, w), np.int32),
                         kv_len=np.ones((1,), np.int32), decode_slot=np.int32(ec.max_num_seqs),
-                        reset=np.bool_(True),
+                        reset=np.bool_(True), lora_slot=np.int32(-1),
                         sampling=sampling.SamplingTensors.build([], [], [], 1))
 
   def dummy_decode(self, b: int) -> DecodeInput:
@@ -317,6 +367,7 @@ class ModelRunner:
     z, w = np.zeros((b,), np.int32), ec.block_table_width
     return DecodeInput(decode_slots=np.full((b,), ec.max_num_seqs, np.int32), positions=z,
                        kv_index=z, block_tables=np.zeros((b, w), np.int32), seq_lens=z,
+                       lora_slots=np.full((b,), -1, np.int32),
                        sampling=sampling.SamplingTensors.build([], [], [], b))
 
   def _log_capacity(self) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 import sharding
 from serving.models import llama
+from serving.models.lora import LoraBatch
 from serving.models.model_config import ModelConfig
 from serving.runner import attention, sampling
 from serving.runner.kv_cache import KVCache, write_kv
@@ -49,6 +50,7 @@ class PrefillInput:
   kv_len: np.ndarray  # [1] int32 tokens in the cache after this chunk
   decode_slot: np.ndarray  # [] int32 the sequence's row of per-request state
   reset: np.ndarray  # [] bool: first chunk, clear the slot's penalty state
+  lora_slot: np.ndarray  # [] int32 the sequence's LoRA slot (-1: none)
   sampling: sampling.SamplingTensors  # [1]
 
 
@@ -62,6 +64,7 @@ class DecodeInput:
   kv_index: np.ndarray  # [B] int32
   block_tables: np.ndarray  # [B, W] int32
   seq_lens: np.ndarray  # [B] int32 (positions + 1; 0 for padding)
+  lora_slots: np.ndarray  # [B] int32 each row's LoRA slot (-1: none, and padding)
   sampling: sampling.SamplingTensors  # [B]
 
 
@@ -85,15 +88,25 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
   return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
 
 
-def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
+def lora_batch(lora, rows: jax.Array) -> LoraBatch | None:
+  """The forward's LoRA argument: the slots (None when LoRA is off) and each row's slot."""
+  return None if lora is None else LoraBatch(weights=lora, rows=rows)
+
+
+def prefill_step(params, lora, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
                  backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
-  """Pure prefill of one chunk -> (state, logits [1, V] after its last valid row)."""
+  """Pure prefill of one chunk -> (state, logits [1, V] after its last valid row).
+
+  `lora`: the runner's LoRA slots (lora_state.py), or None when LoRA is off.
+  """
   t = inp.tokens.shape[0]
   meta = dict(kv_index=inp.kv_index, block_tables=inp.block_table,
               cu_q_lens=jnp.stack([0, inp.num_tokens]).astype(jnp.int32), kv_lens=inp.kv_len)
   attend = attend_fn(backend, cfg, state.kv.num_pages, "prefill", meta, block_tokens)
+  rows = jnp.full((t,), inp.lora_slot, jnp.int32)
   hidden, kv = llama.forward(params, cfg, inp.tokens, inp.positions, state.kv, attend,
-                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg))
+                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg),
+                             lora=lora_batch(lora, rows))
   last = jax.lax.dynamic_slice_in_dim(hidden, inp.num_tokens - 1, 1)  # [1, D]
   logits = llama.logits(params, cfg, last)
   # Penalty state of the slot: cleared on the first chunk, then fed by this chunk.
@@ -108,7 +121,7 @@ def prefill_step(params, state: DeviceState, inp: PrefillInput, *, cfg: ModelCon
   return state, logits
 
 
-def decode_step(params, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfig,
+def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfig,
                 backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
   """Pure decode of one token per row -> (state, logits [B, V]).
 
@@ -119,7 +132,8 @@ def decode_step(params, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfi
               seq_lens=inp.seq_lens)
   attend = attend_fn(backend, cfg, state.kv.num_pages, "decode", meta, block_tokens)
   hidden, kv = llama.forward(params, cfg, tokens, inp.positions, state.kv, attend,
-                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg))
+                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg),
+                             lora=lora_batch(lora, inp.lora_slots))
   return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
 
 
