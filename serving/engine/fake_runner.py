@@ -14,11 +14,16 @@ tests exercise the same contract a real runner relies on:
     make a real model read another request's KV (a wrong page, a page freed
     early, a poisoned prefix hash) raises `FakeKVError` instead of passing
     silently;
-  * per decode slot, the last sampled token (the next decode's input).
+  * per decode slot, the last sampled token (the next decode's input);
+  * per LoRA slot, the adapter the plan's `lora_loads` put there. KV is
+    written as (adapter id, token) — KV computed under an adapter differs
+    from the base model's — and a sequence whose slot holds another adapter,
+    or whose context holds another adapter's KV, raises `FakeKVError`.
 
 Tokens: the output token at index i of a request is its prompt token at
 `i % len(prompt)` *as read from the KV pool*, so "abc" with max_tokens=5
-yields "abcab"; its logprob is -0.5, and top alternative k is `token + k`
+yields "abcab" — plus the adapter's `lora_id` under a LoRA adapter (mod the
+vocabulary), so "abc" under adapter 1 yields "bcdbc"; its logprob is -0.5, and top alternative k is `token + k`
 with logprob `-0.5 - k`. `step_s` makes each step take that long (in
 `fetch`), so front-end tests can watch requests in flight.
 """
@@ -55,8 +60,10 @@ class FakeRunner:
                vocab_size: int = 32000, step_s: float = 0.0):
     self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
     self.step_s = step_s
-    self.kv: list[list[int | None]] = [[None] * page_size for _ in range(num_pages)]
+    self.kv: list[list[tuple[int, int] | None]] = [[None] * page_size
+                                                   for _ in range(num_pages)]
     self.last_tokens: list[int] = [0] * (max_num_seqs + 1)
+    self.lora_slots: dict[int, int] = {}  # slot -> lora_id written there
     self.num_steps = 0
     self.closed = False
 
@@ -65,6 +72,8 @@ class FakeRunner:
 
   def execute(self, *, plan: StepPlan) -> _Handle:
     tokens = {}
+    for slot, adapter in plan.lora_loads:
+      self.lora_slots[slot] = adapter.lora_id
     for chunk in plan.prefills:
       sampled = self._prefill(chunk)
       if sampled is not None:
@@ -101,19 +110,30 @@ class FakeRunner:
     page, offset = seq.pages[pos // self.page_size], pos % self.page_size
     if page == 0:
       raise FakeKVError(f"{seq.request_id}: position {pos} maps to the reserved page 0")
-    self.kv[page][offset] = token
+    self.kv[page][offset] = (self._lora_id(seq), token)
+
+  def _lora_id(self, seq: Sequence) -> int:
+    """The adapter the sequence computes with: the one in its slot, checked."""
+    if seq.lora is None:
+      return 0
+    resident = self.lora_slots.get(seq.lora_slot)
+    if resident != seq.lora.lora_id:
+      raise FakeKVError(f"{seq.request_id}: adapter {seq.lora.lora_id} expected in LoRA slot "
+                        f"{seq.lora_slot}, which holds {resident}")
+    return resident
 
   def _sample(self, seq: Sequence, length: int) -> SampledToken:
     """The token after the first `length` positions, from the context read back."""
+    lora_id = self._lora_id(seq)
     context = [self.kv[seq.pages[p // self.page_size]][p % self.page_size]
                for p in range(length)]
-    expected = seq.token_ids()[:length]
+    expected = [(lora_id, t) for t in seq.token_ids()[:length]]
     if context[:len(expected)] != expected:
       raise FakeKVError(f"{seq.request_id}: KV read back {context[:len(expected)]} "
                         f"but the sequence holds {expected}")
     n_prompt = len(seq.prompt_ids)
     index = length - n_prompt  # output index of the token sampled now
-    token = context[index % n_prompt]
+    token = (context[index % n_prompt][1] + lora_id) % self.vocab_size
     self.last_tokens[seq.decode_slot] = token
     return SampledToken(token_id=token, logprob=self._logprob(seq, token))
 

@@ -92,9 +92,9 @@ class Driver:
     key = (name, *(x.shape for x in jax.tree.leaves(inp)))
     if key not in self._compiled:
       fn = getattr(r, f"_{name}").jitted  # the StepProgram's jitted step
-      self._compiled[key] = fn.lower(r.params, r.state, inp).compile()
+      self._compiled[key] = fn.lower(r.params, r.lora, r.state, inp).compile()
       self.hlo[name] = self._compiled[key].as_text()
-    r.state, logits = self._compiled[key](r.params, r.state, inp)
+    r.state, logits = self._compiled[key](r.params, r.lora, r.state, inp)
     return np.asarray(logits)
 
   def _set_last_tokens(self, slots: list[int], tokens: list[int]) -> None:
@@ -129,7 +129,7 @@ class Driver:
                          kv_index=slots, is_output=np.zeros(t, bool),
                          num_tokens=np.int32(n), block_table=tables[i:i + 1],
                          kv_len=np.array([n], np.int32), decode_slot=np.int32(i),
-                         reset=np.bool_(True),
+                         reset=np.bool_(True), lora_slot=np.int32(-1),
                          sampling=SamplingTensors.build([], [], [], 1))
       first.append(self._step("prefill", inp)[0])
     out = [[int(np.argmax(lg))] for lg in first]
@@ -147,7 +147,7 @@ class Driver:
       smap = np.where(np.arange(b) < len(prompts), bt[np.arange(b), pos // ps] * ps + pos % ps, 0)
       seq_lens = np.where(np.arange(b) < len(prompts), pos + 1, 0).astype(np.int32)
       inp = DecodeInput(decode_slots=slots, positions=pos, kv_index=smap.astype(np.int32),
-                        block_tables=bt, seq_lens=seq_lens,
+                        block_tables=bt, seq_lens=seq_lens, lora_slots=np.full(b, -1, np.int32),
                         sampling=SamplingTensors.build([], [], [], b))
       logits = self._step("decode", inp)[:len(prompts)]
       decode_logits.append(logits)

@@ -144,7 +144,7 @@ def test_the_kv_check_catches_a_page_bug():
   h = Harness()
   seq = h.add("victim", prompt(5, 10), max_tokens=8)
   h.step()
-  h.runner.kv[seq.pages[0]][1] = 299  # what a page handed to two owners would do
+  h.runner.kv[seq.pages[0]][1] = (0, 299) # what a page handed to two owners would do
   with pytest.raises(FakeKVError, match="victim"):
     h.step()
 
