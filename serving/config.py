@@ -35,6 +35,11 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
   raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def default_max_loras(num_adapters: int) -> int:
+  """LoRA slots when adapters are given but `max_loras` is not: one each, at most 4."""
+  return max(1, min(num_adapters, 4))
+
+
 def default_cache_dir() -> str:
   return os.environ.get(
       "XLASERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "jax"))

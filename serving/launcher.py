@@ -31,6 +31,7 @@ from serving.entrypoints.flags import (
     FLAGS,
     batch_config_from_flags,
     engine_config_from_flags,
+    lora_modules_from_flags,
     serve_config_from_flags,
 )
 
@@ -43,6 +44,19 @@ def default_build_engine(model: str, config: EngineConfig) -> Any:
   from serving.entrypoints.engine_builder import build_engine
 
   return build_engine(model, config)
+
+
+def build_with_loras(build_engine: EngineFactory, config: EngineConfig) -> Any:
+  """The engine of --model, with every --lora_modules adapter loaded (UsageError if one
+  cannot be served: a server must not start without an adapter it was told to serve)."""
+  modules = lora_modules_from_flags()
+  engine = build_engine(FLAGS.model, config)
+  for name, path in modules.items():
+    try:
+      engine.load_lora(name, path)
+    except ValueError as e:
+      raise app.UsageError(f"--lora_modules {name}={path}: {e}") from None
+  return engine
 
 
 def cmd_serve(build_engine: EngineFactory) -> int:
@@ -63,7 +77,7 @@ def cmd_serve(build_engine: EngineFactory) -> int:
     if engine is None:
       return 0
   else:
-    engine = build_engine(FLAGS.model, config)
+    engine = build_with_loras(build_engine, config)
 
   def ready(http_port: int | None, grpc_port: int | None) -> None:
     print(f"xlaserve ready: model={serve_cfg.served_model_name} host={serve_cfg.host} "
@@ -93,7 +107,7 @@ def cmd_generate(build_engine: EngineFactory) -> int:
 
   if not FLAGS.prompt:
     raise app.UsageError("generate needs --prompt")
-  llm = LLM(engine=build_engine(FLAGS.model, engine_config_from_flags()))
+  llm = LLM(engine=build_with_loras(build_engine, engine_config_from_flags()))
   params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                           top_p=FLAGS.top_p, top_k=FLAGS.top_k)
   if FLAGS.chat:
@@ -109,7 +123,7 @@ def cmd_batch(build_engine: EngineFactory) -> int:
 
   config = engine_config_from_flags()
   batch_cfg = batch_config_from_flags(config)
-  engine = build_engine(FLAGS.model, config)
+  engine = build_with_loras(build_engine, config)
   summary = asyncio.run(run_batch(engine, batch_cfg))
   print(json.dumps(summary), flush=True)
   if summary["failed"]:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from runner_faults import FaultyRunner
 
+from checkpoints.lora import adapter_scaling, read_adapter_config
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.engine.fake_runner import FakeRunner
@@ -56,15 +57,25 @@ def _first_byte(value: int):
   return lambda seq: seq.prompt_ids[0] == value
 
 
+def fake_lora_loader(path: str) -> tuple[int, None]:
+  """Reads and validates a PEFT adapter's config (checkpoints.lora); the FakeRunner needs
+  no weights. Under adapter id k, the fake engine's tokens are shifted by k."""
+  config = read_adapter_config(path)
+  rank, _ = adapter_scaling(config, max_rank=64)
+  return rank, None
+
+
 def fake_engine(config: EngineConfig | None = None, step_s: float = 0.002,
                 model: str = "fake", **engine_kwargs) -> LLMEngine:
-  """The real engine over a FakeRunner (see module doc); not started."""
+  """The real engine over a FakeRunner (see module doc); not started. With
+  `max_loras`, adapters load through `fake_lora_loader`."""
   config = config or EngineConfig(**engine_kwargs)
   runner = FakeRunner(num_pages=config.num_pages or 64, page_size=config.page_size,
                       max_num_seqs=config.max_num_seqs, vocab_size=VOCAB, step_s=step_s)
   faulty = FaultyRunner(runner, fail_request=_first_byte(0), dead_request=_first_byte(1),
                         block_request=_first_byte(2))
-  return LLMEngine(runner=faulty, tokenizer=ByteTokenizer(), config=config, model_name=model)
+  return LLMEngine(runner=faulty, tokenizer=ByteTokenizer(), config=config, model_name=model,
+                   lora_loader=fake_lora_loader if config.max_loras else None)
 
 
 def fake_engine_factory(model: str, config: EngineConfig) -> LLMEngine:

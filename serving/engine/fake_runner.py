@@ -23,9 +23,10 @@ tests exercise the same contract a real runner relies on:
 Tokens: the output token at index i of a request is its prompt token at
 `i % len(prompt)` *as read from the KV pool*, so "abc" with max_tokens=5
 yields "abcab" — plus the adapter's `lora_id` under a LoRA adapter (mod the
-vocabulary), so "abc" under adapter 1 yields "bcdbc"; its logprob is -0.5, and top alternative k is `token + k`
-with logprob `-0.5 - k`. `step_s` makes each step take that long (in
-`fetch`), so front-end tests can watch requests in flight.
+vocabulary), so "abc" under adapter 1 yields "bcdbc"; its logprob is -0.5,
+and top alternative k is `token + k` with logprob `-0.5 - k`. `step_s` makes
+each step take that long (in `fetch`), so front-end tests can watch requests
+in flight.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ class ServeConfig:
   # Once the engine cannot serve, how long health (503 / NOT_SERVING) and new requests
   # (503 / UNAVAILABLE) say so before the process exits: probes and load balancers see it.
   unhealthy_exit_delay_s: float = 2.0
+  allow_runtime_lora: bool = False  # serve the load / unload LoRA adapter endpoints
   limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
   def __post_init__(self):
@@ -84,7 +85,8 @@ async def serve(engine: LLMEngine, cfg: ServeConfig, stop: asyncio.Event,
   metrics = Metrics(engine.stats, model_name=cfg.served_model_name)
   aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
   names = list(dict.fromkeys([cfg.served_model_name, engine.model_name]))
-  serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits)
+  serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits,
+                          allow_runtime_lora=cfg.allow_runtime_lora)
   grpc_server = http_server = http_task = watchdog = None
   http_port = grpc_port = None
   try:

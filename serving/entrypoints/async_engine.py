@@ -130,9 +130,9 @@ class AsyncEngine:
     return len(self._streams)
 
   def submit(self, prompt: str | list[int], params: SamplingParams,
-             request_id: str | None = None) -> RequestStream:
-    """Admits a request; raises EngineUnavailableError, ServerDrainingError, ServerBusyError
-    or ValueError."""
+             request_id: str | None = None, lora: str | None = None) -> RequestStream:
+    """Admits a request (under LoRA adapter `lora`, if given); raises
+    EngineUnavailableError, ServerDrainingError, ServerBusyError or ValueError."""
     if self.unavailable is not None:
       self._reject("unavailable")
       raise EngineUnavailableError(f"the engine cannot serve: {self.unavailable}")
@@ -161,7 +161,7 @@ class AsyncEngine:
     self._streams[request_id] = stream
     self._idle.clear()
     try:
-      self.engine.add_request(request_id, prompt, params, on_output)
+      self.engine.add_request(request_id, prompt, params, on_output, lora=lora)
     except EngineDeadError as e:
       self._release(request_id)
       raise EngineUnavailableError(f"the engine cannot serve: {e}") from None
@@ -171,9 +171,10 @@ class AsyncEngine:
     return stream
 
   async def generate(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, lora: str | None = None
+                     ) -> AsyncIterator[RequestOutput]:
     """Yields delta outputs; aborts the request if the consumer stops early."""
-    stream = self.submit(prompt, params, request_id)
+    stream = self.submit(prompt, params, request_id, lora)
     try:
       async for out in stream:
         yield out

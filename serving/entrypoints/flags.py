@@ -53,12 +53,18 @@ flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none (de
 flags.DEFINE_float("step_timeout_s", None, "A step running longer marks the engine wedged: "
                    "health turns 503 and the process exits non-zero.")
 flags.DEFINE_bool("unroll_layers", None, "Unroll the layer loop (default: on CPU only).")
+flags.DEFINE_integer("max_loras", None, "LoRA adapter slots on the device (0: LoRA off; default "
+                     "with --lora_modules: one per adapter, at most 4).")
+flags.DEFINE_integer("max_lora_rank", None, "Largest LoRA rank served (the slots' rank).")
+flags.DEFINE_list("lora_modules", None, "LoRA adapters to serve: name=path,... (PEFT "
+                  "directories); clients pick one by `model`.")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "tp", "ep", "dp",
                 "prefill_buckets", "attention_block_tokens", "compilation_cache",
-                "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s")
+                "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
+                "max_lora_rank")
 # serve.
 # Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
@@ -97,6 +103,9 @@ flags.DEFINE_integer("max_input_chars", _LIMITS.max_input_chars,
                      "Characters of text one request hands to the tokenizer / chat template.")
 flags.DEFINE_integer("max_request_id_chars", _LIMITS.max_request_id_chars,
                      "Characters of a client-chosen request id (gRPC).")
+flags.DEFINE_bool("allow_runtime_lora", False,
+                  "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and the gRPC "
+                  "equivalents): clients may then make the server read adapter directories.")
 flags.DEFINE_bool("allow_request_chat_template", False,
                   "Let requests bring their own Jinja chat template "
                   "(chat_template_kwargs.chat_template). Off: such requests get 400.")
@@ -143,10 +152,26 @@ def engine_config_from_flags() -> EngineConfig:
     values["quantization"] = None
   if values.get("prefill_buckets") is not None:
     values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
+  modules = lora_modules_from_flags()
+  if modules and not values.get("max_loras"):
+    values["max_loras"] = config_lib.default_max_loras(len(modules))
   try:
     return EngineConfig(**values)
   except (TypeError, ValueError) as e:
     raise app.UsageError(f"invalid engine options: {e}") from None
+
+
+def lora_modules_from_flags() -> dict[str, str]:
+  """--lora_modules name=path,... as {name: path} (UsageError when malformed)."""
+  modules: dict[str, str] = {}
+  for item in FLAGS.lora_modules or []:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+      raise app.UsageError(f"--lora_modules: {item!r} is not name=path")
+    if name in modules:
+      raise app.UsageError(f"--lora_modules: {name!r} given twice")
+    modules[name] = path
+  return modules
 
 
 def serve_config_from_flags() -> Any:
@@ -163,7 +188,7 @@ def serve_config_from_flags() -> Any:
         max_body_bytes=FLAGS.max_body_bytes, body_timeout_s=FLAGS.body_timeout_s,
         header_timeout_s=FLAGS.header_timeout_s,
         max_connections=FLAGS.max_connections, drain_timeout_s=FLAGS.drain_timeout_s,
-        limits=limits_from_flags())
+        allow_runtime_lora=FLAGS.allow_runtime_lora, limits=limits_from_flags())
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 

@@ -28,6 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
 
 from serving.entrypoints.async_engine import (
   AsyncEngine,
@@ -35,7 +36,13 @@ from serving.entrypoints.async_engine import (
   ServerBusyError,
   ServerDrainingError,
 )
-from serving.entrypoints.openai_protocol import APIError, DetokenizeRequest
+from serving.entrypoints.openai_protocol import (
+  APIError,
+  DetokenizeRequest,
+  LoadLoraAdapterRequest,
+  UnloadLoraAdapterRequest,
+  validation_error,
+)
 from serving.entrypoints.openai_serving import OpenAIServing, admission_error
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
@@ -45,8 +52,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT}
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-           404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
-           413: grpc.StatusCode.INVALID_ARGUMENT,
+           403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+           408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.INVALID_ARGUMENT,
            429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 # Connection hygiene: ping idle clients, drop dead ones, refuse ping floods.
@@ -68,8 +75,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
     try:
       label = self._request_label(request.request_id)
+      lora = self.serving.check_model(request.lora) if request.lora else None
       ids, params = await asyncio.to_thread(self._prepare, request)
-      stream = self.engine.submit(ids, params)
+      stream = self.engine.submit(ids, params, lora=lora)
     except APIError as e:
       await _abort(context, e)
     except (ServerBusyError, ServerDrainingError, EngineUnavailableError, ValueError) as e:
@@ -117,9 +125,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
   async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                          context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    adapters = [pb.LoraAdapter(name=a.name, path=a.path)
+                for a in self.engine.engine.list_loras()]
     return pb.ModelInfo(model=self.model_name, max_model_len=self.engine.max_model_len,
                         vocab_size=self.serving.tokenizer.vocab_size,
-                        max_num_seqs=self.engine.engine.config.max_num_seqs)
+                        max_num_seqs=self.engine.engine.config.max_num_seqs,
+                        lora_adapters=adapters)
+
+  async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> pb.LoraAdapterResponse:
+    try:
+      req = _validated(LoadLoraAdapterRequest, lora_name=request.lora_name,
+                       lora_path=request.lora_path)
+      message = await asyncio.to_thread(self.serving.load_lora_adapter, req)
+    except APIError as e:
+      await _abort(context, e)
+    return pb.LoraAdapterResponse(message=message)
+
+  async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoraAdapterResponse:
+    try:
+      req = _validated(UnloadLoraAdapterRequest, lora_name=request.lora_name)
+      message = self.serving.unload_lora_adapter(req)
+    except APIError as e:
+      await _abort(context, e)
+    return pb.LoraAdapterResponse(message=message)
 
   def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
     kind = request.WhichOneof("prompt")
@@ -299,3 +329,11 @@ class GrpcServer:
     """Marks NOT_SERVING, refuses new calls, lets running calls finish within `grace_s`."""
     await self.set_serving(False)
     await self.server.stop(grace_s)
+
+
+def _validated(model: type, **fields: Any) -> Any:
+  """A protocol model from message fields, or APIError 400 naming the bad field."""
+  try:
+    return model.model_validate(fields)
+  except ValidationError as e:
+    raise validation_error(e) from None

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -42,7 +42,9 @@ from serving.entrypoints.openai_protocol import (
   ChatCompletionRequest,
   CompletionRequest,
   DetokenizeRequest,
+  LoadLoraAdapterRequest,
   TokenizeRequest,
+  UnloadLoraAdapterRequest,
   parse_json_object,
   validation_error,
 )
@@ -99,6 +101,18 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
     req = await parse(request, ChatCompletionRequest)
     job = await asyncio.to_thread(serving.prepare_chat, req)
     return await _respond(request, serving, job, req)
+
+  @app.post("/v1/load_lora_adapter")
+  async def load_lora_adapter(request: Request) -> Response:
+    authorize(request)
+    req = await parse(request, LoadLoraAdapterRequest)
+    return PlainTextResponse(await asyncio.to_thread(serving.load_lora_adapter, req))
+
+  @app.post("/v1/unload_lora_adapter")
+  async def unload_lora_adapter(request: Request) -> Response:
+    authorize(request)
+    req = await parse(request, UnloadLoraAdapterRequest)
+    return PlainTextResponse(await asyncio.to_thread(serving.unload_lora_adapter, req))
 
   @app.post("/tokenize")
   async def tokenize(request: Request) -> Response:

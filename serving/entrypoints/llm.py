@@ -4,6 +4,9 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))
 
+    llm = LLM("smollm2-135m-instruct", lora_modules={"sql": "/adapters/sql"})
+    llm.generate(["SELECT"], SamplingParams(max_tokens=16), lora="sql")
+
 `generate` submits every prompt to the engine and steps the engine loop in
 the calling thread until all are done (continuous batching across prompts).
 """
@@ -11,10 +14,10 @@ the calling thread until all are done (continuous batching across prompts).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from checkpoints.presets import engine_defaults
-from serving.config import EngineConfig
+from serving.config import EngineConfig, default_max_loras
 from serving.engine import LLMEngine
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import RequestOutput, SamplingParams, TokenLogprob
@@ -24,14 +27,22 @@ class LLM:
   """Loads a model once and serves batched generate / chat calls."""
 
   def __init__(self, model: str = "smollm2-135m-instruct", *, engine: LLMEngine | None = None,
-               **engine_kwargs):
+               lora_modules: Mapping[str, str] | None = None, **engine_kwargs):
     """`engine_kwargs` override the preset's engine defaults (configs/<preset>.json).
 
     `engine`: serve an engine built elsewhere instead (then `model` is unused).
+    `lora_modules`: {name: PEFT adapter directory}, each requested by
+    `generate(..., lora=name)`; LoRA slots (`max_loras`) default to one per
+    adapter, at most 4.
     """
     if engine is None:
       options = {**engine_defaults(model), **engine_kwargs}
-      engine = build_engine(model, EngineConfig(**options))
+      if lora_modules and not options.get("max_loras"):
+        options["max_loras"] = default_max_loras(len(lora_modules))
+      engine = build_engine(model, EngineConfig(**options), lora_modules=lora_modules)
+    else:
+      for name, path in (lora_modules or {}).items():
+        engine.load_lora(name, path)
     self.engine = engine
     self._ids = itertools.count()
 
@@ -40,8 +51,11 @@ class LLM:
 
   def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-               use_tqdm: bool = False) -> list[RequestOutput]:
-    """Generates for each prompt (text or token ids); outputs in prompt order."""
+               use_tqdm: bool = False, lora: str | None = None) -> list[RequestOutput]:
+    """Generates for each prompt (text or token ids); outputs in prompt order.
+
+    `lora` names a loaded adapter (`lora_modules`, `load_lora`); None: the base model.
+    """
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     params = sampling_params or SamplingParams()
@@ -53,14 +67,19 @@ class LLM:
     for prompt, p in zip(prompts, params_list, strict=True):
       rid = f"llm-{next(self._ids)}"
       order.append(rid)
-      self.engine.add_request(rid, prompt, p, _Accumulator(rid, results))
+      self.engine.add_request(rid, prompt, p, _Accumulator(rid, results), lora=lora)
     if self.engine._thread is not None:
       raise RuntimeError("the engine runs in a background thread; use its async front end")
     self.engine.run_until_idle()
     return [results[rid] for rid in order]
 
+  def load_lora(self, name: str, path: str) -> None:
+    """Loads a PEFT adapter directory under `name` (ValueError saying why it cannot)."""
+    self.engine.load_lora(name, path)
+
   def chat(self, messages: list[dict] | list[list[dict]],
-           sampling_params: SamplingParams | None = None, **template_kwargs):
+           sampling_params: SamplingParams | None = None, lora: str | None = None,
+           **template_kwargs):
     """Applies the chat template, then generates; one conversation or a list of them."""
     single = bool(messages) and isinstance(messages[0], dict)
     conversations = [messages] if single else messages
@@ -68,15 +87,16 @@ class LLM:
     prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False,
                                        **template_kwargs) for c in conversations]
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    outs = self.generate(ids, sampling_params)
+    outs = self.generate(ids, sampling_params, lora=lora)
     return outs
 
-  def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
-             ) -> Iterator[RequestOutput]:
+  def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+             lora: str | None = None) -> Iterator[RequestOutput]:
     """Yields delta outputs of one request as the engine produces them."""
     deltas: list[RequestOutput] = []
     rid = f"llm-{next(self._ids)}"
-    self.engine.add_request(rid, prompt, sampling_params or SamplingParams(), deltas.append)
+    self.engine.add_request(rid, prompt, sampling_params or SamplingParams(), deltas.append,
+                            lora=lora)
     while True:
       while not deltas and self.engine.has_unfinished():
         self.engine.step()

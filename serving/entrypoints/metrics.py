@@ -2,8 +2,9 @@
 
 Two sources, one per-server `CollectorRegistry` (no global state):
   1. Engine state (running / waiting requests, KV cache usage, token and
-     prefix-cache counters) is read from `engine.stats()` at scrape time by a
-     custom collector, so it is never stale and costs nothing between scrapes.
+     prefix-cache counters, LoRA adapters in use and slot swaps) is read from
+     `engine.stats()` at scrape time by a custom collector, so it is never
+     stale and costs nothing between scrapes.
   2. Per-request latencies (time to first token, inter-token latency, time per
      output token, end-to-end) and `request_success_total{finish_reason}` are
      observed by the async front end (`serving.async_engine`) through a
@@ -47,6 +48,7 @@ _COUNTERS = (
     ("prefix_cache_hits_total", "prefix_cache_hits_total", "Prefix cache hits (tokens)."),
     ("prefill_tokens_computed_total", "prefill_tokens_computed_total",
      "Prompt tokens actually computed by prefill (not served from the prefix cache)."),
+    ("lora_swaps_total", "lora_swaps_total", "LoRA adapters written into a device slot."),
 )
 
 
@@ -68,6 +70,12 @@ class EngineStatsCollector(Collector):
       family = CounterMetricFamily(PREFIX + name, doc, labels=names)
       family.add_metric(values, float(getattr(stats, field)))
       yield family
+    family = GaugeMetricFamily(PREFIX + "lora_requests_running",
+                               "Running requests per LoRA adapter (adapters in use only).",
+                               labels=[*names, "lora_name"])
+    for adapter, count in sorted(stats.lora_running.items()):
+      family.add_metric([*values, adapter], float(count))
+    yield family
 
 
 class Metrics:

@@ -286,6 +286,20 @@ class TokenizeRequest(_Strict):
       raise APIError(400, "exactly one of prompt and messages must be given", param="prompt")
 
 
+class LoadLoraAdapterRequest(_Strict):
+  """vLLM's POST /v1/load_lora_adapter body."""
+
+  lora_name: str = Field(min_length=1, max_length=256)
+  lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+  """vLLM's POST /v1/unload_lora_adapter body (`lora_int_id` is accepted and unused)."""
+
+  lora_name: str = Field(min_length=1, max_length=256)
+  lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Strict):
   """POST /detokenize (vLLM)."""
 

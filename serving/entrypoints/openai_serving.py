@@ -37,7 +37,9 @@ from serving.entrypoints.openai_protocol import (
   ChatCompletionRequest,
   CompletionRequest,
   DetokenizeRequest,
+  LoadLoraAdapterRequest,
   TokenizeRequest,
+  UnloadLoraAdapterRequest,
 )
 from serving.types import RequestOutput, SamplingParams
 
@@ -67,6 +69,7 @@ class Job:
   model: str
   choices: list[Choice]
   num_logprobs: int | None
+  lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   def usage(self) -> dict[str, int]:
@@ -80,9 +83,10 @@ class OpenAIServing:
   """Turns OpenAI request models into engine requests and responses."""
 
   def __init__(self, engine: AsyncEngine, model_names: list[str],
-               limits: RequestLimits | None = None):
+               limits: RequestLimits | None = None, allow_runtime_lora: bool = False):
     self.engine = engine
     self.model_names = model_names
+    self.allow_runtime_lora = allow_runtime_lora
     self.limits = limits or RequestLimits()
     self.tokenizer = engine.tokenizer
 
@@ -108,18 +112,56 @@ class OpenAIServing:
                        code="limit_exceeded")
 
   def models(self) -> dict[str, Any]:
+    """The served model's names, then each LoRA adapter with the base as its parent."""
     created = int(time.time())
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "xlaserve",
-         "max_model_len": self.engine.max_model_len} for name in self.model_names]}
+    base = self.model_names[0]
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "xlaserve",
+             "root": name, "parent": None, "max_model_len": self.engine.max_model_len}
+            for name in self.model_names]
+    data += [{"id": a.name, "object": "model", "created": created, "owned_by": "xlaserve",
+              "root": a.path, "parent": base, "max_model_len": self.engine.max_model_len}
+             for a in self.engine.engine.list_loras()]
+    return {"object": "list", "data": data}
 
-  def check_model(self, name: str) -> None:
-    if name not in self.model_names:
-      raise APIError(404, f"The model `{name}` does not exist.", param="model",
-                     code="model_not_found")
+  def check_model(self, name: str) -> str | None:
+    """The LoRA adapter `name` selects (None: the base model); 404 if it names neither."""
+    if name in self.model_names:
+      return None
+    if any(a.name == name for a in self.engine.engine.list_loras()):
+      return name
+    raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                   code="model_not_found")
+
+  # LoRA adapters at run time (the server allows it: --allow_runtime_lora) -----
+
+  def _check_runtime_lora(self) -> None:
+    if not self.allow_runtime_lora:
+      raise APIError(403, "loading and unloading LoRA adapters at run time is disabled on this "
+                     "server (start it with --allow_runtime_lora)", code="lora_updates_disabled")
+
+  def load_lora_adapter(self, req: LoadLoraAdapterRequest) -> str:
+    """Reads, validates and registers an adapter (file I/O: call it in a worker thread)."""
+    self._check_runtime_lora()
+    if req.lora_name in self.model_names:
+      raise APIError(400, f"`{req.lora_name}` is the base model's name", param="lora_name")
+    try:
+      self.engine.engine.load_lora(req.lora_name, req.lora_path)
+    except ValueError as e:
+      raise APIError(400, f"cannot load LoRA adapter `{req.lora_name}`: {e}",
+                     param="lora_path") from None
+    return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+
+  def unload_lora_adapter(self, req: UnloadLoraAdapterRequest) -> str:
+    self._check_runtime_lora()
+    try:
+      self.engine.engine.remove_lora(req.lora_name)
+    except KeyError:
+      raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
+                     param="lora_name", code="model_not_found") from None
+    return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
 
   def prepare_completion(self, req: CompletionRequest) -> Job:
-    self.check_model(req.model)
+    lora = self.check_model(req.model)
     req.check_supported()
     with _limit_errors():
       self.limits.check_counts(len(req.prompts()), req.n)
@@ -130,10 +172,11 @@ class OpenAIServing:
       for i in range(req.n):
         params = self.checked(req.sampling_params(max_tokens, req.logprobs, i))
         choices.append(Choice(len(choices), ids, params, i))
-    return Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices, req.logprobs)
+    return Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices, req.logprobs,
+               lora)
 
   def prepare_chat(self, req: ChatCompletionRequest) -> Job:
-    self.check_model(req.model)
+    lora = self.check_model(req.model)
     req.check_supported()
     with _limit_errors():
       self.limits.check_counts(1, req.n)
@@ -144,7 +187,7 @@ class OpenAIServing:
     n_lp = req.num_logprobs()
     choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i)), i)
                for i in range(req.n)]
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp)
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp, lora)
 
   def checked(self, params: SamplingParams) -> SamplingParams:
     """`params` if they are within the limits (APIError 400 naming the field otherwise)."""
@@ -249,7 +292,8 @@ class OpenAIServing:
     streams: list[RequestStream] = []
     try:
       for c in job.choices:
-        streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}"))
+        streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}",
+                                          lora=job.lora))
     except (ServerBusyError, ServerDrainingError, EngineUnavailableError, ValueError) as e:
       for s in streams:
         s.abort()

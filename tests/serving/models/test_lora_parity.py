@@ -12,11 +12,11 @@ on their attention projections (experts have no slots).
 import numpy as np
 import pytest
 import torch
+from lora_testutil import ALL_TARGETS, ATTENTION_TARGETS, save_random_adapter
 
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from lora_testutil import ALL_TARGETS, ATTENTION_TARGETS, save_random_adapter
 from tiny_models import FAMILIES, VOCAB, save_tiny_model
 
 NUM_TOKENS = 12

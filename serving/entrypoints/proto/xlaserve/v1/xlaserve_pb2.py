@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n4serving/entrypoints/proto/xlaserve/v1/xlaserve.proto\x12\x0bxlaserve.v1\"\xbc\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensJ\x04\x08\x10\x10\x14\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.xlaserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xe6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.xlaserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.xlaserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.xlaserve.v1.SamplingParams\x12\x1f\n\x17return_prompt_token_ids\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.xlaserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xf8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.xlaserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.xlaserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.xlaserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"[\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb9\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.xlaserve.v1.GenerateRequest\x1a\x1d.xlaserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.xlaserve.v1.TokenizeRequest\x1a\x1d.xlaserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.xlaserve.v1.DetokenizeRequest\x1a\x1f.xlaserve.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .xlaserve.v1.GetModelInfoRequest\x1a\x16.xlaserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n4serving/entrypoints/proto/xlaserve/v1/xlaserve.proto\x12\x0bxlaserve.v1\"\xbc\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensJ\x04\x08\x10\x10\x14\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.xlaserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.xlaserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.xlaserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.xlaserve.v1.SamplingParams\x12\x1f\n\x17return_prompt_token_ids\x18\x06 \x01(\x08\x12\x0c\n\x04lora\x18\x07 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.xlaserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xf8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.xlaserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.xlaserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.xlaserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x8c\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12/\n\rlora_adapters\x18\x05 \x03(\x0b\x32\x18.xlaserve.v1.LoraAdapter\")\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"&\n\x13LoraAdapterResponse\x12\x0f\n\x07message\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x03\n\nGeneration\x12I\n\x08Generate\x12\x1c.xlaserve.v1.GenerateRequest\x1a\x1d.xlaserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.xlaserve.v1.TokenizeRequest\x1a\x1d.xlaserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.xlaserve.v1.DetokenizeRequest\x1a\x1f.xlaserve.v1.DetokenizeResponse\x12H\n\x0cGetModelInfo\x12 .xlaserve.v1.GetModelInfoRequest\x1a\x16.xlaserve.v1.ModelInfo\x12X\n\x0fLoadLoraAdapter\x12#.xlaserve.v1.LoadLoraAdapterRequest\x1a .xlaserve.v1.LoraAdapterResponse\x12\\\n\x11UnloadLoraAdapter\x12%.xlaserve.v1.UnloadLoraAdapterRequest\x1a .xlaserve.v1.LoraAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.entrypoints.proto.xlaserve.v1.xlaserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1847
-  _globals['_FINISHREASON']._serialized_end=1967
+  _globals['_FINISHREASON']._serialized_start=2105
+  _globals['_FINISHREASON']._serialized_end=2225
   _globals['_SAMPLINGPARAMS']._serialized_start=70
   _globals['_SAMPLINGPARAMS']._serialized_end=642
   _globals['_TOKENIDS']._serialized_start=644
@@ -42,27 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=715
   _globals['_CHATMESSAGES']._serialized_end=835
   _globals['_GENERATEREQUEST']._serialized_start=838
-  _globals['_GENERATEREQUEST']._serialized_end=1068
-  _globals['_TOPLOGPROB']._serialized_start=1070
-  _globals['_TOPLOGPROB']._serialized_end=1117
-  _globals['_TOKENLOGPROB']._serialized_start=1119
-  _globals['_TOKENLOGPROB']._serialized_end=1206
-  _globals['_USAGE']._serialized_start=1208
-  _globals['_USAGE']._serialized_end=1287
-  _globals['_GENERATERESPONSE']._serialized_start=1290
-  _globals['_GENERATERESPONSE']._serialized_end=1538
-  _globals['_TOKENIZEREQUEST']._serialized_start=1540
-  _globals['_TOKENIZEREQUEST']._serialized_end=1599
-  _globals['_TOKENIZERESPONSE']._serialized_start=1601
-  _globals['_TOKENIZERESPONSE']._serialized_end=1653
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1655
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1693
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1695
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1729
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1731
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1752
-  _globals['_MODELINFO']._serialized_start=1754
-  _globals['_MODELINFO']._serialized_end=1845
-  _globals['_GENERATION']._serialized_start=1970
-  _globals['_GENERATION']._serialized_end=2283
+  _globals['_GENERATEREQUEST']._serialized_end=1082
+  _globals['_TOPLOGPROB']._serialized_start=1084
+  _globals['_TOPLOGPROB']._serialized_end=1131
+  _globals['_TOKENLOGPROB']._serialized_start=1133
+  _globals['_TOKENLOGPROB']._serialized_end=1220
+  _globals['_USAGE']._serialized_start=1222
+  _globals['_USAGE']._serialized_end=1301
+  _globals['_GENERATERESPONSE']._serialized_start=1304
+  _globals['_GENERATERESPONSE']._serialized_end=1552
+  _globals['_TOKENIZEREQUEST']._serialized_start=1554
+  _globals['_TOKENIZEREQUEST']._serialized_end=1613
+  _globals['_TOKENIZERESPONSE']._serialized_start=1615
+  _globals['_TOKENIZERESPONSE']._serialized_end=1667
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1669
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1707
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1709
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1743
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1745
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1766
+  _globals['_MODELINFO']._serialized_start=1769
+  _globals['_MODELINFO']._serialized_end=1909
+  _globals['_LORAADAPTER']._serialized_start=1911
+  _globals['_LORAADAPTER']._serialized_end=1952
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1954
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2016
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2018
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2063
+  _globals['_LORAADAPTERRESPONSE']._serialized_start=2065
+  _globals['_LORAADAPTERRESPONSE']._serialized_end=2103
+  _globals['_GENERATION']._serialized_start=2228
+  _globals['_GENERATION']._serialized_end=2725
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,16 @@ class GenerationStub:
                 request_serializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/xlaserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/xlaserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -92,6 +102,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a PEFT LoRA adapter directory (on the server's disk) under a name that
+        GenerateRequest.lora then selects. PERMISSION_DENIED unless the server runs
+        with --allow_runtime_lora; INVALID_ARGUMENT for an adapter it cannot serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads an adapter: running requests finish with it, new ones cannot name it.
+        PERMISSION_DENIED as above; NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +141,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +261,60 @@ class Generation:
             '/xlaserve.v1.Generation/GetModelInfo',
             serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.GetModelInfoRequest.SerializeToString,
             serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xlaserve.v1.Generation/LoadLoraAdapter',
+            serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xlaserve.v1.Generation/UnloadLoraAdapter',
+            serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            serving_dot_entrypoints_dot_proto_dot_xlaserve_dot_v1_dot_xlaserve__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
