@@ -176,14 +176,14 @@ def repeat_kv_heads(x: Any, head_dim: int, replicas: int) -> Any:
 
 def lora_specs(lora: Any, cfg: ModelConfig, mesh) -> Any:
   """PartitionSpecs of the LoRA slots (serving/runner/lora_state.py), split like their
-  base weights: A [S, In, R] along the base weight's input axis, B [S, R, Out]
+  base weights: A [In, S, R] along the base weight's input axis, B [S, R, Out]
   along its output axis; the slot and rank axes are replicated."""
   rules = resolve_rules(cfg, mesh)
 
   def specs(key: str, stacked: bool) -> tuple[P, P]:
     d_in, d_out = PARAM_AXES[key]
     lead = ("layers",) if stacked else ()
-    return (logical_spec((*lead, "lora_slot", d_in, "lora_rank"), rules),
+    return (logical_spec((*lead, d_in, "lora_slot", "lora_rank"), rules),
             logical_spec((*lead, "lora_slot", "lora_rank", d_out), rules))
 
   if isinstance(lora, (list, tuple)):

@@ -1,7 +1,7 @@
 """The LoRA slots on the device: their layout, their contents, and the slot write.
 
 With `max_loras = S > 0` the runner holds, for every module an adapter may
-target (`serving.models.lora.lora_targets`) and every layer, `a [S, In, R]`
+target (`serving.models.lora.lora_targets`) and every layer, `a [In, S, R]`
 and `b [S, R, Out]` with `R = max_lora_rank`, laid out like the params'
 `layers` (a list of per-layer dicts when layers are unrolled, one dict of
 `[L, ...]` stacks when scanned), all zero at start. `slot_contents` turns a
@@ -32,10 +32,10 @@ def lora_shapes(cfg: ModelConfig, num_slots: int, rank: int,
   """Shapes of the slot arrays (see module doc), per-layer or stacked."""
   dims = {k: v for k, v in module_dims(cfg).items() if k in lora_targets(cfg.is_moe)}
   if unrolled:
-    return [{k: ((num_slots, i, rank), (num_slots, rank, o)) for k, (i, o) in dims.items()}
+    return [{k: ((i, num_slots, rank), (num_slots, rank, o)) for k, (i, o) in dims.items()}
             for _ in range(cfg.num_layers)]
   n = cfg.num_layers
-  return {k: ((n, num_slots, i, rank), (n, num_slots, rank, o)) for k, (i, o) in dims.items()}
+  return {k: ((n, i, num_slots, rank), (n, num_slots, rank, o)) for k, (i, o) in dims.items()}
 
 
 def lora_zeros(cfg: ModelConfig, num_slots: int, rank: int, unrolled: bool,
@@ -77,8 +77,15 @@ def slot_contents(weights: LoraWeights | None, cfg: ModelConfig, rank: int, unro
 
 def write_slot(lora: Lora, slot: jnp.ndarray, contents: Lora) -> Lora:
   """Pure: `lora` with slot `slot` replaced by `contents` (jitted, donated, by the runner)."""
+  # The slot axis: a [..., In, S, R] -> -2; b [..., S, R, Out] -> -3.
+  def put(x, c, slot_axis):
+    index = [slice(None)] * x.ndim
+    index[x.ndim + slot_axis] = slot
+    return x.at[tuple(index)].set(c)
+
+  def module(pair, new):
+    return put(pair[0], new[0], -2), put(pair[1], new[1], -3)
+
   if isinstance(lora, (list, tuple)):
-    return [{k: tuple(x.at[slot].set(c) for x, c in zip(lp[k], cp[k], strict=True))
-             for k in lp} for lp, cp in zip(lora, contents, strict=True)]
-  return {k: tuple(x.at[:, slot].set(c) for x, c in zip(lora[k], contents[k], strict=True))
-          for k in lora}
+    return [{k: module(lp[k], cp[k]) for k in lp} for lp, cp in zip(lora, contents, strict=True)]
+  return {k: module(lora[k], contents[k]) for k in lora}

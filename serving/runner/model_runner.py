@@ -162,6 +162,7 @@ class ModelRunner:
     self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(model_cfg, engine_cfg)
     self.state = self._initial_state(placement)
     self._kv_replicas = placement.kv_replicas if placement is not None else 1
+    self.lora_dtype = weight_dtype  # adapters are stored like the weights they modify
     self.lora, self._write_lora = self._lora_slots(placement)
     kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
               block_tokens=engine_cfg.attention_block_tokens)
@@ -203,7 +204,7 @@ class ModelRunner:
       return None, None
     unrolled = isinstance(self.params["layers"], (list, tuple))
     zeros = lora_state.lora_zeros(self.model_cfg, ec.max_loras, ec.max_lora_rank, unrolled,
-                                  jnp.dtype(self.dtype_name))
+                                  self.lora_dtype)
     if placement is None:
       return jax.tree.map(jnp.asarray, zeros), jax.jit(lora_state.write_slot, donate_argnums=0)
     shardings = jax.tree.map(
@@ -222,7 +223,7 @@ class ModelRunner:
       raise ValueError(f"no LoRA slot {slot} (max_loras={ec.max_loras})")
     contents = lora_state.slot_contents(
         weights, self.source_cfg, ec.max_lora_rank, isinstance(self.lora, list),
-        jnp.dtype(self.dtype_name), self._kv_replicas)
+        self.lora_dtype, self._kv_replicas)
     self.lora = self._write_lora(self.lora, jnp.int32(slot), contents)
 
   # ---- the Runner interface ----

@@ -48,7 +48,7 @@ def test_tp_matches_tp1(result):
 
 def test_adapters_split_like_their_weights(result):
   assert result["2"]["wq_b_spec"] == "P(None, None, 'tp')"  # [S, R, N*H]: columns
-  assert result["2"]["wo_a_spec"] == "P(None, 'tp', None)"  # [S, N*H, R]: rows
+  assert result["2"]["wo_a_spec"] == "P('tp', None, None)"  # [N*H, S, R]: rows
   assert result["4"]["wk_b_shape"][-1] == 2 * result["1"]["wk_b_shape"][-1]  # repeated heads
   assert result["4"]["wq_b_spec"] == "P(None, None, None, 'tp')"  # stacked [L, S, R, N*H]
 

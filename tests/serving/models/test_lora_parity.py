@@ -75,3 +75,27 @@ def test_lora_matches_peft(family, tmp_path):
     assert np.abs(torch_greedy(refs[name], prompt, 1)[1] - base_lp).max() > 1e-2, name
   assert engine.stats().lora_swaps_total == 3
   assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def test_prefix_cache_is_keyed_by_adapter(tmp_path):
+  """The same prompt on the base model, then under an adapter, then again: the adapter's
+  first run must not reuse the base model's cached pages (its output would be wrong),
+  its second run reuses its own."""
+  base = save_tiny_model("llama", str(tmp_path / "base"))
+  ref = save_random_adapter(base, str(tmp_path / "a"), rank=4, seed=3, scale=0.5)
+  config = EngineConfig(max_num_seqs=2, max_model_len=96, page_size=8, num_pages=48,
+                        max_num_batched_tokens=32, attention_block_tokens=16,
+                        unroll_layers=False, compilation_cache=False, max_loras=1,
+                        max_lora_rank=4, enable_prefix_caching=True)
+  engine = build_engine(str(tmp_path / "base"), config, lora_modules={"a": str(tmp_path / "a")})
+  prompt = np.random.default_rng(5).integers(0, VOCAB, 41).tolist()  # five full pages
+  params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+  hits = []
+  for lora in (None, "a", "a"):
+    outs, before = [], engine.stats().prefix_cache_hits_total
+    engine.add_request(f"{lora}-{len(hits)}", prompt, params, outs.append, lora=lora)
+    engine.run_until_idle()
+    hits.append(engine.stats().prefix_cache_hits_total - before)
+    tokens = sum((o.token_ids for o in outs), [])
+    assert tokens == torch_greedy(ref if lora else base, prompt, 6)[0], lora
+  assert hits == [0, 0, 40]
