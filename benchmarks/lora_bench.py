@@ -48,8 +48,9 @@ def bench_kernels(args) -> dict:
 
   d_in, d_out, slots, rank = 576, 1536, args.slots, args.rank
   rng = np.random.default_rng(0)
-  a = jnp.asarray(rng.standard_normal((d_in, slots, rank)), jnp.float32)
-  b = jnp.asarray(rng.standard_normal((slots, rank, d_out)), jnp.float32)
+  dtype = jnp.dtype(args.dtype)
+  a = jnp.asarray(rng.standard_normal((d_in, slots, rank)), dtype)
+  b = jnp.asarray(rng.standard_normal((slots, rank, d_out)), dtype)
   out = {}
   for t in (1, 8, 32, 64, 512):
     x = jnp.asarray(rng.standard_normal((t, d_in)), jnp.float32)
@@ -67,7 +68,8 @@ def bench_kernels(args) -> dict:
     out[t] = times
     print(f"T={t:4d}  dense {times['dense']:8.1f} us   gather {times['gather']:8.1f} us   "
           f"gather/dense {times['gather'] / times['dense']:.2f}", flush=True)
-  return {"slots": slots, "rank": rank, "in": d_in, "out": d_out, "us": out}
+  return {"slots": slots, "rank": rank, "in": d_in, "out": d_out, "dtype": args.dtype,
+          "us": out}
 
 
 def write_adapters(root: str, rank: int) -> dict[str, str]:
@@ -157,6 +159,7 @@ def main() -> None:
   p.add_argument("what", choices=("kernels", "serve"))
   p.add_argument("--slots", type=int, default=4)
   p.add_argument("--rank", type=int, default=16)
+  p.add_argument("--dtype", default="float32", help="kernels: the slots' dtype")
   p.add_argument("--runs", type=int, default=200)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--concurrency", type=int, default=32)
