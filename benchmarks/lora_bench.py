@@ -119,7 +119,7 @@ def bench_serve_cases(args) -> dict:
                               f"--max_lora_rank={args.rank}"], args.port, work), args.port),
       "nolora": (start("nolora", [], args.port + 1, work), args.port + 1)}
   try:
-    for proc, port in procs.values():
+    for _, port in procs.values():
       bench_serve.wait_ready(f"http://127.0.0.1:{port}")
     model = bench_serve.first_model_id(f"http://127.0.0.1:{args.port}")
     cases = {"no-lora server": ("nolora", [model]), "0 adapters": ("lora", [model]),

@@ -23,10 +23,10 @@ TPS = (1, 2, 4)
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
   from lora_testutil import write_peft_adapter
-  from tiny_models import save_tiny_model
 
   from checkpoints.lora import module_dims
   from serving.models.model_config import ModelConfig
+  from tiny_models import save_tiny_model
 
   root = tmp_path_factory.mktemp("lora_tp")
   save_tiny_model("llama", str(root / "base"))

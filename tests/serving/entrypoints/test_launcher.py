@@ -93,6 +93,26 @@ def test_usage_errors():
   assert r.returncode != 0 and "--input" in r.stderr
 
 
+def test_lora_flags():
+  with flagsaver.flagsaver(model="fake", lora_modules=["a=/x/a", "b=/x/b"]):
+    assert xlaserve_flags.lora_modules_from_flags() == {"a": "/x/a", "b": "/x/b"}
+    assert xlaserve_flags.engine_config_from_flags().max_loras == 2  # one slot per adapter
+  with flagsaver.flagsaver(model="fake", lora_modules=["a=/x"], max_loras=3, max_lora_rank=64):
+    cfg = xlaserve_flags.engine_config_from_flags()
+    assert (cfg.max_loras, cfg.max_lora_rank) == (3, 64)
+  for bad in (["a"], ["=p"], ["a=/x", "a=/y"]):
+    with flagsaver.flagsaver(lora_modules=bad), pytest.raises(app.UsageError):
+      xlaserve_flags.lora_modules_from_flags()
+
+
+def test_generate_refuses_an_adapter_it_cannot_serve(tmp_path):
+  (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 512}')
+  r = _run("generate", "--prompt=hi", f"--lora_modules=big={tmp_path}", *FAKE_ENGINE_FLAGS,
+           engine=FAKE_ENGINE)
+  assert r.returncode != 0 and "--lora_modules big=" in r.stderr and "r=" not in r.stdout
+  assert "exceeds the server's max_lora_rank" in r.stderr
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0():
   srv = ServerProcess(*FAKE_ENGINE_FLAGS, env=subprocess_env(XLASERVE_FAKE_STEP_S="0.02"),
                       engine=FAKE_ENGINE)
