@@ -130,6 +130,7 @@ def load_lora_adapter(path: str, model_cfg: ModelConfig, *, max_rank: int) -> Lo
     with safe_open(file, framework="np") as f:
       for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
         layer, key, half = _route(name, model_cfg, dims)
+        _check_shape(tuple(f.get_slice(name).get_shape()), half, rank, dims[key], name)
         halves.setdefault((layer, key), {})[half] = _checked_tensor(f.get_tensor(name), name)
   except LoraError:
     raise
@@ -141,11 +142,7 @@ def load_lora_adapter(path: str, model_cfg: ModelConfig, *, max_rank: int) -> Lo
   for (layer, key), ab in sorted(halves.items()):
     if set(ab) != {"A", "B"}:
       raise LoraError(f"layer {layer} {key}: lora_A and lora_B must both be present")
-    a, b = ab["A"], ab["B"]  # PEFT: A [r, In], B [Out, r]
-    d_in, d_out = dims[key]
-    if a.shape != (rank, d_in) or b.shape != (d_out, rank):
-      raise LoraError(f"layer {layer} {key}: lora_A {a.shape} / lora_B {b.shape} do not fit "
-                      f"the base model (expected {(rank, d_in)} / {(d_out, rank)})")
+    a, b = ab["A"], ab["B"]  # PEFT: A [r, In], B [Out, r] (shapes checked before reading)
     layers.setdefault(layer, {})[key] = (np.ascontiguousarray(a.T),
                                          np.ascontiguousarray(b.T * np.float32(scaling)))
   return LoraWeights(rank=rank, scaling=scaling, layers=layers)
@@ -165,6 +162,15 @@ def _route(name: str, cfg: ModelConfig, dims: dict) -> tuple[int, str, str]:
   if layer >= cfg.num_layers:
     raise LoraError(f"tensor {name!r}: layer {layer} but the model has {cfg.num_layers}")
   return layer, key, half
+
+
+def _check_shape(shape: tuple, half: str, rank: int, dims: tuple[int, int], name: str) -> None:
+  """Before the tensor is read: PEFT's lora_A is [r, In], lora_B [Out, r]."""
+  d_in, d_out = dims
+  expected = (rank, d_in) if half == "A" else (d_out, rank)
+  if shape != expected:
+    raise LoraError(f"tensor {name!r}: shape {shape} does not fit the base model with rank "
+                    f"{rank} (expected {expected})")
 
 
 def _checked_tensor(x: np.ndarray, name: str) -> np.ndarray:

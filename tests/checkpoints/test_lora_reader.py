@@ -70,7 +70,7 @@ def _bad(tmp_path, name, **tensors):
 
 @pytest.mark.parametrize("case,why", [
     ("rank", "exceeds the server's max_lora_rank=2"),
-    ("shape", "do not fit the base model"),
+    ("shape", "does not fit the base model"),
     ("half", "must both be present"),
     ("nan", "NaN or infinite"),
     ("int", "2-D float tensor"),
