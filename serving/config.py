@@ -40,6 +40,19 @@ def default_max_loras(num_adapters: int) -> int:
   return max(1, min(num_adapters, 4))
 
 
+def merge_engine_options(preset: dict, given: dict) -> dict:
+  """A model preset's engine options overridden by the ones given (LLM kwargs, flags).
+
+  An explicit `dtype` without a `weight_dtype` also takes the weights: the
+  preset's `weight_dtype` is dropped (back to "auto", which follows `dtype`),
+  so `dtype="float32"` never leaves bfloat16 weights behind.
+  """
+  merged = {**preset, **given}
+  if "dtype" in given and "weight_dtype" not in given:
+    merged.pop("weight_dtype", None)
+  return merged
+
+
 def default_cache_dir() -> str:
   return os.environ.get(
       "XLASERVE_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "xlaserve", "jax"))

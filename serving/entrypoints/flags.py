@@ -3,7 +3,8 @@
 Flags are defined only here and read only by the entry points (the launcher,
 `xlaserve bench`). Engine options resolve, last one wins: EngineConfig
 defaults < the model preset's `engine` block < `--config` preset
-(configs/<name>.json or a JSON path) < flags given.
+(configs/<name>.json or a JSON path) < flags given; a `dtype` given without a
+`weight_dtype` drops the model preset's `weight_dtype` too.
 """
 
 from __future__ import annotations
@@ -142,12 +143,11 @@ def load_engine_preset(name_or_path: str) -> dict[str, Any]:
 
 def engine_config_from_flags() -> EngineConfig:
   """EngineConfig from model preset defaults, --config and the flags given."""
-  values = presets.engine_defaults(FLAGS.model)
-  if FLAGS.config:
-    values.update(load_engine_preset(FLAGS.config))
+  given = load_engine_preset(FLAGS.config) if FLAGS.config else {}
   for name in ENGINE_FLAGS:
     if FLAGS[name].value is not None:
-      values[name] = FLAGS[name].value
+      given[name] = FLAGS[name].value
+  values = config_lib.merge_engine_options(presets.engine_defaults(FLAGS.model), given)
   if "quantization" in values and values["quantization"] == "none":
     values["quantization"] = None
   if values.get("prefill_buckets") is not None:

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 from checkpoints.presets import engine_defaults
-from serving.config import EngineConfig, default_max_loras
+from serving.config import EngineConfig, default_max_loras, merge_engine_options
 from serving.engine import LLMEngine
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import RequestOutput, SamplingParams, TokenLogprob
@@ -36,7 +36,7 @@ class LLM:
     adapter, at most 4.
     """
     if engine is None:
-      options = {**engine_defaults(model), **engine_kwargs}
+      options = merge_engine_options(engine_defaults(model), engine_kwargs)
       if lora_modules and not options.get("max_loras"):
         options["max_loras"] = default_max_loras(len(lora_modules))
       engine = build_engine(model, EngineConfig(**options), lora_modules=lora_modules)

@@ -68,3 +68,17 @@ def test_generate_text_and_chat(default_llm):
                           SamplingParams(max_tokens=16, temperature=0.0))[0]
   assert chat.text and chat.finish_reason in ("stop", "length")
   assert np.all(np.array(chat.token_ids) < 49152)
+
+
+def test_explicit_dtype_wins_over_the_presets_weight_dtype(default_llm):
+  """The preset keeps bfloat16 weights; `LLM(dtype="float32")` alone must give float32
+  weights (the same model, and so the same tokens, as float32 set both ways)."""
+  from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG
+
+  from serving import LLM
+
+  options = {k: v for k, v in DEFAULT_MODEL_TEST_CONFIG.items() if k != "weight_dtype"}
+  llm = LLM(DEFAULT_MODEL, **options)
+  assert llm.engine.runner.weight_dtype_name == "float32"
+  params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+  assert llm.generate(RAW, params)[0].token_ids == default_llm.generate(RAW, params)[0].token_ids

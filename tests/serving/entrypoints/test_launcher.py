@@ -46,6 +46,13 @@ def test_engine_options_layering():
   assert cfg.quantization is None
 
 
+def test_explicit_dtype_flag_takes_the_weights_too():
+  with flagsaver.flagsaver(model="smollm2-135m-instruct"):
+    assert xlaserve_flags.engine_config_from_flags().weight_dtype == "bfloat16"  # preset
+  with flagsaver.flagsaver(model="smollm2-135m-instruct", dtype="float32"):
+    assert xlaserve_flags.engine_config_from_flags().weight_dtype == "auto"  # float32 weights
+
+
 def test_every_engine_option_has_a_flag():
   import dataclasses
 
