@@ -15,18 +15,19 @@ import json
 import os
 
 import numpy as np
-import peft
 import safetensors.numpy
-import torch
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def save_random_adapter(base: torch.nn.Module, path: str, *, rank: int, seed: int,
+def save_random_adapter(base, path: str, *, rank: int, seed: int,
                         targets=ALL_TARGETS, alpha: float | None = None,
-                        rslora: bool = False, scale: float = 1.0) -> torch.nn.Module:
+                        rslora: bool = False, scale: float = 1.0):
   """Writes a random adapter for `base` to `path`; returns base+adapter (eval, f32)."""
+  import peft  # only here: write_peft_adapter needs neither peft nor torch
+  import torch
+
   torch.manual_seed(seed)
   config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                            target_modules=list(targets), lora_dropout=0.0,

@@ -2,7 +2,7 @@
 
 `save_tiny_model(family, path)` writes a HF directory — config.json,
 model.safetensors and a byte-level tokenizer.json — that every loader and
-the engine accept; `transformers` is the numerical reference.
+the engine accept; `transformers` is the numerical reference (`torch_greedy`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import tokenizers
 import torch
 import transformers
@@ -75,3 +76,16 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTr
                                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"},
               f)
   return model
+
+
+def torch_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+  """n greedy tokens of a torch model (no KV cache, no EOS handling) and the first
+  step's log-probs (float64): the reference the engine's output is compared with."""
+  ids, first = list(prompt), None
+  with torch.no_grad():
+    for _ in range(n):
+      logits = model(torch.tensor([ids])).logits[0, -1].double()
+      if first is None:
+        first = torch.log_softmax(logits, -1).numpy()
+      ids.append(int(torch.argmax(logits)))
+  return ids[len(prompt):], first

@@ -11,28 +11,17 @@ on their attention projections (experts have no slots).
 
 import numpy as np
 import pytest
-import torch
 from lora_testutil import ALL_TARGETS, ATTENTION_TARGETS, save_random_adapter
 
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from tiny_models import FAMILIES, VOCAB, save_tiny_model
+from tiny_models import FAMILIES, VOCAB, save_tiny_model, torch_greedy
 
 NUM_TOKENS = 12
 LOGPROB_TOL = 1e-4
 MOE = {"mixtral", "qwen3_moe"}
 
-
-def torch_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-  ids, first = list(prompt), None
-  with torch.no_grad():
-    for _ in range(n):
-      logits = model(torch.tensor([ids])).logits[0, -1].double()
-      if first is None:
-        first = torch.log_softmax(logits, -1).numpy()
-      ids.append(int(torch.argmax(logits)))
-  return ids[len(prompt):], first
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

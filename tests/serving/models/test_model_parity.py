@@ -10,13 +10,12 @@ MoE families are covered in tests/sharding.
 
 import numpy as np
 import pytest
-import torch
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from tiny_models import VOCAB, save_tiny_model
+from tiny_models import VOCAB, save_tiny_model, torch_greedy
 
 DENSE_FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2"]
 PROMPT_LENS = [3, 11, 20, 37]  # 37 > max_num_batched_tokens: chunked prefill
@@ -29,18 +28,6 @@ def engine_config(**kw) -> EngineConfig:
               compilation_cache=False)
   return EngineConfig(**{**base, **kw})
 
-
-def torch_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-  """n greedy tokens (no KV cache, no EOS handling) and the first step's log-probs."""
-  ids = list(prompt)
-  first = None
-  with torch.no_grad():
-    for _ in range(n):
-      logits = model(torch.tensor([ids])).logits[0, -1].double()
-      if first is None:
-        first = torch.log_softmax(logits, -1).numpy()
-      ids.append(int(torch.argmax(logits)))
-  return ids[len(prompt):], first
 
 
 def run_engine(engine: LLMEngine, prompts, params: SamplingParams):
