@@ -3,7 +3,8 @@
 One module, so that each name is defined once and every layer (runner,
 engine, entry points) can import it without importing the others:
 
-- requests: `SamplingParams` (OpenAI / vLLM names), `RequestOutput`,
+- requests: `SamplingParams` (OpenAI / vLLM names) with its
+  `StructuredOutputsParams` (constrained output), `RequestOutput`,
   `TokenLogprob`, `FinishReason`;
 - the scheduler's view of a request: `Sequence` and its `SequenceStatus`;
 - one engine iteration: `StepPlan` (prefill `PrefillChunk`s and a decode
@@ -62,6 +63,83 @@ def _short(value) -> str:
   return repr(value)
 
 
+# Bounds on a constraint's size (the grammar is compiled per request on the host).
+MAX_GRAMMAR_CHARS = 200_000
+MAX_CHOICES = 1024
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+  """A constraint on the output, as vLLM's `structured_outputs`: set exactly one of
+
+  - `json`: a JSON schema (a dict, or its JSON text): the output is a JSON value
+    that validates against it;
+  - `json_object`: True: the output is some JSON object (OpenAI's JSON mode);
+  - `regex`: the output matches the regular expression (Rust `regex` syntax);
+  - `choice`: the output is exactly one of these strings;
+  - `grammar`: the output is in the language of this Lark grammar (llguidance's
+    dialect: docs/structured_output.md), whose start rule is `start`.
+
+  `validate` checks types and sizes only; whether the schema, regex or grammar
+  compiles is checked by serving/structured_output before the engine takes it.
+  """
+
+  json: str | dict | None = None
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None
+  json_object: bool | None = None
+
+  def validate(self) -> None:
+    """Raises ValueError naming the field (`structured_outputs.<kind>`)."""
+    given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+             if getattr(self, k) not in (None, False)]
+    if len(given) != 1:
+      raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar "
+                       f"and json_object (got {', '.join(given) or 'none'})")
+    kind = given[0]
+    value = getattr(self, kind)
+    name = f"structured_outputs.{kind}"
+    if kind == "json_object" and value is not True:
+      raise ValueError(f"{name} must be a boolean")
+    if kind == "json":
+      if not isinstance(value, (str, dict)):
+        raise ValueError(f"{name} must be a JSON schema (an object or its JSON text)")
+      if len(value if isinstance(value, str) else repr(value)) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{name} exceeds {MAX_GRAMMAR_CHARS} characters")
+    if kind in ("regex", "grammar"):
+      if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string")
+      if len(value) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{name} exceeds {MAX_GRAMMAR_CHARS} characters")
+    if kind == "choice":
+      if (not isinstance(value, list) or not value
+          or any(not isinstance(c, str) or not c for c in value)):
+        raise ValueError(f"{name} must be a non-empty list of non-empty strings")
+      if len(value) > MAX_CHOICES or sum(map(len, value)) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{name} has more than {MAX_CHOICES} choices or "
+                         f"{MAX_GRAMMAR_CHARS} characters")
+
+  @property
+  def kind(self) -> str:
+    """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+    return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, k) not in (None, False))
+
+  @classmethod
+  def coerce(cls, value: Any) -> StructuredOutputsParams | None:
+    """None, an instance, or a dict of the same fields (unknown keys refused)."""
+    if value is None or isinstance(value, cls):
+      return value
+    if not isinstance(value, dict):
+      raise ValueError("structured_outputs must be an object with one of json, regex, choice, "
+                       "grammar, json_object")
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f"structured_outputs: unknown field(s) {', '.join(map(str, unknown))}")
+    return cls(**value)
+
+
 @dataclasses.dataclass
 class SamplingParams:
   """Per-request sampling options with the OpenAI / vLLM names.
@@ -87,8 +165,10 @@ class SamplingParams:
   logprobs: int | None = None
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
+    self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
     if isinstance(self.stop, str):
       self.stop = [self.stop]
     self.stop = list(self.stop or [])
@@ -120,6 +200,10 @@ class SamplingParams:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a boolean")
+    if self.structured_outputs is not None:
+      if not isinstance(self.structured_outputs, StructuredOutputsParams):
+        raise ValueError("structured_outputs must be a StructuredOutputsParams")
+      self.structured_outputs.validate()
 
   @property
   def greedy(self) -> bool:
@@ -218,6 +302,8 @@ class Sequence:
   admit_order: int = 0
   lora: LoraAdapter | None = None
   lora_slot: int | None = None  # the runner slot holding `lora` while running
+  # The output constraint's state (serving.structured_output.Grammar), None if unconstrained.
+  grammar: Any = dataclasses.field(default=None, repr=False)
 
   @property
   def cache_salt(self) -> bytes | None:
@@ -295,6 +381,12 @@ class StepPlan:
   def sampled(self) -> list[Sequence]:
     """Sequences the step samples a token for: final prefill chunks, then decodes."""
     return [c.seq for c in self.prefills if c.sample] + [r.seq for r in self.decodes]
+
+  @property
+  def constrained(self) -> list[str]:
+    """Request ids of sampled sequences with an output constraint (`Sequence.grammar`):
+    the runner samples the step only once the engine brings their token masks."""
+    return [s.request_id for s in self.sampled if s.grammar is not None]
 
 
 @dataclasses.dataclass

@@ -65,6 +65,9 @@ class FaultyRunner:
       raise StepError(f"injected fault in step {step}", bad)
     return step, bad, self.runner.execute(plan=plan)
 
+  def sample(self, *, handle, masks):
+    self.runner.sample(handle=handle[2], masks=masks)
+
   def fetch(self, *, handle):
     step, bad, inner = handle
     self._check_dead(step)

@@ -25,13 +25,14 @@ LAYERS = (
     ("sharding",),
     ("checkpoints",),
     ("serving.types", "serving.config"),
+    ("serving.structured_output",),
     ("serving.runner",),
     ("serving.engine",),
     ("serving.entrypoints",),
     ("serving.tools",),
     ("serving.launcher", "serving"),
 )
-NO_JAX = ("serving.engine", "serving.types", "serving.config")
+NO_JAX = ("serving.engine", "serving.types", "serving.config", "serving.structured_output")
 
 
 def module_files(root: str) -> dict[str, str]:

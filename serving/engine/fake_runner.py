@@ -27,12 +27,19 @@ vocabulary), so "abc" under adapter 1 yields "bcdbc"; its logprob is -0.5,
 and top alternative k is `token + k` with logprob `-0.5 - k`. `step_s` makes
 each step take that long (in `fetch`), so front-end tests can watch requests
 in flight.
+
+A request with an output constraint (`Sequence.grammar`) is sampled in
+`sample(handle=, masks=)`, as the real runner does: its token is the one above
+unless the mask forbids it, then the next allowed id above it (wrapping).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
+
+import numpy as np
 
 from serving.types import (
     DecodeRow,
@@ -52,6 +59,8 @@ class FakeKVError(AssertionError):
 @dataclasses.dataclass
 class _Handle:
   tokens: dict[str, SampledToken]
+  # Constrained requests not sampled yet: request id -> (sequence, preferred token).
+  pending: dict[str, tuple[Sequence, int]] = dataclasses.field(default_factory=dict)
 
 
 class FakeRunner:
@@ -82,9 +91,29 @@ class FakeRunner:
     for row in plan.decodes:
       tokens[row.seq.request_id] = self._decode(row)
     self.num_steps += 1
-    return _Handle(tokens)
+    constrained = set(plan.constrained)
+    pending = {rid: (seq, tokens.pop(rid).token_id) for seq in plan.sampled
+               if (rid := seq.request_id) in constrained}
+    return _Handle(tokens, pending)
+
+  def sample(self, *, handle: _Handle, masks: dict[str, Any]) -> None:
+    """Samples the constrained requests: the preferred token, or the next one allowed."""
+    for rid, (seq, token) in handle.pending.items():
+      mask = masks.get(rid)
+      if mask is not None:
+        bits = np.unpackbits(np.asarray(mask, np.int32).view(np.uint8),
+                             bitorder="little")[:self.vocab_size]
+        allowed = np.flatnonzero(bits)
+        if allowed.size:
+          above = allowed[allowed >= token]
+          token = int(above[0] if above.size else allowed[0])
+      self.last_tokens[seq.decode_slot] = token
+      handle.tokens[rid] = SampledToken(token_id=token, logprob=self._logprob(seq, token))
+    handle.pending = {}
 
   def fetch(self, *, handle: _Handle) -> StepResult:
+    if handle.pending:
+      raise RuntimeError("fetch of a step whose constrained rows were never sampled")
     if self.step_s:
       time.sleep(self.step_s)
     return StepResult(tokens=handle.tokens)

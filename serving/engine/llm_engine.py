@@ -5,8 +5,12 @@ Lifecycle of `step()`:
   2. `scheduler.schedule()` -> StepPlan (host only).
   3. `runner.execute(plan=...)` dispatches it (asynchronous: returns at once).
   4. Postprocess the *previous* step while the device computes this one:
-     `runner.fetch(...)` -> StepResult, append tokens, detokenize, check stop
-     strings, emit deltas.
+     `runner.fetch(...)` -> StepResult, append tokens, advance output
+     grammars, detokenize, check stop strings, emit deltas.
+  5. If this step samples requests with an output constraint, their token
+     masks depend on the tokens just appended: the runner ran its forward
+     passes in 3 and waits; the engine fills the masks now (while the device
+     still computes) and hands them over with `runner.sample(...)`.
 
 The engine owns no device and loads nothing: it is given a `Runner`
 (runner_api.py), a tokenizer and an `EngineConfig`. Front ends call
@@ -41,6 +45,7 @@ from serving.engine.output_processor import OutputProcessor
 from serving.engine.page_allocator import PageAllocator
 from serving.engine.runner_api import Runner, RunnerDeadError, StepError
 from serving.engine.scheduler import Scheduler
+from serving.structured_output import GrammarCompiler, fill_masks
 from serving.types import (
     EngineStats,
     LoraAdapter,
@@ -63,9 +68,12 @@ class LLMEngine:
   """Continuous-batching engine over one runner (see module doc)."""
 
   def __init__(self, *, runner: Runner, tokenizer: Any, config: EngineConfig,
-               model_name: str = "", lora_loader: LoraLoader | None = None):
+               model_name: str = "", lora_loader: LoraLoader | None = None,
+               structured_output: bool = True):
     """`lora_loader(path) -> (rank, weights)` reads and validates an adapter for this
-    runner (serving/entrypoints/engine_builder.py); needed by `load_lora`."""
+    runner (serving/entrypoints/engine_builder.py); needed by `load_lora`.
+    `structured_output=False` refuses requests with `structured_outputs` (a runner
+    that cannot sample after `execute`, e.g. multi-process lock-step)."""
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
     self.lora_loader = lora_loader
@@ -76,6 +84,7 @@ class LLMEngine:
     self._loras: dict[str, LoraAdapter] = {}  # registered adapters by name
     self._lora_ids = itertools.count(1)
     self.outputs = OutputProcessor(tokenizer)
+    self.grammars = GrammarCompiler(tokenizer, runner.vocab_size) if structured_output else None
     self.num_programs = runner.warm_up()
     self._lock = threading.Lock()
     self._inbox: list[tuple[Sequence, OutputCallback]] = []
@@ -98,14 +107,19 @@ class LLMEngine:
     """Validates and queues a request; raises ValueError with a message if invalid.
 
     `lora` names a registered adapter (`add_lora`); None serves the base model.
+    A `params.structured_outputs` constraint is compiled here (cached when the
+    front end checked it already: `check_structured_outputs`).
     """
     ids = self._prompt_ids(prompt)
     self._validate(ids, params)
     adapter = self.get_lora(lora) if lora is not None else None
+    grammar = None
+    if params.structured_outputs is not None:
+      grammar = self._compiler().grammar(params.structured_outputs)
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
     eos = frozenset(self.tokenizer.eos_token_ids)
     seq = Sequence(request_id=request_id, prompt_ids=ids, params=params, eos_ids=eos, seed=seed,
-                   lora=adapter)
+                   lora=adapter, grammar=grammar)
     with self._lock:
       if self.dead is not None:
         raise EngineDeadError(self.dead)
@@ -113,6 +127,19 @@ class LLMEngine:
         raise ValueError(f"duplicate request id {request_id!r}")
       self._inbox.append((seq, on_output))
     self._wake.set()
+
+  def check_structured_outputs(self, params: SamplingParams) -> None:
+    """Compiles `params.structured_outputs` if set; ValueError naming the field if it is
+    bad. Front ends call it in a worker thread (it can take a while for a big schema);
+    `add_request` then finds it cached."""
+    if params.structured_outputs is not None:
+      self._compiler().check(params.structured_outputs)
+
+  def _compiler(self) -> GrammarCompiler:
+    if self.grammars is None:
+      raise ValueError("structured_outputs are not supported by this engine (multi-process "
+                       "serving); serve without them or on one process")
+    return self.grammars
 
   # ---- LoRA adapters (any thread) ----
 
@@ -222,6 +249,7 @@ class LLMEngine:
     self._drain_inbox()
     plan = self.scheduler.schedule()
     inflight = None
+    needs_masks = bool(plan.constrained)  # the runner sees the same when it executes
     if not plan.empty:
       try:
         inflight = (plan, self.runner.execute(plan=plan))
@@ -230,6 +258,27 @@ class LLMEngine:
     previous, self._inflight = self._inflight, inflight
     if previous is not None:
       self._postprocess(*previous)
+    if inflight is not None and needs_masks:
+      self._sample_constrained(*inflight)
+
+  def _sample_constrained(self, plan: StepPlan, handle: Any) -> None:
+    """Fills the token masks of the step's constrained requests and lets the runner sample.
+
+    The grammars have just taken the previous step's tokens. A request whose
+    grammar cannot go on fails alone; a failure of the runner fails the step.
+    """
+    seqs = [s for s in plan.sampled if s.grammar is not None and s.finish_reason is None]
+    masks, dead = fill_masks([s.grammar for s in seqs], self.runner.vocab_size)
+    for i in dead:
+      seq = seqs[i]
+      why = seq.grammar.error or "no token can continue it"
+      self._finish(seq, "error", error=f"structured output failed: {why}")
+    by_id = {s.request_id: masks[i] for i, s in enumerate(seqs) if i not in set(dead)}
+    try:
+      self.runner.sample(handle=handle, masks=by_id)
+    except Exception as e:
+      self._inflight = None
+      self._fail_step(plan, e)
 
   def _drain_inbox(self) -> None:
     with self._lock:
@@ -253,7 +302,8 @@ class LLMEngine:
       return
     for seq, sampled in self.scheduler.postprocess(plan, result):
       try:
-        if self.outputs.on_token(seq, sampled):
+        complete = self._follow_grammar(seq, sampled.token_id)
+        if self.outputs.on_token(seq, sampled) or complete:
           self.scheduler.finish(seq, "stop")
       except Exception as e:  # e.g. an undecodable token: fail this request only
         log.exception("output processing failed for request %s", seq.request_id)
@@ -263,6 +313,18 @@ class LLMEngine:
         self._finish(seq, seq.finish_reason)
       else:
         self.outputs.emit(seq)
+
+  @staticmethod
+  def _follow_grammar(seq: Sequence, token: int) -> bool:
+    """Advances the sequence's output grammar by its new token; True once the grammar
+    is complete (the output is whole: the request stops). Raises ValueError for a token
+    the grammar refuses (the request then fails)."""
+    if seq.grammar is None or seq.finish_reason is not None:
+      return False
+    if not seq.grammar.accept(token):
+      raise ValueError(f"token {token} violates the output constraint "
+                       f"({seq.grammar.error or 'refused'})")
+    return seq.grammar.terminated
 
   def _fail_step(self, plan: StepPlan, error: Exception) -> None:
     """Fails the requests of a step that raised: those it names, else all of the step.
@@ -283,6 +345,7 @@ class LLMEngine:
 
   def _finish(self, seq: Sequence, reason, error: str | None = None) -> None:
     self.scheduler.finish(seq, reason)
+    seq.grammar = None
     self.outputs.emit(seq, reason, error=error)
     self._seqs.pop(seq.request_id, None)
 

@@ -14,6 +14,12 @@ Contract:
     (the scheduler mutates them for the next step). It may return before the
     device finishes (asynchronous dispatch); the engine overlaps host work
     for the next step with it.
+  * A plan whose `constrained` list is not empty samples those requests only
+    when the engine calls `sample(handle=..., masks=...)` with their token
+    masks (request id -> packed int32 bitmask row, serving/structured_output):
+    `execute` dispatches the forward passes and returns; the engine computes
+    the masks meanwhile. It calls `sample` exactly once for such a step,
+    before `fetch`.
   * `fetch(handle=...)` blocks until that step is done and returns a
     `StepResult` with one `SampledToken` per `plan.sampled` sequence.
     Handles are fetched in the order they were executed.
@@ -44,6 +50,10 @@ class Runner(Protocol):
 
   def execute(self, *, plan: StepPlan) -> Any:
     """Dispatches one step; returns a handle for `fetch`."""
+    ...
+
+  def sample(self, *, handle: Any, masks: dict[str, Any]) -> None:
+    """Samples an executed step's rows once the constrained ones' token masks are known."""
     ...
 
   def fetch(self, *, handle: Any) -> StepResult:

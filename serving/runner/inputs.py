@@ -38,6 +38,8 @@ class StepInputs:
   decode_ids: list[str]
   lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
   lora_users: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # slot -> ids
+  # Sampled requests with an output constraint: the step samples once their masks come.
+  constrained: list[str] = dataclasses.field(default_factory=list)
 
 
 def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
@@ -61,7 +63,8 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
       users.setdefault(seq.lora_slot, []).append(seq.request_id)
   return StepInputs(prefills=prefills, prefill_ids=ids, decode=decode,
                     decode_ids=[r.seq.request_id for r in plan.decodes],
-                    lora_loads=list(plan.lora_loads), lora_users=users)
+                    lora_loads=list(plan.lora_loads), lora_users=users,
+                    constrained=plan.constrained)
 
 
 def _lora_slot(seq: Sequence) -> int:

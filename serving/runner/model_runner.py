@@ -117,14 +117,29 @@ def capacity_pages(model_cfg: ModelConfig, config: EngineConfig) -> int:
 
 
 @dataclasses.dataclass
-class StepHandle:
-  """An executed step: request ids and the device arrays of their samples."""
+class SamplerCall:
+  """One sampler call of a step: the request id of each row (padding rows follow,
+  unnamed) and its output — None until it runs. A call whose rows include a
+  constrained request waits for its token masks (`ModelRunner.sample`) and keeps
+  its logits and inputs until then."""
 
-  prefill_ids: list[str]
-  prefill_outs: list[sampling.SampleOutput]
-  decode_ids: list[str]
-  decode_out: sampling.SampleOutput | None
+  ids: list[str]
+  out: sampling.SampleOutput | None = None
+  logits: jax.Array | None = None
+  slots: np.ndarray | None = None
+  tensors: sampling.SamplingTensors | None = None
+
+
+@dataclasses.dataclass
+class StepHandle:
+  """An executed step: its sampler calls (prefill chunks', then the decode batch's)."""
+
+  calls: list[SamplerCall]
   logprobs: dict[str, int]  # request id -> top alternatives wanted (absent: no logprobs)
+
+  @property
+  def awaiting_masks(self) -> bool:
+    return any(c.out is None for c in self.calls)
 
 
 class ModelRunner:
@@ -161,6 +176,8 @@ class ModelRunner:
       self.params = put_params(params, weight_dtype)  # quantized leaves keep their dtypes
     self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(model_cfg, engine_cfg)
     self.state = self._initial_state(placement)
+    self.mask_width = (model_cfg.vocab_size + 31) // 32  # int32 words of a token mask row
+    self._all_allowed: dict[int, jax.Array] = {}
     self._kv_replicas = placement.kv_replicas if placement is not None else 1
     self.lora_dtype = weight_dtype  # adapters are stored like the weights they modify
     self.lora, self._write_lora = self._lora_slots(placement)
@@ -232,13 +249,34 @@ class ModelRunner:
     """Builds every input of the plan first, then dispatches them (asynchronous)."""
     return self.run(build_step_inputs(plan, self.engine_cfg))
 
+  def sample(self, *, handle: StepHandle, masks: dict[str, np.ndarray]) -> None:
+    """Runs the sampler calls that wait for token masks (a step with constrained rows).
+
+    `masks`: request id -> [ceil(V / 32)] int32 packed mask of the tokens it may
+    sample; rows without one are unconstrained.
+    """
+    with self._device_errors():
+      for call in handle.calls:
+        if call.out is not None:
+          continue
+        b = call.slots.shape[0]
+        allowed = np.full((b, self.mask_width), -1, np.int32)
+        for i, rid in enumerate(call.ids):
+          if rid in masks:
+            allowed[i] = masks[rid]
+        self.state, call.out = self._sample(self.state, call.logits, call.slots, call.tensors,
+                                            allowed)
+        call.logits = call.slots = call.tensors = None
+
   def fetch(self, *, handle: StepHandle) -> StepResult:
     """Waits for the step's samples and reads them per request."""
+    if handle.awaiting_masks:
+      raise RuntimeError("fetch of a step whose constrained rows were never sampled")
     with self._device_errors():
-      prefill_outs, decode_out = jax.device_get((handle.prefill_outs, handle.decode_out))
+      outs = jax.device_get([c.out for c in handle.calls])
     tokens: dict[str, SampledToken] = {}
-    rows = [(rid, out, 0) for rid, out in zip(handle.prefill_ids, prefill_outs, strict=True)]
-    rows += [(rid, decode_out, i) for i, rid in enumerate(handle.decode_ids)]
+    rows = [(rid, out, i) for call, out in zip(handle.calls, outs, strict=True)
+            for i, rid in enumerate(call.ids)]
     for rid, out, row in rows:
       token = int(out.tokens[row])
       n = handle.logprobs.get(rid)
@@ -278,33 +316,49 @@ class ModelRunner:
           raise
         raise StepError(f"could not load LoRA adapter {adapter.name!r}: {e}",
                         inputs.lora_users.get(slot, [])) from e
-    ids, outs, logprobs = [], [], {}
+    # A step with constrained rows samples after `sample()` brings their masks.
+    defer = bool(inputs.constrained)
+    calls, logprobs = [], {}
     for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
-      out = self.run_prefill(inp, sample=rid is not None)
+      logits = self.run_prefill(inp)
       if rid is not None:
-        ids.append(rid)
-        outs.append(out)
+        calls.append(self._sampler_call([rid], logits, inp.decode_slot[None], inp.sampling,
+                                        defer))
         logprobs[rid] = int(inp.sampling.num_logprobs[0])
-    decode = None
     if inputs.decode is not None:
-      decode = self.run_decode(inputs.decode)
+      logits = self.run_decode(inputs.decode)
+      calls.append(self._sampler_call(list(inputs.decode_ids), logits,
+                                      inputs.decode.decode_slots, inputs.decode.sampling, defer))
       wanted = inputs.decode.sampling.num_logprobs
       logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
-    return StepHandle(prefill_ids=ids, prefill_outs=outs, decode_ids=list(inputs.decode_ids),
-                      decode_out=decode, logprobs={k: n for k, n in logprobs.items() if n >= 0})
+    return StepHandle(calls=calls, logprobs={k: n for k, n in logprobs.items() if n >= 0})
 
-  def run_prefill(self, inp: PrefillInput, sample: bool = True) -> sampling.SampleOutput | None:
-    """Runs a chunk; samples the next token only for a sequence's last chunk."""
+  def _sampler_call(self, ids: list[str], logits: jax.Array, slots: np.ndarray,
+                    tensors: sampling.SamplingTensors, defer: bool) -> SamplerCall:
+    if defer:
+      return SamplerCall(ids, logits=logits, slots=slots, tensors=tensors)
+    self.state, out = self._sample(self.state, logits, slots, tensors,
+                                   self._unconstrained(slots.shape[0]))
+    return SamplerCall(ids, out=out)
+
+  def _unconstrained(self, b: int) -> jax.Array:
+    """All-ones token masks for B rows, kept on the device (one per batch size)."""
+    mask = self._all_allowed.get(b)
+    if mask is None:
+      ones = np.full((b, self.mask_width), -1, np.int32)
+      # On one device it stays there; a mesh's programs take it from the host.
+      mask = self._all_allowed[b] = ones if self.mesh is not None else jnp.asarray(ones)
+    return mask
+
+  def run_prefill(self, inp: PrefillInput) -> jax.Array:
+    """Runs a chunk; returns the logits [1, V] after its last token."""
     self.state, logits = self._prefill(self.params, self.lora, self.state, inp)
-    if not sample:
-      return None
-    self.state, out = self._sample(self.state, logits, inp.decode_slot[None], inp.sampling)
-    return out
+    return logits
 
-  def run_decode(self, inp: DecodeInput) -> sampling.SampleOutput:
+  def run_decode(self, inp: DecodeInput) -> jax.Array:
+    """Runs a decode batch; returns its logits [B, V]."""
     self.state, logits = self._decode(self.params, self.lora, self.state, inp)
-    self.state, out = self._sample(self.state, logits, inp.decode_slots, inp.sampling)
-    return out
+    return logits
 
   # ---- compilation ----
 
@@ -326,11 +380,9 @@ class ModelRunner:
       for step, args in programs:
         step.prepare(*args)
     else:
-      ec = self.engine_cfg
-      for t in ec.prefill_token_buckets:
-        jax.block_until_ready(self.run_prefill(self.dummy_prefill(t)))
-      for b in ec.decode_batch_buckets:
-        jax.block_until_ready(self.run_decode(self.dummy_decode(b)))
+      for step, args in programs:
+        if step is not self._sample:  # the samplers run on these logits
+          jax.block_until_ready(self._run_dummy(step, args))
     steps = (self._prefill, self._decode, self._sample)
     n = sum(s.num_programs() for s in steps)
     log.info("compiled %d programs (%d prefill, %d decode, %d sampler; %d loaded from the "
@@ -349,8 +401,20 @@ class ModelRunner:
     for b in sorted({1, *ec.decode_batch_buckets}):
       inp = self.dummy_decode(b)
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
-      out.append((self._sample, (self.state, logits, inp.decode_slots, inp.sampling)))
+      allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
+      out.append((self._sample, (self.state, logits, inp.decode_slots, inp.sampling, allowed)))
     return out
+
+  def _run_dummy(self, step: StepProgram, args: tuple) -> jax.Array:
+    """Runs a prefill or decode program on its dummy input, then its sampler."""
+    inp = args[-1]
+    if step is self._prefill:
+      logits, slots = self.run_prefill(inp), inp.decode_slot[None]
+    else:
+      logits, slots = self.run_decode(inp), inp.decode_slots
+    self.state, out = self._sample(self.state, logits, slots, inp.sampling,
+                                   self._unconstrained(slots.shape[0]))
+    return out.tokens
 
   def dummy_prefill(self, t: int) -> PrefillInput:
     """A padding-only chunk of T tokens: writes into page 0 and the dummy slot."""

@@ -68,6 +68,9 @@ class LeaderRunner:
       decode = multihost_utils.broadcast_one_to_all(inputs.decode)
     return self.runner.run(dataclasses.replace(inputs, prefills=prefills, decode=decode))
 
+  def sample(self, *, handle: StepHandle, masks) -> None:
+    raise RuntimeError("structured output is not supported with multi-process serving")
+
   def fetch(self, *, handle: StepHandle) -> StepResult:
     return self.runner.fetch(handle=handle)
 

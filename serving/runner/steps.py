@@ -138,15 +138,19 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
 
 
 def sample_step(state: DeviceState, logits: jax.Array, slots: jax.Array,
-                tensors: sampling.SamplingTensors) -> tuple[DeviceState, sampling.SampleOutput]:
+                tensors: sampling.SamplingTensors,
+                allowed: jax.Array) -> tuple[DeviceState, sampling.SampleOutput]:
   """Samples one token per row [B] of decode slots and records it in the slot state.
+
+  `allowed` [B, ceil(V / 32)] int32: each row's packed token mask (structured
+  output); all ones (-1) for rows without a constraint.
 
   Jitted per batch bucket only (not per context width), which keeps the
   number of compiled sampler programs small.
   """
   # rows=: the per-slot penalty rows are gathered only when a row has a penalty.
   out = sampling.sample(logits, tensors, state.prompt_mask, state.output_counts, rows=slots,
-                        num_top=MAX_LOGPROBS)
+                        allowed=allowed, num_top=MAX_LOGPROBS)
   state = dataclasses.replace(
       state, last_tokens=state.last_tokens.at[slots].set(out.tokens),
       output_counts=state.output_counts.at[slots, out.tokens].add(1))

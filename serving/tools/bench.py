@@ -183,7 +183,7 @@ class StepTimer:
   call removes the engine's host/device overlap while timing.
   """
 
-  PARTS = ("inputs", "prefill", "decode", "fetch")
+  PARTS = ("inputs", "prefill", "decode", "sample", "fetch")
 
   def __init__(self, runner):
     self.runner, self.totals, self.steps = runner, dict.fromkeys(self.PARTS, 0.0), 0
@@ -200,10 +200,11 @@ class StepTimer:
     t0 = time.perf_counter()
     inputs = build_step_inputs(plan, self.runner.engine_cfg)
     self.totals["inputs"] += time.perf_counter() - t0
-    parts = [("prefill", StepInputs([p], [rid], None, []))
+    parts = [("prefill", StepInputs([p], [rid], None, [], constrained=inputs.constrained))
              for p, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True)]
     if inputs.decode is not None:
-      parts.append(("decode", StepInputs([], [], inputs.decode, inputs.decode_ids)))
+      parts.append(("decode", StepInputs([], [], inputs.decode, inputs.decode_ids,
+                                         constrained=inputs.constrained)))
     handles = []
     for name, part in parts:
       t0 = time.perf_counter()
@@ -211,6 +212,13 @@ class StepTimer:
       self.totals[name] += time.perf_counter() - t0
     self.steps += 1
     return _merge_handles(handles)
+
+  def sample(self, *, handle, masks):
+    t0 = time.perf_counter()
+    try:
+      self.runner.sample(handle=handle, masks=masks)
+    finally:
+      self.totals["sample"] += time.perf_counter() - t0
 
   def fetch(self, *, handle):
     t0 = time.perf_counter()
@@ -234,14 +242,10 @@ def _merge_handles(handles):
   """One StepHandle from the handles of a step's separately run calls."""
   from serving.runner.model_runner import StepHandle
 
-  merged = StepHandle(prefill_ids=[], prefill_outs=[], decode_ids=[], decode_out=None,
-                      logprobs={})
+  merged = StepHandle(calls=[], logprobs={})
   for h in handles:
-    merged.prefill_ids += h.prefill_ids
-    merged.prefill_outs += h.prefill_outs
+    merged.calls += h.calls
     merged.logprobs.update(h.logprobs)
-    if h.decode_out is not None:
-      merged.decode_ids, merged.decode_out = h.decode_ids, h.decode_out
   return merged
 
 

@@ -5,6 +5,8 @@ travel as `[B]` arrays in `SamplingTensors`, so ONE compiled program serves ever
 mix of parameters in a batch (no recompiles after warm-up).
 
 Pipeline of `sample` (vLLM order):
+  0. structured output: tokens a row's packed bitmask (`allowed`, from the
+     host's grammar) does not set become -inf; unconstrained rows are all ones;
   1. penalties on the raw logits: repetition (prompt and output tokens),
      frequency and presence (output tokens only);
   2. greedy rows (temperature < MIN_TEMPERATURE, as vLLM) take the argmax of
@@ -40,8 +42,9 @@ sampler.py (`sample`, the draw and logprobs).
 
 from __future__ import annotations
 
-from serving.runner.sampling.sampler import MIN_TEMPERATURE, sample
+from serving.runner.sampling.sampler import MIN_TEMPERATURE, apply_token_mask, sample
 from serving.runner.sampling.tensors import SampleOutput, SamplingTensors
 from serving.runner.sampling.thresholds import TOP_K_CAP
 
-__all__ = ["MIN_TEMPERATURE", "TOP_K_CAP", "SampleOutput", "SamplingTensors", "sample"]
+__all__ = ["MIN_TEMPERATURE", "TOP_K_CAP", "SampleOutput", "SamplingTensors",
+           "apply_token_mask", "sample"]

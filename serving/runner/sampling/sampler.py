@@ -20,7 +20,7 @@ MIN_TEMPERATURE = 1e-5
 
 def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
            output_counts: jax.Array, *, rows: jax.Array | None = None,
-           num_top: int = MAX_LOGPROBS) -> SampleOutput:
+           allowed: jax.Array | None = None, num_top: int = MAX_LOGPROBS) -> SampleOutput:
   """Samples one token per row; pure and jit-able (`num_top` static).
 
   Args:
@@ -32,11 +32,15 @@ def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
     rows: optional [B] i32 decode slot of each row into the [R, V] state of R
       slots. The gather then happens only when some row has a penalty, which
       saves two [B, V] copies a step otherwise.
+    allowed: optional [B, ceil(V / 32)] int32 packed token masks (bit v % 32 of word
+      v // 32 set: token v may be sampled); all ones for unconstrained rows. The
+      logprobs stay the model's (taken before the mask).
     num_top: width of `top_ids` / `top_logprobs` (static).
   Returns:
     SampleOutput with tokens [B] i32, logprob [B], top_ids / top_logprobs [B, num_top].
   """
   raw = logits.astype(jnp.float32)
+  constrained = raw if allowed is None else apply_token_mask(raw, allowed)
 
   def tokens_of(x):  # [B, V] -> [B]; conds return [B] arrays only, never [B, V] copies
     greedy = argmax(x)
@@ -45,13 +49,21 @@ def sample(logits: jax.Array, t: SamplingTensors, prompt_mask: jax.Array,
 
   def penalised():
     if rows is None:
-      return penalise(raw, t, prompt_mask, output_counts)
-    return penalise(raw, t, prompt_mask[rows], output_counts[rows])
+      return penalise(constrained, t, prompt_mask, output_counts)
+    return penalise(constrained, t, prompt_mask[rows], output_counts[rows])
 
   tokens = jax.lax.cond(jnp.any(penalised_rows(t)), lambda: tokens_of(penalised()),
-                        lambda: tokens_of(raw))
+                        lambda: tokens_of(constrained))
   logprob, top_ids, top_logprobs = _logprobs(raw, tokens, t.num_logprobs, num_top)
   return SampleOutput(tokens, logprob, top_ids, top_logprobs)
+
+
+def apply_token_mask(x: jax.Array, allowed: jax.Array) -> jax.Array:
+  """x [B, V] with the tokens `allowed` [B, ceil(V / 32)] (packed bits) does not set at -inf."""
+  b, v = x.shape
+  bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+  keep = bits.reshape(b, -1)[:, :v].astype(jnp.bool_)
+  return jnp.where(keep, x, -jnp.inf)
 
 
 def _random_tokens(x: jax.Array, t: SamplingTensors, greedy: jax.Array) -> jax.Array:

@@ -73,10 +73,6 @@ class SamplingTensors:
 _NEUTRAL = (0.0, -1, 1.0, 0.0, 1.0, 0.0, 0.0, -1)
 
 
-# A padding row: greedy, neutral, no logprobs (the column order of `build`).
-_NEUTRAL = (0.0, -1, 1.0, 0.0, 1.0, 0.0, 0.0, -1)
-
-
 class SampleOutput(NamedTuple):
   """Result of `sample`; device arrays. Logprobs are zeros when no row asked for them."""
 

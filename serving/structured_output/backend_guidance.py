@@ -1,0 +1,169 @@
+"""The llguidance backend: request constraints -> grammars -> token bitmasks.
+
+`GrammarCompiler` (one per engine/tokenizer) turns a `StructuredOutputsParams`
+into llguidance's grammar text, checks it once (the result is cached by the
+constraint's text, so repeated schemas cost nothing) and makes a `Grammar` per
+request. Refusals are `ValueError`s naming the field (`structured_outputs.json`,
+...), raised before the engine takes the request.
+
+JSON is generated compact and canonical: `", "` between items, `": "` after
+keys, no other whitespace (a free-whitespace grammar lets small models emit
+newlines until max_tokens). A schema that does not set `additionalProperties`
+allows other properties, as JSON Schema says.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from serving.types import StructuredOutputsParams
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CACHE_SIZE = 256
+
+
+def bitmask_width(vocab_size: int) -> int:
+  """int32 words per mask row: one bit per token id."""
+  return (vocab_size + 31) // 32
+
+
+class Grammar:
+  """One request's constraint state: follows its tokens, gives the next token mask.
+
+  Not thread-safe: the engine thread owns it.
+  """
+
+  def __init__(self, matcher: llguidance.LLMatcher, kind: str):
+    self.matcher, self.kind = matcher, kind
+
+  def accept(self, token_id: int) -> bool:
+    """Advances by a sampled token; False if the grammar does not allow it."""
+    return bool(self.matcher.consume_token(token_id))
+
+  @property
+  def terminated(self) -> bool:
+    """The grammar is complete and admits nothing more (only end-of-sequence)."""
+    return self.matcher.is_stopped()
+
+  @property
+  def error(self) -> str | None:
+    """Why the grammar cannot go on (it then refuses everything), or None."""
+    return self.matcher.get_error() or None if self.matcher.is_error() else None
+
+
+class GrammarCompiler:
+  """Compiles and checks constraints for one tokenizer (see module doc)."""
+
+  def __init__(self, tokenizer: Any, vocab_size: int):
+    """`tokenizer`: checkpoints.tokenizer.Tokenizer (its `backend` is a `tokenizers.Tokenizer`);
+    `vocab_size`: the model's vocabulary (mask width; ids past the tokenizer's are refused)."""
+    self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    self._ll_tokenizer: llguidance.LLTokenizer | None = None
+    self._lock = threading.Lock()
+    self._checked: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+  @property
+  def ll_tokenizer(self) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary (built once, ~0.3 s)."""
+    with self._lock:
+      if self._ll_tokenizer is None:
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is None or not hasattr(backend, "to_str"):
+          raise ValueError("structured output needs a Hugging Face `tokenizers` tokenizer; "
+                           "this model's tokenizer has none")
+        eos = sorted(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        self._ll_tokenizer = llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=self.vocab_size, eos_token=eos or None)
+      return self._ll_tokenizer
+
+  def check(self, spec: StructuredOutputsParams) -> str:
+    """The constraint's grammar text, checked; ValueError naming the field if it is bad.
+
+    CPU work that can take up to a second for a huge schema: front ends call it
+    in a worker thread, so the engine's own call hits the cache.
+    """
+    spec.validate()
+    kind = spec.kind
+    field = f"structured_outputs.{kind}"
+    grammar = grammar_text(spec)
+    with self._lock:
+      if grammar in self._checked:
+        self._checked.move_to_end(grammar)
+        return grammar
+    error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+    if error:
+      raise ValueError(f"{field} is not a valid {_WHAT[kind]}: {error.strip()}")
+    with self._lock:
+      self._checked[grammar] = kind
+      while len(self._checked) > _CACHE_SIZE:
+        self._checked.popitem(last=False)
+    return grammar
+
+  def grammar(self, spec: StructuredOutputsParams) -> Grammar:
+    """A fresh `Grammar` for one request (checks the constraint first)."""
+    text = self.check(spec)
+    matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
+    if matcher.is_error():
+      raise ValueError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
+    return Grammar(matcher, spec.kind)
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+         "choice": "list of choices", "grammar": "Lark grammar"}
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+  """llguidance's grammar text for a constraint (not yet checked)."""
+  kind = spec.kind
+  field = f"structured_outputs.{kind}"
+  if kind in ("json", "json_object"):
+    schema: Any = {"type": "object"} if kind == "json_object" else spec.json
+    if isinstance(schema, str):
+      try:
+        schema = json.loads(schema)
+      except ValueError as e:
+        raise ValueError(f"{field} is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+      raise ValueError(f"{field} must be a JSON schema object")
+    try:
+      return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"{field} is not a valid JSON schema: {e}") from None
+  if kind == "regex":
+    return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+  if kind == "choice":
+    return llguidance.LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(json.dumps(c) for c in spec.choice))
+  try:  # Lark, or GBNF (llama.cpp's), converted to Lark
+    return llguidance.grammar_from("grammar", spec.grammar)
+  except ValueError as e:
+    raise ValueError(f"{field} is not a valid grammar: {e}") from None
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(grammars: list[Grammar], vocab_size: int) -> tuple[np.ndarray, list[int]]:
+  """Next-token masks of `grammars` -> ([n, bitmask_width] int32, rows that cannot go on).
+
+  The rows are computed in parallel by llguidance's thread pool (the GIL is
+  released). A row is refused (listed, left all zero) when its grammar is in
+  error or allows no token at all.
+  """
+  global _executor
+  if _executor is None:
+    _executor = llguidance.LLExecutor()
+  masks = np.zeros((len(grammars), bitmask_width(vocab_size)), np.int32)
+  live = [(g.matcher, i) for i, g in enumerate(grammars) if not g.matcher.is_error()]
+  if live:
+    llg_numpy.fill_next_token_bitmask_par(_executor, live, masks)
+  dead = [i for i, g in enumerate(grammars) if g.matcher.is_error() or not masks[i].any()]
+  masks[dead] = 0
+  return masks, dead
