@@ -59,8 +59,8 @@ class FakeKVError(AssertionError):
 @dataclasses.dataclass
 class _Handle:
   tokens: dict[str, SampledToken]
-  # Constrained requests not sampled yet: request id -> (sequence, preferred token).
-  pending: dict[str, tuple[Sequence, int]] = dataclasses.field(default_factory=dict)
+  # Constrained requests not sampled yet: request id -> (sequence, decode slot, preferred token).
+  pending: dict[str, tuple[Sequence, int, int]] = dataclasses.field(default_factory=dict)
 
 
 class FakeRunner:
@@ -92,13 +92,13 @@ class FakeRunner:
       tokens[row.seq.request_id] = self._decode(row)
     self.num_steps += 1
     constrained = set(plan.constrained)
-    pending = {rid: (seq, tokens.pop(rid).token_id) for seq in plan.sampled
+    pending = {rid: (seq, seq.decode_slot, tokens.pop(rid).token_id) for seq in plan.sampled
                if (rid := seq.request_id) in constrained}
     return _Handle(tokens, pending)
 
   def sample(self, *, handle: _Handle, masks: dict[str, Any]) -> None:
     """Samples the constrained requests: the preferred token, or the next one allowed."""
-    for rid, (seq, token) in handle.pending.items():
+    for rid, (seq, slot, token) in handle.pending.items():
       mask = masks.get(rid)
       if mask is not None:
         bits = np.unpackbits(np.asarray(mask, np.int32).view(np.uint8),
@@ -107,7 +107,7 @@ class FakeRunner:
         if allowed.size:
           above = allowed[allowed >= token]
           token = int(above[0] if above.size else allowed[0])
-      self.last_tokens[seq.decode_slot] = token
+      self.last_tokens[slot] = token
       handle.tokens[rid] = SampledToken(token_id=token, logprob=self._logprob(seq, token))
     handle.pending = {}
 

@@ -4,9 +4,16 @@ Requests are validated strictly (`extra="forbid"`, no type coercion), as the
 OpenAI API does: an unknown field or a string where a number belongs is a 400
 naming the field. vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, ...) are accepted in the
-body. Fields we know but do not implement (`tools`, `response_format` other
-than text, `logit_bias`, `echo`, `suffix`, ...) are rejected with a message
-saying so, rather than silently ignored.
+body. Fields we know but do not implement (`logit_bias`, `echo`, `suffix`,
+...) are rejected with a message saying so, rather than silently ignored.
+
+Constrained output comes in three spellings, at most one per request (400
+otherwise): OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
+`structured_outputs` object (`json`, `regex`, `choice`, `grammar`,
+`json_object`) and vLLM's older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` fields. All become one
+`StructuredOutputsParams` (`_SamplingRequest.structured_outputs_params`); the
+error for a constraint that does not compile names the field it came from.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serving.types import MAX_LOGPROBS, SamplingParams
+from serving.types import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -137,6 +144,11 @@ class _SamplingRequest(_Strict):
   service_tier: str | None = None
   response_format: dict[str, Any] | None = None
   # vLLM extensions.
+  structured_outputs: dict[str, Any] | None = None
+  guided_json: str | dict[str, Any] | None = None
+  guided_regex: str | None = None
+  guided_choice: list[str] | None = None
+  guided_grammar: str | None = None
   top_k: int | None = None
   min_p: float | None = None
   repetition_penalty: float | None = None
@@ -149,17 +161,43 @@ class _SamplingRequest(_Strict):
     """Rejects known-but-unimplemented options with a clear message."""
     if self.logit_bias:
       raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    if self.response_format and self.response_format.get("type", "text") != "text":
-      raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported "
-                     "yet (no structured output / JSON mode)", param="response_format")
     if self.stream_options is not None and not self.stream:
       raise APIError(400, "stream_options is only allowed when stream is true",
                      param="stream_options")
 
+  def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's output constraint and the field it came from (for errors).
+
+    APIError 400 when several spellings are given or one is malformed.
+    """
+    sources = []
+    fmt = self.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+      sources.append(("response_format", _from_response_format(fmt)))
+    if self.structured_outputs is not None:
+      sources.append(("structured_outputs", self.structured_outputs))
+    for kind in ("json", "regex", "choice", "grammar"):
+      value = getattr(self, f"guided_{kind}")
+      if value is not None:
+        sources.append((f"guided_{kind}", {kind: value}))
+    if len(sources) > 1:
+      raise APIError(400, "give at most one output constraint; got "
+                     + ", ".join(name for name, _ in sources), param=sources[1][0])
+    if not sources:
+      return None, ""
+    name, spec = sources[0]
+    try:
+      params = StructuredOutputsParams.coerce(spec)
+      params.validate()
+    except (TypeError, ValueError) as e:
+      raise APIError(400, f"{name}: {e}", param=name, code="invalid_value") from None
+    return params, name
+
   def include_usage(self) -> bool:
     return bool(self.stream_options and self.stream_options.include_usage)
 
-  def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+  def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
+                      structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for choice `index` (the seed is offset so choices differ)."""
     try:
       return SamplingParams(
@@ -177,10 +215,38 @@ class _SamplingRequest(_Strict):
           ignore_eos=self.ignore_eos,
           logprobs=logprobs,
           include_stop_str_in_output=self.include_stop_str_in_output,
-          skip_special_tokens=self.skip_special_tokens)
+          skip_special_tokens=self.skip_special_tokens,
+          structured_outputs=structured)
     except ValueError as e:
       param = str(e).split()[0]
       raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+def _from_response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+  """OpenAI's response_format -> structured_outputs fields (APIError 400 if malformed)."""
+  kind = fmt.get("type")
+  if kind == "json_object":
+    return {"json_object": True}
+  if kind != "json_schema":
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got "
+                   f"{_clip(repr(kind))}", param="response_format.type")
+  spec = fmt.get("json_schema")
+  if not isinstance(spec, dict):
+    raise APIError(400, "response_format.json_schema must be an object with a name and a schema",
+                   param="response_format.json_schema")
+  name = spec.get("name")
+  if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
+    raise APIError(400, "response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+                   param="response_format.json_schema.name")
+  for key, types in (("strict", (bool, type(None))), ("description", (str, type(None)))):
+    if not isinstance(spec.get(key), types):
+      raise APIError(400, f"response_format.json_schema.{key} has the wrong type",
+                     param=f"response_format.json_schema.{key}")
+  schema = spec.get("schema", {"type": "object"})
+  if not isinstance(schema, (dict, bool)):
+    raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                   param="response_format.json_schema.schema")
+  return {"json": schema if isinstance(schema, dict) else json.dumps(schema)}
 
 
 class CompletionRequest(_SamplingRequest):

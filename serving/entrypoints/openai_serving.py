@@ -41,7 +41,7 @@ from serving.entrypoints.openai_protocol import (
   TokenizeRequest,
   UnloadLoraAdapterRequest,
 )
-from serving.types import RequestOutput, SamplingParams
+from serving.types import RequestOutput, SamplingParams, StructuredOutputsParams
 
 
 @dataclasses.dataclass
@@ -165,12 +165,13 @@ class OpenAIServing:
     req.check_supported()
     with _limit_errors():
       self.limits.check_counts(len(req.prompts()), req.n)
+    structured = self.output_constraint(req)
     prompts = [self.tokenize_prompt(p, add_special_tokens=True) for p in req.prompts()]
     choices = []
     for ids in prompts:
       max_tokens = self.resolve_max_tokens(ids, req.max_tokens, 16)
       for i in range(req.n):
-        params = self.checked(req.sampling_params(max_tokens, req.logprobs, i))
+        params = self.checked(req.sampling_params(max_tokens, req.logprobs, i, structured))
         choices.append(Choice(len(choices), ids, params, i))
     return Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices, req.logprobs,
                lora)
@@ -185,9 +186,25 @@ class OpenAIServing:
     ids = self.tokenize_prompt(text, add_special_tokens=False)
     max_tokens = self.resolve_max_tokens(ids, req.requested_max_tokens(), None)
     n_lp = req.num_logprobs()
-    choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i)), i)
-               for i in range(req.n)]
+    structured = self.output_constraint(req)
+    choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i, structured)),
+                      i) for i in range(req.n)]
     return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp, lora)
+
+  def output_constraint(self, req: CompletionRequest | ChatCompletionRequest
+                        ) -> StructuredOutputsParams | None:
+    """The request's output constraint, compiled once here (a worker thread) so the
+    engine finds it cached; APIError 400 naming the field it came from if it is bad."""
+    spec, source = req.structured_outputs_params()
+    if spec is None:
+      return None
+    try:
+      self.engine.engine.check_structured_outputs(SamplingParams(structured_outputs=spec))
+    except ValueError as e:
+      param = _CONSTRAINT_FIELDS.get((source, spec.kind), source)
+      message = str(e).replace(f"structured_outputs.{spec.kind}", param, 1)
+      raise APIError(400, message, param=param, code="invalid_value") from None
+    return spec
 
   def checked(self, params: SamplingParams) -> SamplingParams:
     """`params` if they are within the limits (APIError 400 naming the field otherwise)."""
@@ -417,6 +434,14 @@ class OpenAIServing:
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps or []]}
+
+
+# Where a constraint's error points: (the field it came from, its kind) -> parameter.
+_CONSTRAINT_FIELDS = {
+    ("response_format", "json"): "response_format.json_schema.schema",
+    **{("structured_outputs", k): f"structured_outputs.{k}"
+       for k in ("json", "regex", "choice", "grammar", "json_object")},
+}
 
 
 def admission_error(e: Exception) -> APIError:

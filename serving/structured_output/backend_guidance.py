@@ -54,8 +54,11 @@ class Grammar:
 
   @property
   def error(self) -> str | None:
-    """Why the grammar cannot go on (it then refuses everything), or None."""
-    return self.matcher.get_error() or None if self.matcher.is_error() else None
+    """Why the grammar cannot go on (it then refuses everything), or None: the first line
+    of llguidance's message (the rest dumps the parser state and the grammar)."""
+    if not self.matcher.is_error():
+      return None
+    return (self.matcher.get_error() or "grammar error").strip().splitlines()[0]
 
 
 class GrammarCompiler:

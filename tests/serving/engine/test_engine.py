@@ -76,6 +76,14 @@ SAMPLING_VARIANTS = [
 ]
 
 
+# Constrained output: the step's sampling waits for token masks (no other program).
+CONSTRAINED_VARIANTS = [
+    SamplingParams(max_tokens=6, temperature=0.8, seed=5,
+                   structured_outputs={"regex": "[a-z]+( [a-z]+)*"}),
+    SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"json_object": True}),
+]
+
+
 def random_workload(rng, n, variants=None):
   """`n` requests: staggered arrivals, prompts up to 60 tokens (longer than a prefill chunk),
   every third one behind a shared 24-token prefix, mixed max_tokens, every fifth-ish aborted.
@@ -159,7 +167,8 @@ def test_no_compilation_after_warm_up(tiny_dir):
 
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
-    reqs = random_workload(np.random.default_rng(7), 18, variants=SAMPLING_VARIANTS)
+    reqs = random_workload(np.random.default_rng(7), 18,
+                           variants=SAMPLING_VARIANTS + CONSTRAINED_VARIANTS)
     results = drive(eng, reqs)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
@@ -172,6 +181,7 @@ def test_no_compilation_after_warm_up(tiny_dir):
   assert any(len(r["prompt"]) > eng.config.max_num_batched_tokens for r in reqs)
   assert len({r["params"].max_tokens for r in reqs}) > 1
   assert len({r["arrival"] for r in reqs}) > 1
+  assert any(r["params"].structured_outputs for r in reqs)
 
 
 def test_prefix_cache_skips_shared_prefill(tiny_dir, engine):
