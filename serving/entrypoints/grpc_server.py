@@ -173,7 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
       raise APIError(400, "max_tokens must be at least 1")
     opt = lambda name, default: getattr(s, name) if s.HasField(name) else default
     try:
-      return SamplingParams(
+      params = SamplingParams(
           max_tokens=self.serving.resolve_max_tokens(ids, requested, None),
           temperature=opt("temperature", 1.0), top_p=opt("top_p", 1.0), top_k=opt("top_k", -1),
           min_p=opt("min_p", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
@@ -181,9 +181,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
           frequency_penalty=opt("frequency_penalty", 0.0), seed=opt("seed", None),
           stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
           logprobs=opt("logprobs", None), include_stop_str_in_output=s.include_stop_str_in_output,
-          skip_special_tokens=opt("skip_special_tokens", True))
+          skip_special_tokens=opt("skip_special_tokens", True),
+          structured_outputs=_structured_outputs(s))
     except ValueError as e:
       raise APIError(400, str(e)) from None
+    try:  # compiled here, in the worker thread; the engine finds it cached
+      self.engine.engine.check_structured_outputs(params)
+    except ValueError as e:
+      raise APIError(400, str(e)) from None
+    return params
+
+
+def _structured_outputs(s: pb.SamplingParams) -> dict | None:
+  """The proto's structured_outputs as SamplingParams' dict form (None when unset)."""
+  if not s.HasField("structured_outputs"):
+    return None
+  so = s.structured_outputs
+  kind = so.WhichOneof("constraint")
+  if kind is None:
+    raise ValueError("structured_outputs must set one of json, regex, choice, grammar, "
+                     "json_object")
+  value = getattr(so, kind)
+  return {kind: list(value.choices) if kind == "choice" else value}
 
 
 def _response(request_id: str, out: RequestOutput, num_tokens: int,

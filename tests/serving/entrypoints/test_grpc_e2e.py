@@ -1,5 +1,7 @@
 """gRPC end to end on the real server: streaming Generate, Tokenize, health, reflection, cancel."""
 
+import json
+
 import grpc
 import pytest
 from frontend_procs import metric_value, shared_real_server, wait_until
@@ -74,3 +76,29 @@ def test_cancel_mid_stream_frees_pages_visible_in_metrics(srv, channel):
                     and metric_value(url, "xlaserve_kv_cache_pages_free") == total, 60)
   assert metric_value(url, "xlaserve_request_success_total", finish_reason="abort") == aborted + 1
   assert metric_value(url, "xlaserve_generation_tokens_total") > 0
+
+
+def test_structured_outputs(channel):
+  stub = pb_grpc.GenerationStub(channel)
+  so = pb.StructuredOutputs(choice=pb.Choices(choices=["left", "right"]))
+  for seed in range(3):
+    msgs = list(stub.Generate(pb.GenerateRequest(
+        text="Which way?", sampling=pb.SamplingParams(
+            max_tokens=8, temperature=1.0, seed=seed, structured_outputs=so)), timeout=300))
+    assert "".join(m.text for m in msgs) in ("left", "right")
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+  schema = ('{"type": "object", "properties": {"n": {"type": "integer", "maximum": 999}}, '
+            '"required": ["n"], "additionalProperties": false}')
+  msgs = list(stub.Generate(pb.GenerateRequest(
+      text="A number:", sampling=pb.SamplingParams(
+          max_tokens=20, temperature=0.0,
+          structured_outputs=pb.StructuredOutputs(json=schema))), timeout=300))
+  assert isinstance(json.loads("".join(m.text for m in msgs))["n"], int)
+  for bad in (pb.StructuredOutputs(regex="a("), pb.StructuredOutputs(json="{"),
+              pb.StructuredOutputs(grammar="start: nothing_here"), pb.StructuredOutputs()):
+    with pytest.raises(grpc.RpcError) as e:
+      list(stub.Generate(pb.GenerateRequest(
+          text="hi", sampling=pb.SamplingParams(max_tokens=4, structured_outputs=bad)),
+          timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+    assert "structured_outputs" in e.value.details()
