@@ -184,3 +184,22 @@ def test_engines_without_structured_output_refuse_it(tok):
   with pytest.raises(ValueError, match="not supported"):
     engine.add_request("x", "hi", SamplingParams(structured_outputs={"regex": "a"}),
                        lambda o: None)
+
+
+def test_default_model_unconstrained_outputs_do_not_change_when_half_are_constrained(
+    default_llm):
+  """32 requests, half constrained by a JSON schema: the other half's greedy outputs equal a
+  run with no constrained request at all (the real model, f32 weights)."""
+  topics = ["cats", "the sea", "Paris", "rain", "music", "a robot", "bread", "winter"]
+  prompts = [f"Write one sentence about {t}." for t in topics] * 2
+  plain = SamplingParams(max_tokens=12, temperature=0.0)
+  json_params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={
+      "json": SCHEMA})
+  alone = default_llm.generate(prompts, plain)
+  mixed = default_llm.generate(prompts + prompts, [plain] * 16 + [json_params] * 16)
+  assert [o.token_ids for o in mixed[:16]] == [o.token_ids for o in alone]
+  for o in mixed[16:]:
+    if o.finish_reason == "stop":
+      jsonschema.validate(json.loads(o.text), SCHEMA)
+    else:
+      assert o.text.startswith("{")
