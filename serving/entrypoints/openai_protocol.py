@@ -292,6 +292,8 @@ class ChatMessage(BaseModel):
   role: Literal["system", "developer", "user", "assistant", "tool"]
   content: str | list[dict[str, Any]] | None = None
   name: str | None = None
+  tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+  tool_call_id: str | None = None  # a tool result: the call it answers
 
   def text(self) -> str:
     if self.content is None or isinstance(self.content, str):
@@ -323,8 +325,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
   def check_supported(self) -> None:
     super().check_supported()
-    if self.tools or (self.tool_choice not in (None, "none")):
-      raise APIError(400, "tool calling is not supported", param="tools")
     if self.top_logprobs is not None and not self.logprobs:
       raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
@@ -334,8 +334,17 @@ class ChatCompletionRequest(_SamplingRequest):
   def requested_max_tokens(self) -> int | None:
     return self.max_completion_tokens or self.max_tokens
 
-  def message_dicts(self) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.text()} for m in self.messages]
+  def message_dicts(self) -> list[dict[str, Any]]:
+    """The messages as dicts: role, content text, and an assistant's tool_calls / a tool
+    result's tool_call_id and name when present."""
+    out = []
+    for m in self.messages:
+      d: dict[str, Any] = {"role": m.role, "content": m.text()}
+      for key in ("tool_calls", "tool_call_id", "name"):
+        if getattr(m, key) is not None:
+          d[key] = getattr(m, key)
+      out.append(d)
+    return out
 
 
 class TokenizeRequest(_Strict):

@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from serving.entrypoints import tool_calls
 from serving.entrypoints.async_engine import (
   AsyncEngine,
   EngineUnavailableError,
@@ -58,6 +60,7 @@ class Choice:
   finish_reason: str | None = None
   error: str | None = None
   sent_role: bool = False
+  tool_parser: tool_calls.ToolCallStreamParser | None = None  # streaming chat with tools
 
 
 @dataclasses.dataclass
@@ -70,6 +73,7 @@ class Job:
   choices: list[Choice]
   num_logprobs: int | None
   lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
+  tools: list[tool_calls.ToolSpec] | None = None  # parse tool calls from the output (chat)
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   def usage(self) -> dict[str, int]:
@@ -103,6 +107,7 @@ class OpenAIServing:
       with _limit_errors():
         limits.check_counts(len(prompt), 1)
     bounds = {"messages": (max_len, "messages"), "stop": (limits.max_stop, "stop strings"),
+              "tools": (tool_calls.MAX_TOOLS, "tools"),
               "stop_token_ids": (limits.max_stop_token_ids, "stop_token_ids"),
               "tokens": (limits.max_input_chars, "tokens")}
     for field, (bound, what) in bounds.items():
@@ -181,15 +186,44 @@ class OpenAIServing:
     req.check_supported()
     with _limit_errors():
       self.limits.check_counts(1, req.n)
-    text = self.render_chat(req.message_dicts(), req.add_generation_prompt,
-                            req.chat_template_kwargs)
+    tools, tool_choice = self.tool_options(req)
+    native = tool_calls.template_supports_tools(getattr(self.tokenizer, "chat_template", None))
+    offered = tools if tool_choice != "none" else []
+    try:
+      messages = tool_calls.prepare_messages(req.message_dicts(), offered, native)
+    except tool_calls.ToolError as e:
+      raise APIError(400, str(e), param=e.param or "messages") from None
+    text = self.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs,
+                            tools=[t.to_openai() for t in offered] if native and offered else None)
     ids = self.tokenize_prompt(text, add_special_tokens=False)
     max_tokens = self.resolve_max_tokens(ids, req.requested_max_tokens(), None)
     n_lp = req.num_logprobs()
+    forced = tool_choice not in ("none", "auto")  # "required" or a named function
+    if forced and req.structured_outputs_params()[0] is not None:
+      raise APIError(400, "tool_choice \"required\" or a named function cannot be combined "
+                     "with response_format / structured_outputs", param="tool_choice")
     structured = self.output_constraint(req)
+    if forced:
+      parallel = req.parallel_tool_calls is not False and tool_choice == "required"
+      structured = StructuredOutputsParams(
+          grammar=tool_calls.tool_grammar(tools, tool_choice, parallel))
+      self._check_constraint(structured, "tools")
     choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i, structured)),
                       i) for i in range(req.n)]
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp, lora)
+    return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp, lora,
+               tools=offered if tool_choice != "none" else None)
+
+  def tool_options(self, req: ChatCompletionRequest) -> tuple[list[tool_calls.ToolSpec], str]:
+    """The request's validated tools and tool_choice ("none", "auto", "required" or a
+    function name); APIError 400 naming the field."""
+    if req.tools is not None:
+      with _limit_errors():
+        self.limits.check_text(json.dumps(req.tools), "tools")
+    try:
+      tools = tool_calls.parse_tools(req.tools)
+      return tools, tool_calls.parse_tool_choice(req.tool_choice, tools)
+    except tool_calls.ToolError as e:
+      raise APIError(400, str(e), param=e.param or "tools") from None
 
   def output_constraint(self, req: CompletionRequest | ChatCompletionRequest
                         ) -> StructuredOutputsParams | None:
@@ -198,13 +232,15 @@ class OpenAIServing:
     spec, source = req.structured_outputs_params()
     if spec is None:
       return None
+    self._check_constraint(spec, _CONSTRAINT_FIELDS.get((source, spec.kind), source))
+    return spec
+
+  def _check_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
     try:
       self.engine.engine.check_structured_outputs(SamplingParams(structured_outputs=spec))
     except ValueError as e:
-      param = _CONSTRAINT_FIELDS.get((source, spec.kind), source)
       message = str(e).replace(f"structured_outputs.{spec.kind}", param, 1)
       raise APIError(400, message, param=param, code="invalid_value") from None
-    return spec
 
   def checked(self, params: SamplingParams) -> SamplingParams:
     """`params` if they are within the limits (APIError 400 naming the field otherwise)."""
@@ -212,13 +248,15 @@ class OpenAIServing:
       self.limits.check_sampling(params)
     return params
 
-  def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                  template_kwargs: dict[str, Any] | None = None) -> str:
+  def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                  template_kwargs: dict[str, Any] | None = None,
+                  tools: list[dict[str, Any]] | None = None) -> str:
     """The chat template applied to `messages` (APIError 400 if it fails).
 
     Request `chat_template_kwargs` are data for the template; a template of the
     client's own (`chat_template`) runs only if the operator allows it, and
-    `tools` / `documents` are not accepted through them.
+    `tools` / `documents` are not accepted through them (`tools` comes from the
+    request's validated `tools`, for templates that render them).
     """
     kwargs = dict(template_kwargs or {})
     if "chat_template" in kwargs and not self.limits.allow_request_chat_template:
@@ -231,6 +269,8 @@ class OpenAIServing:
                        param=f"chat_template_kwargs.{key}")
     with _limit_errors():
       self.limits.check_text("".join(str(m.get("content") or "") for m in messages), "messages")
+    if tools is not None:
+      kwargs["tools"] = tools
     try:
       return self.tokenizer.apply_chat_template(
           messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
@@ -364,9 +404,7 @@ class OpenAIServing:
         raise APIError(503, "the server stopped before the request finished; retry",
                        type="server_error", code="server_draining")
     if job.kind == "chat":
-      choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": self._chat_logprobs(c.logprobs, job),
-                  "finish_reason": c.finish_reason} for c in job.choices]
+      choices = [self._chat_choice(job, c) for c in job.choices]
       obj = "chat.completion"
     else:
       choices = [{"index": c.index, "text": c.text, "logprobs": self._completion_logprobs(
@@ -386,13 +424,43 @@ class OpenAIServing:
     if include_usage:
       yield {**head, "choices": [], "usage": job.usage()}
 
+  def _chat_choice(self, job: Job, c: Choice) -> dict[str, Any]:
+    """A finished chat choice; with tools, calls in the output become `tool_calls`."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    finish = c.finish_reason
+    if job.tools is not None:
+      content, calls = tool_calls.parse_tool_calls(c.text, job.tools)
+      message["content"] = content
+      if calls:
+        message["tool_calls"] = calls
+        finish = "tool_calls" if finish == "stop" else finish
+    return {"index": c.index, "message": message,
+            "logprobs": self._chat_logprobs(c.logprobs, job), "finish_reason": finish}
+
+  def _chat_delta(self, job: Job, choice: Choice, out: RequestOutput) -> tuple[dict, str | None]:
+    """A streamed chat delta and finish reason; with tools, through the choice's parser."""
+    if job.tools is None:
+      return {"content": out.text}, out.finish_reason
+    if choice.tool_parser is None:
+      choice.tool_parser = tool_calls.ToolCallStreamParser(job.tools)
+    delta = choice.tool_parser.feed(out.text)
+    finish = out.finish_reason
+    if finish is not None:
+      rest = choice.tool_parser.finish()
+      for key, value in rest.items():
+        delta[key] = (delta.get(key) or ([] if key == "tool_calls" else "")) + value
+      if finish == "stop" and choice.tool_parser.calls:
+        finish = "tool_calls"
+    return delta, finish
+
   def _chunk(self, job: Job, head: dict[str, Any], choice: Choice, out: RequestOutput,
              include_usage: bool, continuous_usage: bool) -> dict[str, Any]:
     if out.finish_reason == "error":
       return {"error": APIError(500, f"generation failed: {out.error}",
                                 type="server_error").body()["error"]}
+    finish = out.finish_reason
     if job.kind == "chat":
-      delta: dict[str, Any] = {"content": out.text}
+      delta, finish = self._chat_delta(job, choice, out)
       if not choice.sent_role:
         delta["role"], choice.sent_role = "assistant", True
       c = {"index": choice.index, "delta": delta,
@@ -401,7 +469,7 @@ class OpenAIServing:
       offset = len(choice.text) - len(out.text)
       c = {"index": choice.index, "text": out.text,
            "logprobs": self._completion_logprobs(out.logprobs, job, offset)}
-    c["finish_reason"] = out.finish_reason
+    c["finish_reason"] = finish
     chunk = {**head, "choices": [c]}
     if include_usage:
       chunk["usage"] = job.usage() if continuous_usage else None

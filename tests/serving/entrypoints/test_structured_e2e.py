@@ -181,3 +181,44 @@ def test_bad_constraints_get_400_naming_the_field(srv, body, param):
       "model": MODEL, "prompt": "hi", "max_tokens": 2,
       "structured_outputs": {"choice": ["fine"]}})
   assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "fine"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool_choice, extra", [
+    ("required", {"parallel_tool_calls": False}),
+    ({"type": "function", "function": {"name": "get_weather"}}, {}),
+], ids=["required", "named"])
+def test_forced_tool_calls_always_validate(oa, tool_choice, extra):
+  schema = WEATHER["function"]["parameters"]
+  messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+  def one(seed):
+    out = oa.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                     tool_choice=tool_choice, max_tokens=45, temperature=1.0,
+                                     seed=seed, **extra)
+    return out.choices[0]
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    choices = list(pool.map(one, range(16)))
+  for c in choices:
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+    call = c.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+  # Streaming: the same call, its arguments in pieces.
+  args, name, finish = "", None, None
+  for chunk in oa.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                          tool_choice=tool_choice, max_tokens=45,
+                                          temperature=0.0, stream=True, **extra):
+    for tc in chunk.choices[0].delta.tool_calls or []:
+      name = tc.function.name or name
+      args += tc.function.arguments or ""
+    finish = chunk.choices[0].finish_reason or finish
+  assert name == "get_weather" and finish == "tool_calls"
+  jsonschema.validate(json.loads(args), schema)
