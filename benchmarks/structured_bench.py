@@ -37,7 +37,9 @@ SCHEMA = {"type": "object", "properties": {
               "items": {"type": "string", "maxLength": 12}},
     "score": {"type": "integer", "minimum": 0, "maximum": 100}},
     "required": ["title", "words", "score"], "additionalProperties": False}
-CASES = {"1 plain": (1, 0), "1 json": (1, 1), "32 plain": (32, 0), "32 half json": (32, 16)}
+# case -> (concurrency, share of the requests constrained)
+CASES = {"1 plain": (1, 0.0), "1 json": (1, 1.0), "32 plain": (32, 0.0),
+         "32 half json": (32, 0.5)}
 
 
 def start(flags: list[str], port: int, log_dir: str):
@@ -48,14 +50,16 @@ def start(flags: list[str], port: int, log_dir: str):
 
 
 async def level(base_url: str, model: str, prompts: list[str], output_len: int,
-                concurrency: int, constrained: int) -> dict:
+                concurrency: int, share: float) -> dict:
+  """`concurrency` clients, `share` of them sending SCHEMA-constrained requests."""
   from serving.tools import bench_serve
 
   plain = bench_serve.Target(base_url, model, {"ignore_eos": True})
   json_t = bench_serve.Target(base_url, model, {"ignore_eos": True,
                                                 "structured_outputs": {"json": SCHEMA}})
-  parts = [(json_t, prompts[:constrained], constrained),
-           (plain, prompts[constrained:], concurrency - constrained)]
+  n_json, c_json = round(len(prompts) * share), round(concurrency * share)
+  parts = [(json_t, prompts[:n_json], c_json),
+           (plain, prompts[n_json:], concurrency - c_json)]
   start = time.perf_counter()
   done = await asyncio.gather(*(bench_serve.run_level(t, ps, output_len, c)
                                 for t, ps, c in parts if c))
@@ -78,16 +82,11 @@ def bench(args) -> dict:
     for rep in range(args.repeats):
       order = list(CASES) if rep % 2 == 0 else list(reversed(CASES))
       for case in order:
-        concurrency, constrained = CASES[case]
+        concurrency, share = CASES[case]
         n = concurrency * (2 if concurrency > 1 else args.single_requests)
         prompts = [p for p, _ in bench.make_prompts(tok, n, args.input_len,
                                                     seed=rep * 100 + len(results[case]))]
-        if concurrency > 1:  # constrained requests spread over the run
-          constrained = n * constrained // concurrency
-        else:
-          constrained = n * constrained
-        res = asyncio.run(level(url, model, prompts, args.output_len, concurrency,
-                                constrained))
+        res = asyncio.run(level(url, model, prompts, args.output_len, concurrency, share))
         results[case].append(res)
         print(f"round {rep} {case:13s} {res['output_tok_s']:7.1f} tok/s  TPOT p50 "
               f"{res['tpot_p50'] * 1e3:6.1f} ms  errors {res['errors']}", flush=True)
