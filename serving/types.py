@@ -66,6 +66,34 @@ def _short(value) -> str:
 # Bounds on a constraint's size (the grammar is compiled per request on the host).
 MAX_GRAMMAR_CHARS = 200_000
 MAX_CHOICES = 1024
+MAX_SCHEMA_DEPTH = 64
+
+
+def _json_size(value: Any, name: str) -> int:
+  """Characters a JSON value takes, about; walked without recursion. ValueError if it is
+  not JSON, nests deeper than MAX_SCHEMA_DEPTH or exceeds MAX_GRAMMAR_CHARS."""
+  size, stack = 0, [(value, 0)]
+  while stack:
+    v, depth = stack.pop()
+    if depth > MAX_SCHEMA_DEPTH:
+      raise ValueError(f"{name} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    if isinstance(v, dict):
+      if any(not isinstance(k, str) for k in v):
+        raise ValueError(f"{name} must be JSON: object keys are strings")
+      size += 2 + sum(len(k) + 4 for k in v)
+      stack += [(x, depth + 1) for x in v.values()]
+    elif isinstance(v, list):
+      size += 2 + len(v)
+      stack += [(x, depth + 1) for x in v]
+    elif isinstance(v, str):
+      size += len(v) + 2
+    elif v is None or isinstance(v, (bool, int, float)):
+      size += 8
+    else:
+      raise ValueError(f"{name} must be JSON, got a {type(v).__name__}")
+    if size > MAX_GRAMMAR_CHARS:
+      raise ValueError(f"{name} exceeds {MAX_GRAMMAR_CHARS} characters")
+  return size
 
 
 @dataclasses.dataclass
@@ -105,8 +133,10 @@ class StructuredOutputsParams:
     if kind == "json":
       if not isinstance(value, (str, dict)):
         raise ValueError(f"{name} must be a JSON schema (an object or its JSON text)")
-      if len(value if isinstance(value, str) else repr(value)) > MAX_GRAMMAR_CHARS:
+      if isinstance(value, str) and len(value) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"{name} exceeds {MAX_GRAMMAR_CHARS} characters")
+      if isinstance(value, dict):
+        _json_size(value, name)
     if kind in ("regex", "grammar"):
       if not isinstance(value, str) or not value:
         raise ValueError(f"{name} must be a non-empty string")

@@ -273,7 +273,8 @@ class LLMEngine:
       seq = seqs[i]
       why = seq.grammar.error or "no token can continue it"
       self._finish(seq, "error", error=f"structured output failed: {why}")
-    by_id = {s.request_id: masks[i] for i, s in enumerate(seqs) if i not in set(dead)}
+    refused = set(dead)
+    by_id = {s.request_id: masks[i] for i, s in enumerate(seqs) if i not in refused}
     try:
       self.runner.sample(handle=handle, masks=by_id)
     except Exception as e:

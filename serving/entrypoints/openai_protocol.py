@@ -190,7 +190,12 @@ class _SamplingRequest(_Strict):
       params = StructuredOutputsParams.coerce(spec)
       params.validate()
     except (TypeError, ValueError) as e:
-      raise APIError(400, f"{name}: {e}", param=name, code="invalid_value") from None
+      kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+               if isinstance(spec, dict) and spec.get(k) not in (None, False)]
+      param = constraint_param(name, kinds[0]) if len(kinds) == 1 else name
+      message = str(e).replace(f"structured_outputs.{kinds[0]}", param) if kinds else str(e)
+      raise APIError(400, message if param in message else f"{param}: {message}", param=param,
+                     code="invalid_value") from None
     return params, name
 
   def include_usage(self) -> bool:
@@ -220,6 +225,15 @@ class _SamplingRequest(_Strict):
     except ValueError as e:
       param = str(e).split()[0]
       raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+def constraint_param(source: str, kind: str) -> str:
+  """The request field an output constraint of `kind` came from (what errors name)."""
+  if source == "response_format":
+    return "response_format.json_schema.schema" if kind == "json" else "response_format"
+  if source == "structured_outputs":
+    return f"structured_outputs.{kind}"
+  return source  # guided_json, guided_regex, ...
 
 
 def _from_response_format(fmt: dict[str, Any]) -> dict[str, Any]:

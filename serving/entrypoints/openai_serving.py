@@ -42,6 +42,7 @@ from serving.entrypoints.openai_protocol import (
   LoadLoraAdapterRequest,
   TokenizeRequest,
   UnloadLoraAdapterRequest,
+  constraint_param,
 )
 from serving.types import RequestOutput, SamplingParams, StructuredOutputsParams
 
@@ -232,7 +233,7 @@ class OpenAIServing:
     spec, source = req.structured_outputs_params()
     if spec is None:
       return None
-    self._check_constraint(spec, _CONSTRAINT_FIELDS.get((source, spec.kind), source))
+    self._check_constraint(spec, constraint_param(source, spec.kind))
     return spec
 
   def _check_constraint(self, spec: StructuredOutputsParams, param: str) -> None:
@@ -502,14 +503,6 @@ class OpenAIServing:
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps or []]}
-
-
-# Where a constraint's error points: (the field it came from, its kind) -> parameter.
-_CONSTRAINT_FIELDS = {
-    ("response_format", "json"): "response_format.json_schema.schema",
-    **{("structured_outputs", k): f"structured_outputs.{k}"
-       for k in ("json", "regex", "choice", "grammar", "json_object")},
-}
 
 
 def admission_error(e: Exception) -> APIError:

@@ -6,6 +6,15 @@ constraint's text, so repeated schemas cost nothing) and makes a `Grammar` per
 request. Refusals are `ValueError`s naming the field (`structured_outputs.json`,
 ...), raised before the engine takes the request.
 
+A constraint's cost shows at its first token mask, when llguidance builds the
+lexer states lazily (a regex like `(a{1000}){1000}` takes a second there).
+`check` therefore computes that first mask in the front end's worker thread,
+refuses a constraint that is in error or allows nothing by then, and keeps the
+warmed matcher: each request gets a copy of it (`deep_copy`), so the engine
+thread does not pay the first mask. Later masks are bounded by llguidance's
+per-step limits (`LIMITS`); a grammar that exceeds them mid-generation fails
+its own request only (the engine's `fill_masks` reports it).
+
 JSON is generated compact and canonical: `", "` between items, `": "` after
 keys, no other whitespace (a free-whitespace grammar lets small models emit
 newlines until max_tokens). A schema that does not set `additionalProperties`
@@ -27,6 +36,8 @@ from serving.types import StructuredOutputsParams
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
+# llguidance's default resource limits, without the parser state in error messages.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -58,7 +69,7 @@ class Grammar:
     of llguidance's message (the rest dumps the parser state and the grammar)."""
     if not self.matcher.is_error():
       return None
-    return (self.matcher.get_error() or "grammar error").strip().splitlines()[0]
+    return _first_line(self.matcher.get_error() or "grammar error")
 
 
 class GrammarCompiler:
@@ -70,7 +81,9 @@ class GrammarCompiler:
     self.tokenizer, self.vocab_size = tokenizer, vocab_size
     self._ll_tokenizer: llguidance.LLTokenizer | None = None
     self._lock = threading.Lock()
-    self._checked: collections.OrderedDict[str, str] = collections.OrderedDict()
+    # grammar text -> a matcher that has computed its first mask (copied per request)
+    self._templates: collections.OrderedDict[str, llguidance.LLMatcher] = (
+        collections.OrderedDict())
 
   @property
   def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -92,30 +105,43 @@ class GrammarCompiler:
     CPU work that can take up to a second for a huge schema: front ends call it
     in a worker thread, so the engine's own call hits the cache.
     """
-    spec.validate()
-    kind = spec.kind
-    field = f"structured_outputs.{kind}"
-    grammar = grammar_text(spec)
-    with self._lock:
-      if grammar in self._checked:
-        self._checked.move_to_end(grammar)
-        return grammar
-    error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-    if error:
-      raise ValueError(f"{field} is not a valid {_WHAT[kind]}: {error.strip()}")
-    with self._lock:
-      self._checked[grammar] = kind
-      while len(self._checked) > _CACHE_SIZE:
-        self._checked.popitem(last=False)
-    return grammar
+    return self._template(spec)[0]
 
   def grammar(self, spec: StructuredOutputsParams) -> Grammar:
     """A fresh `Grammar` for one request (checks the constraint first)."""
-    text = self.check(spec)
-    matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
-    if matcher.is_error():
-      raise ValueError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
-    return Grammar(matcher, spec.kind)
+    _, template = self._template(spec)
+    with self._lock:
+      return Grammar(template.deep_copy(), spec.kind)
+
+  def _template(self, spec: StructuredOutputsParams) -> tuple[str, llguidance.LLMatcher]:
+    spec.validate()
+    kind = spec.kind
+    field = f"structured_outputs.{kind}"
+    text = grammar_text(spec)
+    with self._lock:
+      template = self._templates.get(text)
+      if template is not None:
+        self._templates.move_to_end(text)
+        return text, template
+    error = llguidance.LLMatcher.validate_grammar(text, self.ll_tokenizer, limits=LIMITS)
+    if error:
+      raise ValueError(f"{field} is not a valid {_WHAT[kind]}: {_first_line(error)}")
+    template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0, limits=LIMITS)
+    scratch = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
+    if not template.is_error():
+      llg_numpy.fill_next_token_bitmask(template, scratch)
+    if template.is_error() or not scratch.any():
+      why = _first_line(template.get_error() or "no output can satisfy it")
+      raise ValueError(f"{field} is too complex to enforce or admits no output: {why}")
+    with self._lock:
+      self._templates[text] = template
+      while len(self._templates) > _CACHE_SIZE:
+        self._templates.popitem(last=False)
+    return text, template
+
+
+def _first_line(message: str) -> str:
+  return message.strip().splitlines()[0] if message.strip() else message
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
@@ -131,8 +157,10 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if isinstance(schema, str):
       try:
         schema = json.loads(schema)
-      except ValueError as e:
+      except (ValueError, RecursionError) as e:
         raise ValueError(f"{field} is not valid JSON: {e}") from None
+      if isinstance(schema, dict):
+        StructuredOutputsParams(json=schema).validate()  # depth and size, as for a dict
     if not isinstance(schema, (dict, bool)):
       raise ValueError(f"{field} must be a JSON schema object")
     try:

@@ -278,6 +278,12 @@ def _chunked_over_4mib() -> AsyncIterator[bytes]:
 _RUNAWAY_TEMPLATE = ("{% for a in range(9999) %}{% for b in range(9999) %}{% for c in range(9999)"
                      " %}x{% endfor %}{% endfor %}{% endfor %}")
 _TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+_BAD_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}]
+
+
+def _deep_schema(depth: int) -> str:
+  return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
 
 
 def chat_template_case() -> Case:
@@ -409,8 +415,31 @@ def _http_cases() -> list[Case]:
       http_case("chat-chat_template_kwargs-documents", "/v1/chat/completions",
                 chat('"chat_template_kwargs": {"documents": [{"text": "x"}]}'),
                 says="documents"),
-      http_case("chat-tools", "/v1/chat/completions", chat(f'"tools": {json.dumps(_TOOLS)}'),
-                says="tool"),
+      http_case("chat-tools-bad-schema", "/v1/chat/completions",
+                chat(f'"tools": {json.dumps(_BAD_TOOLS)}'), says="parameters"),
+      http_case("chat-tool-choice-unknown", "/v1/chat/completions",
+                chat(f'"tools": {json.dumps(_TOOLS)}',
+                     '"tool_choice": {"type": "function", "function": {"name": "g"}}'),
+                says="tool_choice"),
+      # Output constraints: refused before the engine, whatever they hold.
+      http_case("chat-schema-70-deep", "/v1/chat/completions",
+                chat('"response_format": {"type": "json_schema", "json_schema": '
+                     '{"name": "x", "schema": ' + _deep_schema(70) + "}}"),
+                says="response_format.json_schema.schema"),
+      http_case("cmpl-schema-70-deep", "/v1/completions",
+                cmpl('"structured_outputs": {"json": ' + _deep_schema(70) + "}"),
+                says="structured_outputs.json"),
+      http_case("cmpl-regex-bad", "/v1/completions", cmpl('"guided_regex": "(((["'),
+                says="guided_regex"),
+      http_case("cmpl-regex-empty-language", "/v1/completions",
+                cmpl('"structured_outputs": {"regex": "[^\\\\x00-\\\\x{10FFFF}]"}'),
+                says="admits no output"),
+      http_case("cmpl-grammar-undefined-rule", "/v1/completions",
+                cmpl('"structured_outputs": {"grammar": "start: nowhere"}'),
+                says="structured_outputs.grammar"),
+      http_case("cmpl-choice-too-many", "/v1/completions",
+                cmpl('"guided_choice": ' + json.dumps([f"c{i}" for i in range(2000)])),
+                says="choices"),
       # Bodies over the limit.
       http_case("cmpl-body-over-4MiB", "/v1/completions", _over_4mib, status=413,
                 says="exceeds"),

@@ -74,7 +74,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(srv):
       assert r.status_code == status, (body, r.text)
       assert r.json()["error"]["message"]
     r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [
-        {"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}})
+        {"role": "user", "content": "hi"}], "response_format": {"type": "xml"}})
     assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
     assert c.get("/health").status_code == 200
     ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})

@@ -164,7 +164,7 @@ def test_a_grammar_that_cannot_finish_ends_with_length(oa):
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
-    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
     ({"guided_regex": "(", }, "guided_regex"),

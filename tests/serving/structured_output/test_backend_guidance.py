@@ -111,6 +111,22 @@ def test_a_grammar_in_error_is_reported_dead(compiler, tok):
 def test_checks_are_cached(compiler):
   spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
   first = compiler.check(spec)
-  n = len(compiler._checked)
+  n = len(compiler._templates)
   assert compiler.check(StructuredOutputsParams(json=dict(spec.json))) == first
-  assert len(compiler._checked) == n and next(reversed(compiler._checked)) == first
+  assert len(compiler._templates) == n and next(reversed(compiler._templates)) == first
+
+
+def test_hostile_constraints_are_refused_up_front(compiler):
+  """Deep nesting (no recursion anywhere), non-JSON values, and a constraint whose first
+  mask (computed by `check`) allows nothing are refused before the engine sees them."""
+  nested: dict = {"type": "string"}
+  for _ in range(5000):
+    nested = {"type": "array", "items": nested}
+  with pytest.raises(ValueError, match="nests deeper"):
+    compiler.check(StructuredOutputsParams(json=nested))
+  with pytest.raises(ValueError, match="structured_outputs.json"):
+    compiler.check(StructuredOutputsParams(json="[" * 100_000))
+  with pytest.raises(ValueError, match="admits no output"):
+    compiler.check(StructuredOutputsParams(regex=r"[^\x00-\x{10FFFF}]"))
+  with pytest.raises(ValueError, match="must be JSON"):
+    SamplingParams(structured_outputs={"json": {"type": "object", "x": {1, 2}}})
