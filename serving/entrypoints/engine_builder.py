@@ -102,8 +102,7 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   runner = ModelRunner(loaded.params, loaded.config, config)
   if jax.process_index() == 0:
     return LLMEngine(runner=multihost.LeaderRunner(runner), tokenizer=loaded.tokenizer,
-                     config=config, model_name=_model_name(model, loaded),
-                     structured_output=False)  # followers cannot sample late (yet)
+                     config=config, model_name=_model_name(model, loaded))
   runner.warm_up()
   calls = multihost.follower_loop(runner)
   log.info("follower %d: leader stopped after %d device calls", jax.process_index(), calls)

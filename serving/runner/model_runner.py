@@ -255,18 +255,24 @@ class ModelRunner:
     `masks`: request id -> [ceil(V / 32)] int32 packed mask of the tokens it may
     sample; rows without one are unconstrained.
     """
+    for call in handle.calls:
+      if call.out is None:
+        self.sample_call(call, self.mask_rows(call, masks))
+
+  def mask_rows(self, call: SamplerCall, masks: dict[str, np.ndarray]) -> np.ndarray:
+    """The [B, ceil(V / 32)] mask input of a waiting sampler call (all ones by default)."""
+    allowed = np.full((call.slots.shape[0], self.mask_width), -1, np.int32)
+    for i, rid in enumerate(call.ids):
+      if rid in masks:
+        allowed[i] = masks[rid]
+    return allowed
+
+  def sample_call(self, call: SamplerCall, allowed: np.ndarray) -> None:
+    """Runs one waiting sampler call with its mask input."""
     with self._device_errors():
-      for call in handle.calls:
-        if call.out is not None:
-          continue
-        b = call.slots.shape[0]
-        allowed = np.full((b, self.mask_width), -1, np.int32)
-        for i, rid in enumerate(call.ids):
-          if rid in masks:
-            allowed[i] = masks[rid]
-        self.state, call.out = self._sample(self.state, call.logits, call.slots, call.tensors,
-                                            allowed)
-        call.logits = call.slots = call.tensors = None
+      self.state, call.out = self._sample(self.state, call.logits, call.slots, call.tensors,
+                                          allowed)
+    call.logits = call.slots = call.tensors = None
 
   def fetch(self, *, handle: StepHandle) -> StepResult:
     """Waits for the step's samples and reads them per request."""

@@ -9,9 +9,12 @@ process with the same inputs. Lifecycle:
      behind the engine's Runner interface); the others build a `ModelRunner`
      with the same config. All warm up the same programs in the same order.
   3. For every device call of a step, the leader broadcasts a header (op,
-     bucket size, sample?) and then the call's inputs
+     bucket size, sample?, sampling deferred?) and then the call's inputs
      (`broadcast_one_to_all`); `follower_loop` on the other processes
-     receives both and makes the same call.
+     receives both and makes the same call. A step with constrained requests
+     (structured output) samples later: for each waiting sampler call the
+     leader broadcasts a SAMPLE header and the call's token masks, and every
+     process runs that sampler call (the oldest waiting one) with them.
   4. `LeaderRunner.close()` broadcasts STOP; followers return.
 Only process 0 fetches results (`jax.device_get` of replicated outputs
 reads the local copy) and runs front ends. Starting the processes is the
@@ -20,6 +23,7 @@ entry points' job (serving/entrypoints/engine_builder.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -27,10 +31,10 @@ from jax.experimental import multihost_utils
 
 from serving.config import EngineConfig
 from serving.runner.inputs import StepInputs, build_step_inputs
-from serving.runner.model_runner import ModelRunner, StepHandle, capacity_pages
+from serving.runner.model_runner import ModelRunner, SamplerCall, StepHandle, capacity_pages
 from serving.types import StepPlan, StepResult
 
-STOP, PREFILL, DECODE = 0, 1, 2
+STOP, PREFILL, DECODE, SAMPLE = 0, 1, 2, 3
 
 
 def agree_config(model_cfg, config: EngineConfig) -> EngineConfig:
@@ -41,9 +45,11 @@ def agree_config(model_cfg, config: EngineConfig) -> EngineConfig:
   return dataclasses.replace(config, num_pages=int(np.min(pages)))
 
 
-def _broadcast_header(op: int = STOP, size: int = 0, sample: bool = False) -> tuple[int, int, bool]:
-  header = multihost_utils.broadcast_one_to_all(np.array([op, size, int(sample)], np.int32))
-  return int(header[0]), int(header[1]), bool(header[2])
+def _broadcast_header(op: int = STOP, size: int = 0, sample: bool = False,
+                      defer: bool = False) -> tuple[int, int, bool, bool]:
+  header = multihost_utils.broadcast_one_to_all(
+      np.array([op, size, int(sample), int(defer)], np.int32))
+  return int(header[0]), int(header[1]), bool(header[2]), bool(header[3])
 
 
 class LeaderRunner:
@@ -58,18 +64,24 @@ class LeaderRunner:
 
   def execute(self, *, plan: StepPlan) -> StepHandle:
     inputs = build_step_inputs(plan, self.runner.engine_cfg)
+    defer = bool(inputs.constrained)
     prefills = []
     for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
-      _broadcast_header(PREFILL, inp.tokens.shape[0], rid is not None)
+      _broadcast_header(PREFILL, inp.tokens.shape[0], rid is not None, defer)
       prefills.append(multihost_utils.broadcast_one_to_all(inp))
     decode = None
     if inputs.decode is not None:
-      _broadcast_header(DECODE, inputs.decode.decode_slots.shape[0])
+      _broadcast_header(DECODE, inputs.decode.decode_slots.shape[0], defer=defer)
       decode = multihost_utils.broadcast_one_to_all(inputs.decode)
     return self.runner.run(dataclasses.replace(inputs, prefills=prefills, decode=decode))
 
   def sample(self, *, handle: StepHandle, masks) -> None:
-    raise RuntimeError("structured output is not supported with multi-process serving")
+    """Each waiting sampler call: its masks to every process, then the call everywhere."""
+    for call in handle.calls:
+      if call.out is None:
+        allowed = self.runner.mask_rows(call, masks)
+        _broadcast_header(SAMPLE, allowed.shape[0])
+        self.runner.sample_call(call, multihost_utils.broadcast_one_to_all(allowed))
 
   def fetch(self, *, handle: StepHandle) -> StepResult:
     return self.runner.fetch(handle=handle)
@@ -82,18 +94,25 @@ class LeaderRunner:
 def follower_loop(runner: ModelRunner) -> int:
   """Makes the leader's device calls until it stops; returns the number of calls."""
   calls = 0
+  waiting: collections.deque[SamplerCall] = collections.deque()  # deferred sampler calls
   while True:
-    op, size, sample = _broadcast_header()
+    op, size, sample, defer = _broadcast_header()
+    constrained = [""] if defer else []
     if op == STOP:
       return calls
     if op == PREFILL:
       inp = multihost_utils.broadcast_one_to_all(runner.dummy_prefill(size))
-      runner.run(StepInputs(prefills=[inp], prefill_ids=["" if sample else None], decode=None,
-                            decode_ids=[]))
+      handle = runner.run(StepInputs(prefills=[inp], prefill_ids=["" if sample else None],
+                                     decode=None, decode_ids=[], constrained=constrained))
+      waiting.extend(c for c in handle.calls if c.out is None)
     elif op == DECODE:
       inp = multihost_utils.broadcast_one_to_all(runner.dummy_decode(size))
-      runner.run(StepInputs(prefills=[], prefill_ids=[], decode=inp,
-                            decode_ids=[""] * size))
+      handle = runner.run(StepInputs(prefills=[], prefill_ids=[], decode=inp,
+                                     decode_ids=[""] * size, constrained=constrained))
+      waiting.extend(c for c in handle.calls if c.out is None)
+    elif op == SAMPLE:
+      allowed = np.zeros((size, runner.mask_width), np.int32)
+      runner.sample_call(waiting.popleft(), multihost_utils.broadcast_one_to_all(allowed))
     else:
       raise RuntimeError(f"unknown step op {op} from the leader")
     calls += 1

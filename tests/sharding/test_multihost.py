@@ -3,13 +3,15 @@
 Each process has one CPU device; `sharding.distributed.initialize_from`
 joins them, `serving.entrypoints.engine_builder.start_multihost` gives process 0
 the engine and runs process 1's follower loop. Process 0's greedy output must equal a plain
-one-process run. The test starts both processes itself and kills them if
-they outlive the timeout.
+one-process run, also for a request constrained by a regex (its sampling waits
+for the token masks, which the leader broadcasts). The test starts both
+processes itself and kills them if they outlive the timeout.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -63,6 +65,8 @@ def test_two_processes_match_one(model_path):
   assert leader["devices"] == 2 and leader["processes"] == 2
   assert follower["follower_returned"]  # after the leader's engine shut down
   assert leader["tokens"] == single["tokens"]
+  constrained = bytes(leader["tokens"][-1]).decode()  # byte-level tokenizer: id == byte
+  assert re.fullmatch("[a-c]{2,5}!?", constrained[:6]), constrained
 
 
 def _generate(engine) -> list[list[int]]:
@@ -73,8 +77,12 @@ def _generate(engine) -> list[list[int]]:
     tokens[i] = []
     engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0.0),
                        lambda out, i=i: tokens[i].extend(out.token_ids))
+  tokens[-1] = []
+  engine.add_request("constrained", stu.PROMPTS[0], SamplingParams(
+      max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-c]{2,5}!"}),
+      lambda out: tokens[-1].extend(out.token_ids))
   engine.run_until_idle()
-  return [tokens[i] for i in range(len(stu.PROMPTS))]
+  return [tokens[i] for i in [*range(len(stu.PROMPTS)), -1]]
 
 
 def _worker(mode: str, *args: str) -> None:
