@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -85,13 +84,6 @@ def write_adapters(root: str, rank: int) -> dict[str, str]:
           for i, name in enumerate("abcd")}
 
 
-def start(name: str, flags: list[str], port: int, log_dir: str):
-  log = open(os.path.join(log_dir, f"{name}.log"), "w")
-  cmd = [sys.executable, "-m", "serving.launcher", "serve", f"--http_port={port}",
-         "--grpc_port=-1", "--enable_prefix_caching=false", *flags]
-  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-
-
 async def level(base_url: str, models: list[str], prompts: list[str], output_len: int,
                 concurrency: int) -> dict:
   from serving.tools import bench_serve
@@ -115,9 +107,11 @@ def bench_serve_cases(args) -> dict:
   adapters = write_adapters(work, args.rank)
   modules = ",".join(f"{n}={p}" for n, p in adapters.items())
   procs = {
-      "lora": (start("lora", [f"--lora_modules={modules}", "--max_loras=4",
-                              f"--max_lora_rank={args.rank}"], args.port, work), args.port),
-      "nolora": (start("nolora", [], args.port + 1, work), args.port + 1)}
+      "lora": (bench_serve.launch_server(
+          [f"--lora_modules={modules}", "--max_loras=4", f"--max_lora_rank={args.rank}"],
+          args.port, os.path.join(work, "lora.log")), args.port),
+      "nolora": (bench_serve.launch_server([], args.port + 1, os.path.join(work, "nolora.log")),
+                 args.port + 1)}
   try:
     for _, port in procs.values():
       bench_serve.wait_ready(f"http://127.0.0.1:{port}")

@@ -24,12 +24,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # At least 40 short strings: longer than 128 tokens, so max_tokens ends every request.
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
@@ -40,13 +37,6 @@ SCHEMA = {"type": "object", "properties": {
 # case -> (concurrency, share of the requests constrained)
 CASES = {"1 plain": (1, 0.0), "1 json": (1, 1.0), "32 plain": (32, 0.0),
          "32 half json": (32, 0.5)}
-
-
-def start(flags: list[str], port: int, log_dir: str):
-  log = open(os.path.join(log_dir, "server.log"), "w")
-  cmd = [sys.executable, "-m", "serving.launcher", "serve", f"--http_port={port}",
-         "--grpc_port=-1", "--enable_prefix_caching=false", *flags]
-  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 async def level(base_url: str, model: str, prompts: list[str], output_len: int,
@@ -73,7 +63,7 @@ def bench(args) -> dict:
 
   tok = bench.load_tokenizer("smollm2-135m-instruct")
   work = tempfile.mkdtemp(prefix="structured_bench_")
-  proc = start([], args.port, work)
+  proc = bench_serve.launch_server([], args.port, os.path.join(work, "server.log"))
   url = f"http://127.0.0.1:{args.port}"
   results: dict[str, list[dict]] = {c: [] for c in CASES}
   try:

@@ -16,6 +16,20 @@ from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def default_tokenizer():
+  """The default model's tokenizer, read from its GGUF (skips when it is not installed)."""
+  from checkpoints import presets
+  from checkpoints.gguf_reader import GGUFFile
+  from checkpoints.tokenizer import Tokenizer
+
+  try:
+    path = presets.resolve_preset(DEFAULT_MODEL)
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  return Tokenizer.from_gguf_metadata(GGUFFile(path))
+
+
+@pytest.fixture(scope="session")
 def default_llm():
   """The default model (SmolLM2-135M-Instruct GGUF), loaded once per session."""
   from serving import LLM

@@ -280,6 +280,18 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str = "") -
   return path
 
 
+def launch_server(flags: Sequence[str], port: int, log_path: str):
+  """`xlaserve serve` (HTTP on `port`, no gRPC, prefix caching off unless `flags` say)
+  as a subprocess of this Python, its output to `log_path`; pair with `wait_ready`."""
+  import subprocess
+  import sys
+
+  log = open(log_path, "w")  # noqa: SIM115 -- the child writes it until it exits
+  cmd = [sys.executable, "-m", "serving.launcher", "serve", f"--http_port={port}",
+         "--grpc_port=-1", "--enable_prefix_caching=false", *flags]
+  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
 def wait_ready(base_url: str, timeout_s: float = 600.0, path: str = "/v1/models") -> float:
   """Polls `path` until it answers 200; returns the seconds waited (raises on timeout)."""
   import urllib.request

@@ -15,9 +15,6 @@ import jsonschema
 import pytest
 from runner_faults import FaultyRunner
 
-from checkpoints import presets
-from checkpoints.gguf_reader import GGUFFile
-from checkpoints.tokenizer import Tokenizer
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.engine.fake_runner import FakeRunner
@@ -32,12 +29,8 @@ SCHEMA = {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def tok():
-  try:
-    path = presets.resolve_preset("smollm2-135m-instruct")
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
-  return Tokenizer.from_gguf_metadata(GGUFFile(path))
+def tok(default_tokenizer):
+  return default_tokenizer
 
 
 def make_engine(tok, runner=None, **kw):

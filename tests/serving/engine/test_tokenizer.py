@@ -5,8 +5,6 @@ import random
 
 import pytest
 
-from checkpoints import presets
-from checkpoints.gguf_reader import GGUFFile
 from checkpoints.tokenizer import Tokenizer
 from serving.engine.detokenizer import IncrementalDetokenizer
 
@@ -20,12 +18,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-  try:
-    path = presets.resolve_preset("smollm2-135m-instruct")
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
-  return Tokenizer.from_gguf_metadata(GGUFFile(path))
+def tok(default_tokenizer):
+  return default_tokenizer
 
 
 def _stream(tok, ids, chunks, skip=True):

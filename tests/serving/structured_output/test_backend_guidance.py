@@ -8,9 +8,6 @@ import re
 import numpy as np
 import pytest
 
-from checkpoints import presets
-from checkpoints.gguf_reader import GGUFFile
-from checkpoints.tokenizer import Tokenizer
 from serving.structured_output import GrammarCompiler, bitmask_width, fill_masks
 from serving.types import SamplingParams, StructuredOutputsParams
 
@@ -18,12 +15,8 @@ V = 49152
 
 
 @pytest.fixture(scope="module")
-def tok():
-  try:
-    path = presets.resolve_preset("smollm2-135m-instruct")
-  except FileNotFoundError as e:
-    pytest.skip(str(e))
-  return Tokenizer.from_gguf_metadata(GGUFFile(path))
+def tok(default_tokenizer):
+  return default_tokenizer
 
 
 @pytest.fixture(scope="module")
