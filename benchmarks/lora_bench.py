@@ -89,14 +89,9 @@ async def level(base_url: str, models: list[str], prompts: list[str], output_len
   from serving.tools import bench_serve
 
   share = concurrency // len(models)
-  start = time.perf_counter()
-  parts = await asyncio.gather(*(
-      bench_serve.run_level(bench_serve.Target(base_url, m, {"ignore_eos": True}),
-                            prompts[i * share:(i + 1) * share], output_len, share)
-      for i, m in enumerate(models)))
-  elapsed = time.perf_counter() - start
-  records = [r for recs, _ in parts for r in recs]
-  return bench_serve.summarize(records, elapsed)
+  return await bench_serve.run_groups(
+      [(bench_serve.Target(base_url, m, {"ignore_eos": True}),
+        prompts[i * share:(i + 1) * share], share) for i, m in enumerate(models)], output_len)
 
 
 def bench_serve_cases(args) -> dict:

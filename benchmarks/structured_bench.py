@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 
 # At least 40 short strings: longer than 128 tokens, so max_tokens ends every request.
 SCHEMA = {"type": "object", "properties": {
@@ -48,14 +47,9 @@ async def level(base_url: str, model: str, prompts: list[str], output_len: int,
   json_t = bench_serve.Target(base_url, model, {"ignore_eos": True,
                                                 "structured_outputs": {"json": SCHEMA}})
   n_json, c_json = round(len(prompts) * share), round(concurrency * share)
-  parts = [(json_t, prompts[:n_json], c_json),
-           (plain, prompts[n_json:], concurrency - c_json)]
-  start = time.perf_counter()
-  done = await asyncio.gather(*(bench_serve.run_level(t, ps, output_len, c)
-                                for t, ps, c in parts if c))
-  elapsed = time.perf_counter() - start
-  records = [r for recs, _ in done for r in recs]
-  return bench_serve.summarize(records, elapsed)
+  return await bench_serve.run_groups([(json_t, prompts[:n_json], c_json),
+                                      (plain, prompts[n_json:], concurrency - c_json)],
+                                     output_len)
 
 
 def bench(args) -> dict:

@@ -188,6 +188,15 @@ async def run_level(target: Target, prompts: Sequence[str], output_len: int, con
   return records, time.perf_counter() - start
 
 
+async def run_groups(groups: Sequence[tuple[Target, Sequence[str], int]],
+                     output_len: int) -> dict[str, Any]:
+  """Runs groups of (target, prompts, concurrency) at the same time (a group with
+  concurrency 0 is skipped); returns one `summarize` over all their requests."""
+  start = time.perf_counter()
+  done = await asyncio.gather(*(run_level(t, ps, output_len, c) for t, ps, c in groups if c))
+  return summarize([r for recs, _ in done for r in recs], time.perf_counter() - start)
+
+
 def _pcts(values: Sequence[float], prefix: str) -> dict[str, float]:
   if not values:
     return {f"{prefix}_p{q}": float("nan") for q in (50, 95, 99)}
