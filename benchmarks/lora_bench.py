@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -158,11 +155,8 @@ def main() -> None:
   p.add_argument("--json", default=None)
   args = p.parse_args()
   result = bench_kernels(args) if args.what == "kernels" else bench_serve_cases(args)
-  record = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or
-            platform.machine(), "cpus": os.cpu_count(), "args": vars(args), "result": result}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(record, f, indent=1)
+  from serving.tools import bench_serve
+  bench_serve.save_record(args.json, args, result)
 
 
 if __name__ == "__main__":

@@ -268,16 +268,16 @@ class LLMEngine:
     grammar cannot go on fails alone; a failure of the runner fails the step.
     """
     seqs = [s for s in plan.sampled if s.grammar is not None and s.finish_reason is None]
-    masks, dead = fill_masks([s.grammar for s in seqs], self.runner.vocab_size)
-    for i in dead:
-      seq = seqs[i]
-      why = seq.grammar.error or "no token can continue it"
-      self._finish(seq, "error", error=f"structured output failed: {why}")
-    refused = set(dead)
-    by_id = {s.request_id: masks[i] for i, s in enumerate(seqs) if i not in refused}
     try:
+      masks, dead = fill_masks([s.grammar for s in seqs], self.runner.vocab_size)
+      for i in dead:
+        seq = seqs[i]
+        why = seq.grammar.error or "no token can continue it"
+        self._finish(seq, "error", error=f"structured output failed: {why}")
+      refused = set(dead)
+      by_id = {s.request_id: masks[i] for i, s in enumerate(seqs) if i not in refused}
       self.runner.sample(handle=handle, masks=by_id)
-    except Exception as e:
+    except Exception as e:  # the masks or the sampling: a failed step, not a dead engine
       self._inflight = None
       self._fail_step(plan, e)
 

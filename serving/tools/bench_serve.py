@@ -289,6 +289,21 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str, title: str = "") -
   return path
 
 
+def save_record(path: str | None, args: Any, result: Any) -> None:
+  """Writes a benchmark's result with the date, machine and arguments (no-op without path)."""
+  import datetime
+  import os
+  import platform
+
+  if not path:
+    return
+  record = {"date": datetime.date.today().isoformat(),
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "args": vars(args), "result": result}
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+
+
 def launch_server(flags: Sequence[str], port: int, log_path: str):
   """`xlaserve serve` (HTTP on `port`, no gRPC, prefix caching off unless `flags` say)
   as a subprocess of this Python, its output to `log_path`; pair with `wait_ready`."""

@@ -196,3 +196,26 @@ def test_default_model_unconstrained_outputs_do_not_change_when_half_are_constra
       jsonschema.validate(json.loads(o.text), SCHEMA)
     else:
       assert o.text.startswith("{")
+
+
+class _FailingSampleRunner(FakeRunner):
+  """Its deferred sampling fails, naming the constrained request of the step."""
+
+  def sample(self, *, handle, masks):
+    from serving.types import StepError
+    if "bad" in handle.pending:
+      raise StepError("injected sampling fault", ["bad"])
+    super().sample(handle=handle, masks=masks)
+
+
+def test_a_failed_deferred_sample_fails_only_the_request_it_names(tok):
+  runner = _FailingSampleRunner(num_pages=128, page_size=4, max_num_seqs=4, vocab_size=V)
+  engine = make_engine(tok, runner=runner)
+  results = run(engine, {
+      "bad": ("hello", SamplingParams(max_tokens=8, temperature=0.0,
+                                      structured_outputs={"choice": ["hey"]})),
+      "ok": ("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))})
+  assert results["bad"][1] == "error" and "injected sampling fault" in results["bad"][2]
+  assert results["ok"][1] == "length" and results["ok"][2] is None
+  assert engine.health() is None
+  assert engine.allocator.num_free == engine.allocator.num_usable
