@@ -68,6 +68,25 @@ class DecodeInput:
   sampling: sampling.SamplingTensors  # [B]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyInput:
+  """One speculative step over B rows (padded) of S = num_speculative_tokens + 1 positions.
+
+  Row b's input tokens are its latest token (on the device, in `last_tokens`)
+  at `positions[b]`, then its drafts (a separate argument of `verify_step`:
+  host proposals or the draft model's output) at the next positions.
+  """
+
+  decode_slots: np.ndarray  # [B] int32 (padding rows -> the dummy slot)
+  positions: np.ndarray  # [B] int32 position of the latest token
+  num_drafts: np.ndarray  # [B] int32 drafts to verify (0..S-1; 0 for padding)
+  kv_index: np.ndarray  # [B, S] int32; positions past num_drafts -> page 0
+  block_tables: np.ndarray  # [B, W] int32
+  lora_slots: np.ndarray  # [B] int32 (-1: none, and padding)
+  sampling: sampling.SamplingTensors  # [B]; step = output index of position 0
+
+
 def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int):
   """Builds the per-layer attention callback for llama.forward."""
   scale = cfg.head_dim ** -0.5
@@ -135,6 +154,52 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
                              act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg),
                              lora=lora_batch(lora, inp.lora_slots))
   return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
+
+
+def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.Array, *,
+                cfg: ModelConfig, backend: str, act_dtype,
+                block_tokens: int) -> tuple[DeviceState, jax.Array]:
+  """Scores every row's latest token and drafts [B, S-1] at once -> (state, logits [B, S, V]).
+
+  Each of the B*S positions runs as a decode row of its own over the row's
+  block table, attending up to itself: the step writes the K/V of all S
+  positions first, so position j sees the drafts before it (causal). K/V of
+  drafts that verification rejects stays past the sequence's length, is never
+  read, and is overwritten when those positions are computed again.
+  """
+  b, s1 = drafts.shape
+  s = s1 + 1
+  tokens = jnp.concatenate([state.last_tokens[inp.decode_slots][:, None], drafts], axis=1)
+  positions = inp.positions[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
+  real = (inp.decode_slots < state.last_tokens.shape[0] - 1)[:, None]
+  used = real & (jnp.arange(s)[None, :] <= inp.num_drafts[:, None])
+  meta = dict(kv_index=inp.kv_index.reshape(-1),
+              block_tables=jnp.repeat(inp.block_tables, s, axis=0),
+              seq_lens=jnp.where(used, positions + 1, 0).reshape(-1))
+  attend = attend_fn(backend, cfg, state.kv.num_pages, "decode", meta, block_tokens)
+  hidden, kv = llama.forward(params, cfg, tokens.reshape(-1), positions.reshape(-1), state.kv,
+                             attend, act_dtype=act_dtype,
+                             experts_fn=sharding.expert_parallel(cfg),
+                             lora=lora_batch(lora, jnp.repeat(inp.lora_slots, s)))
+  logits = llama.logits(params, cfg, hidden)  # [B*S, V]
+  return dataclasses.replace(state, kv=kv), logits.reshape(b, s, -1)
+
+
+def verify_sample_step(state: DeviceState, logits: jax.Array, drafts: jax.Array,
+                       num_drafts: jax.Array, slots: jax.Array,
+                       tensors: sampling.SamplingTensors
+                       ) -> tuple[DeviceState, sampling.VerifyOutput]:
+  """Keeps or rejects each row's drafts (sampling/speculative.py) and records the
+  emitted tokens in the slot state: the last one feeds the next step."""
+  out = sampling.verify(logits, drafts, num_drafts, tensors, state.prompt_mask,
+                        state.output_counts, rows=slots, num_top=MAX_LOGPROBS)
+  b, s = out.tokens.shape
+  last = out.tokens[jnp.arange(b), out.num_accepted]
+  emitted = (jnp.arange(s)[None, :] <= out.num_accepted[:, None]).astype(jnp.int32)
+  state = dataclasses.replace(
+      state, last_tokens=state.last_tokens.at[slots].set(last),
+      output_counts=state.output_counts.at[slots[:, None], out.tokens].add(emitted))
+  return state, out
 
 
 def sample_step(state: DeviceState, logits: jax.Array, slots: jax.Array,

@@ -37,14 +37,16 @@ The runner keeps per-slot penalty state `prompt_mask [R, V] bool` and
 
 Modules: tensors.py (per-row parameters), penalties.py, thresholds.py
 (top-k / top-p / min-p), reductions.py (two-level argmax / top-n), and
-sampler.py (`sample`, the draw and logprobs).
+sampler.py (`sample`, the draw and logprobs), speculative.py (`verify`: rejection
+sampling of a speculative step's drafts).
 """
 
 from __future__ import annotations
 
 from serving.runner.sampling.sampler import MIN_TEMPERATURE, apply_token_mask, sample
+from serving.runner.sampling.speculative import VerifyOutput, verify
 from serving.runner.sampling.tensors import SampleOutput, SamplingTensors
 from serving.runner.sampling.thresholds import TOP_K_CAP
 
 __all__ = ["MIN_TEMPERATURE", "TOP_K_CAP", "SampleOutput", "SamplingTensors",
-           "apply_token_mask", "sample"]
+           "VerifyOutput", "apply_token_mask", "sample", "verify"]

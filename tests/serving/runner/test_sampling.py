@@ -10,6 +10,14 @@ import zlib
 import jax
 import numpy as np
 import pytest
+from sampling_ref import (
+  chi_square,
+  ref_filtered,
+  ref_log_softmax,
+  ref_penalise,
+  ref_token,
+  softmax,
+)
 
 from serving.runner.sampling import SamplingTensors, reductions, sample, thresholds
 from serving.types import MAX_LOGPROBS, SamplingParams
@@ -18,61 +26,6 @@ B, V = 16, 1000  # the shape most tests share, so `_sample` compiles once
 _sample = jax.jit(sample)
 # Rows gathered from [2B, V] slot state; used at batch 8 only (a second batch size).
 _sample_rows = jax.jit(lambda *args, rows: sample(*args, rows=rows))
-
-# ---------------------------------------------------------------------------
-# Reference (numpy, one row at a time).
-
-
-def ref_penalise(x, p, prompt, counts):
-  """vLLM penalties on one f32 row: repetition (prompt + output), frequency, presence."""
-  x = x.astype(np.float32).copy()
-  rep = np.float32(p.repetition_penalty)
-  seen = prompt | (counts > 0)
-  x = np.where(seen, np.where(x > 0, x / rep, x * rep), x).astype(np.float32)
-  x = x - np.float32(p.frequency_penalty) * counts.astype(np.float32)
-  return x - np.float32(p.presence_penalty) * (counts > 0).astype(np.float32)
-
-
-def _softmax(z):
-  e = np.exp(z - np.max(z))
-  return e / e.sum()
-
-
-def ref_filtered(x, p, prompt, counts):
-  """Penalised, temperature-scaled logits of a random row, -inf where filtered out."""
-  z = (ref_penalise(x, p, prompt, counts) / np.float32(p.temperature)).astype(np.float64)
-  if 0 < p.top_k < z.size:
-    kth = np.sort(z)[-p.top_k]
-    z = np.where(z < kth, -np.inf, z)
-  if p.top_p < 1:  # vLLM: ascending sort, drop while cumulative mass <= 1 - p, keep the top
-    order = np.argsort(z, kind="stable")
-    cum = np.cumsum(_softmax(z)[order])
-    drop = cum <= 1 - p.top_p
-    drop[-1] = False
-    z = z.copy()
-    z[order[drop]] = -np.inf
-  if p.min_p > 0:
-    probs = _softmax(z)
-    z = np.where(probs < p.min_p * probs.max(), -np.inf, z)
-  return z
-
-
-def uniform(seed, step):
-  return float(jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step)))
-
-
-def ref_token(x, p, prompt, counts, seed, step):
-  if p is None or p.temperature < 1e-5:  # vLLM's _SAMPLING_EPS
-    base = p or SamplingParams(temperature=0.0)
-    return int(np.argmax(ref_penalise(x, base, prompt, counts)))
-  cdf = np.cumsum(_softmax(ref_filtered(x, p, prompt, counts)))
-  return int(np.searchsorted(cdf, uniform(seed, step) * cdf[-1], side="right"))
-
-
-def ref_log_softmax(x):
-  x = x.astype(np.float64)
-  return x - np.max(x) - np.log(np.sum(np.exp(x - np.max(x))))
-
 
 def test_reference_hand_cases():
   neutral = dict(prompt=np.zeros(4, bool), counts=np.zeros(4, np.int32))
@@ -338,32 +291,22 @@ def test_seed_layout_is_jax_key():
   np.testing.assert_array_equal(t.seed[1], [2**8, 5])
 
 
-def _chi_square(tokens, probs, n):
-  observed = np.bincount(tokens, minlength=probs.size)
-  expected = probs * n
-  assert observed[expected == 0].sum() == 0
-  keep = expected > 0
-  stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-  dof = keep.sum() - 1
-  assert stat < dof + 6 * np.sqrt(2 * dof), (stat, dof)
-
-
 @pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.3, top_k=6, top_p=0.9)])
-def test_sampling_frequencies_match_softmax(kw):
+def test_sampling_frequencies_matchsoftmax(kw):
   """Chi-square of 4096 seeded draws against the reference distribution (16 live tokens)."""
   rng = np.random.default_rng(6)
   calls = 256
   row = np.full(V, -np.inf, np.float32)
   row[rng.choice(V, 16, replace=False)] = rng.standard_normal(16) * 1.5
   params = SamplingParams(**kw)
-  probs = _softmax(ref_filtered(row, params, np.zeros(V, bool), np.zeros(V, np.int32)))
+  probs = softmax(ref_filtered(row, params, np.zeros(V, bool), np.zeros(V, np.int32)))
   logits = np.repeat(row[None], B, 0)
   zero = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
   tokens = []
   for c in range(calls):
     t = SamplingTensors.build([params] * B, list(range(B)), [c] * B, B)
     tokens.append(_sample(logits, t, *zero).tokens)
-  _chi_square(np.concatenate(jax.device_get(tokens)), probs, B * calls)
+  chi_square(np.concatenate(jax.device_get(tokens)), probs, B * calls)
 
 
 def test_logprobs_are_raw_log_softmax_sorted():
