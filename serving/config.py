@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = (None, "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -86,6 +87,15 @@ class EngineConfig:
   step_timeout_s: float = 120.0  # a step running longer means a wedged device: unhealthy
   max_loras: int = 0  # LoRA adapter slots on the device; 0: LoRA off
   max_lora_rank: int = 16  # every slot's rank; adapters of lower rank are zero-padded
+  # Speculative decoding (docs/spec_decode.md): proposer, drafts per step and row.
+  speculative_method: str = "none"  # none | ngram | suffix | draft
+  num_speculative_tokens: int = 5
+  speculative_model: str | None = None  # the draft model (method "draft"), as --model
+  prompt_lookup_min: int = 2  # n-gram sizes the ngram proposer matches
+  prompt_lookup_max: int = 5
+  # Back-off: no speculation while more requests than this decode (vLLM's
+  # disable_by_batch_size); verify programs are compiled up to this batch.
+  speculative_max_batch: int = 4
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens",
@@ -120,11 +130,40 @@ class EngineConfig:
     if self.attention_block_tokens % self.page_size:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")
+    self._check_speculative()
     if self.prefill_buckets is not None:
       object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
       if self.prefill_buckets[-1] > self.max_num_batched_tokens:
         raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds "
                          f"max_num_batched_tokens={self.max_num_batched_tokens}")
+
+  def _check_speculative(self) -> None:
+    if self.speculative_method not in SPECULATIVE_METHODS:
+      raise ValueError(f"speculative_method={self.speculative_method!r} not in "
+                       f"{SPECULATIVE_METHODS}")
+    if not 1 <= self.num_speculative_tokens <= 16:
+      raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
+    if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+      raise ValueError(f"need 1 <= prompt_lookup_min={self.prompt_lookup_min} <= "
+                       f"prompt_lookup_max={self.prompt_lookup_max} <= 64")
+    if self.speculative_max_batch < 1:
+      raise ValueError(f"speculative_max_batch={self.speculative_max_batch} must be at least 1")
+    if (self.speculative_method == "draft") != (self.speculative_model is not None):
+      raise ValueError("speculative_method='draft' needs a speculative_model, and "
+                       "speculative_model is used only with speculative_method='draft'")
+
+  @property
+  def speculative(self) -> bool:
+    return self.speculative_method != "none"
+
+  @property
+  def verify_batch_buckets(self) -> tuple[int, ...]:
+    """Row counts a speculative step is padded to (none when speculation is off)."""
+    if not self.speculative:
+      return ()
+    cap = min(self.speculative_max_batch, self.max_num_seqs)
+    return tuple(b for b in self.decode_batch_buckets if b < cap) + (
+        bucket_for(cap, self.decode_batch_buckets),)
 
   @property
   def max_pages_per_seq(self) -> int:

@@ -380,15 +380,23 @@ class PrefillChunk:
 @dataclasses.dataclass
 class DecodeRow:
   """One decode token: the input token at `position` was sampled by an earlier step
-  (it is on the device, maybe not yet on the host); the step samples the next one."""
+  (it is on the device, maybe not yet on the host); the step samples the next one.
+
+  In a speculative step the row also verifies `num_drafts` proposed tokens at
+  the positions after it: `drafts` when the host proposed them (n-gram,
+  suffix), empty when the runner's draft model proposes them on the device.
+  """
 
   seq: Sequence
   position: int
+  drafts: list[int] = dataclasses.field(default_factory=list)
+  num_drafts: int = 0
 
 
 @dataclasses.dataclass
 class StepPlan:
-  """What one step runs: adapters to install first, prefill chunks, then one decode batch.
+  """What one step runs: adapters to install first, prefill chunks, then one decode batch
+  (a speculative one when `speculative`).
 
   `lora_loads` are (slot, adapter) pairs the runner writes into its LoRA
   slots before anything of the step runs.
@@ -397,6 +405,8 @@ class StepPlan:
   prefills: list[PrefillChunk]
   decodes: list[DecodeRow]
   lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
+  # The decode batch verifies drafts (DecodeRow.num_drafts) in one speculative call.
+  speculative: bool = False
 
   @property
   def empty(self) -> bool:
@@ -429,9 +439,12 @@ class SampledToken:
 
 @dataclasses.dataclass
 class StepResult:
-  """The runner's answer to a `StepPlan`: sampled tokens by request id."""
+  """The runner's answer to a `StepPlan`: the tokens each sampled request produced, in
+  order: one, or for a speculative row its kept drafts and the token drawn after them.
+  `num_drafts` holds the drafts a speculative row verified (the metrics' proposals)."""
 
-  tokens: dict[str, SampledToken]
+  tokens: dict[str, list[SampledToken]]
+  num_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class StepError(RuntimeError):
@@ -447,6 +460,27 @@ class RunnerDeadError(RuntimeError):
 
 
 # ---- counters ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SpecDecodeCounters:
+  """Speculative decoding totals since start (vLLM's spec_decode metric names)."""
+
+  num_drafts: int = 0  # decode rows that verified at least one draft
+  num_draft_tokens: int = 0  # drafts verified
+  num_accepted_tokens: int = 0  # drafts kept
+  accepted_per_pos: list[int] = dataclasses.field(default_factory=list)  # kept at position i
+
+  def record(self, proposed: int, kept: int) -> None:
+    if proposed <= 0:
+      return
+    self.num_drafts += 1
+    self.num_draft_tokens += proposed
+    self.num_accepted_tokens += kept
+    if len(self.accepted_per_pos) < proposed:
+      self.accepted_per_pos.extend([0] * (proposed - len(self.accepted_per_pos)))
+    for i in range(kept):
+      self.accepted_per_pos[i] += 1
 
 
 @dataclasses.dataclass
@@ -466,3 +500,4 @@ class EngineStats:
   prefill_tokens_computed_total: int
   lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running
   lora_swaps_total: int = 0  # adapters written into a runner slot
+  spec_decode: SpecDecodeCounters = dataclasses.field(default_factory=SpecDecodeCounters)

@@ -25,14 +25,15 @@ LAYERS = (
     ("sharding",),
     ("checkpoints",),
     ("serving.types", "serving.config"),
-    ("serving.structured_output",),
+    ("serving.structured_output", "serving.spec_decode"),
     ("serving.runner",),
     ("serving.engine",),
     ("serving.entrypoints",),
     ("serving.tools",),
     ("serving.launcher", "serving"),
 )
-NO_JAX = ("serving.engine", "serving.types", "serving.config", "serving.structured_output")
+NO_JAX = ("serving.engine", "serving.types", "serving.config", "serving.structured_output",
+          "serving.spec_decode")
 
 
 def module_files(root: str) -> dict[str, str]:

@@ -31,6 +31,13 @@ in flight.
 A request with an output constraint (`Sequence.grammar`) is sampled in
 `sample(handle=, masks=)`, as the real runner does: its token is the one above
 unless the mask forbids it, then the next allowed id above it (wrapping).
+
+A speculative plan verifies each row's drafts as the real verifier does with
+greedy sampling: drafts are written to the pool at the positions after the
+row's token, the row's context (drafts included) is read back before each
+token, and drafts are kept while they equal the token above. Rows whose drafts
+the runner proposes itself (a draft model: `num_drafts` without `drafts`) get
+the right tokens except the last, which is off by one.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ class FakeKVError(AssertionError):
 
 @dataclasses.dataclass
 class _Handle:
-  tokens: dict[str, SampledToken]
+  tokens: dict[str, list[SampledToken]]
+  num_drafts: dict[str, int]
   # Constrained requests not sampled yet: request id -> (sequence, decode slot, preferred token).
   pending: dict[str, tuple[Sequence, int, int]] = dataclasses.field(default_factory=dict)
 
@@ -87,14 +95,19 @@ class FakeRunner:
     for chunk in plan.prefills:
       sampled = self._prefill(chunk)
       if sampled is not None:
-        tokens[chunk.seq.request_id] = sampled
+        tokens[chunk.seq.request_id] = [sampled]
+    num_drafts = {}
     for row in plan.decodes:
-      tokens[row.seq.request_id] = self._decode(row)
+      if plan.speculative:
+        tokens[row.seq.request_id] = self._verify(row)
+        num_drafts[row.seq.request_id] = row.num_drafts
+      else:
+        tokens[row.seq.request_id] = [self._decode(row)]
     self.num_steps += 1
     constrained = set(plan.constrained)
-    pending = {rid: (seq, seq.decode_slot, tokens.pop(rid).token_id) for seq in plan.sampled
+    pending = {rid: (seq, seq.decode_slot, tokens.pop(rid)[0].token_id) for seq in plan.sampled
                if (rid := seq.request_id) in constrained}
-    return _Handle(tokens, pending)
+    return _Handle(tokens, num_drafts, pending)
 
   def sample(self, *, handle: _Handle, masks: dict[str, Any]) -> None:
     """Samples the constrained requests: the preferred token, or the next one allowed."""
@@ -108,7 +121,7 @@ class FakeRunner:
           above = allowed[allowed >= token]
           token = int(above[0] if above.size else allowed[0])
       self.last_tokens[slot] = token
-      handle.tokens[rid] = SampledToken(token_id=token, logprob=self._logprob(seq, token))
+      handle.tokens[rid] = [SampledToken(token_id=token, logprob=self._logprob(seq, token))]
     handle.pending = {}
 
   def fetch(self, *, handle: _Handle) -> StepResult:
@@ -116,7 +129,7 @@ class FakeRunner:
       raise RuntimeError("fetch of a step whose constrained rows were never sampled")
     if self.step_s:
       time.sleep(self.step_s)
-    return StepResult(tokens=handle.tokens)
+    return StepResult(tokens=handle.tokens, num_drafts=handle.num_drafts)
 
   def close(self) -> None:
     self.closed = True
@@ -136,6 +149,27 @@ class FakeRunner:
     self._write(seq, row.position, self.last_tokens[seq.decode_slot])
     return self._sample(seq, row.position + 1)
 
+  def _verify(self, row: DecodeRow) -> list[SampledToken]:
+    """A speculative row: its drafts kept while right, then the token after them."""
+    seq, p = row.seq, row.position
+    drafts = list(row.drafts) if row.drafts else self._device_drafts(seq, p, row.num_drafts)
+    for j, token in enumerate([self.last_tokens[seq.decode_slot]] + drafts):
+      self._write(seq, p + j, token)
+    run = []
+    for j in range(len(drafts) + 1):
+      run.append(self._sample(seq, p + 1 + j, drafts[:j]))
+      if j == len(drafts) or drafts[j] != run[-1].token_id:
+        break
+    return run
+
+  def _device_drafts(self, seq: Sequence, position: int, n: int) -> list[int]:
+    """What a draft model proposes here: the true next tokens, the last one off by one."""
+    n_prompt = len(seq.prompt_ids)
+    lora_id = self._lora_id(seq)
+    true = [(seq.prompt_ids[(position + j - n_prompt) % n_prompt] + lora_id)
+            % self.vocab_size for j in range(1, n + 1)]
+    return true[:-1] + [(true[-1] + 1) % self.vocab_size] if true else []
+
   def _write(self, seq: Sequence, pos: int, token: int) -> None:
     page, offset = seq.pages[pos // self.page_size], pos % self.page_size
     if page == 0:
@@ -152,12 +186,13 @@ class FakeRunner:
                         f"{seq.lora_slot}, which holds {resident}")
     return resident
 
-  def _sample(self, seq: Sequence, length: int) -> SampledToken:
-    """The token after the first `length` positions, from the context read back."""
+  def _sample(self, seq: Sequence, length: int, drafts: list[int] = ()) -> SampledToken:
+    """The token after the first `length` positions (the sequence's tokens, then
+    `drafts`), from the context read back."""
     lora_id = self._lora_id(seq)
     context = [self.kv[seq.pages[p // self.page_size]][p % self.page_size]
                for p in range(length)]
-    expected = [(lora_id, t) for t in seq.token_ids()[:length]]
+    expected = [(lora_id, t) for t in (seq.token_ids() + list(drafts))[:length]]
     if context[:len(expected)] != expected:
       raise FakeKVError(f"{seq.request_id}: KV read back {context[:len(expected)]} "
                         f"but the sequence holds {expected}")

@@ -12,6 +12,10 @@ Lifecycle of `step()`:
      passes in 3 and waits; the engine fills the masks now (while the device
      still computes) and hands them over with `runner.sample(...)`.
 
+A speculative step (docs/spec_decode.md) needs the latest tokens on the host to
+propose drafts, so when the back-off (serving/spec_decode/backoff.py) lets the
+engine speculate, step 4 comes first: postprocess, then schedule with drafts.
+
 The engine owns no device and loads nothing: it is given a `Runner`
 (runner_api.py), a tokenizer and an `EngineConfig`. Front ends call
 `add_request(...)` with an `on_output` callback that receives delta
@@ -29,6 +33,7 @@ request ends with an error, `add_request` raises `EngineDeadError`, and
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -45,6 +50,7 @@ from serving.engine.output_processor import OutputProcessor
 from serving.engine.page_allocator import PageAllocator
 from serving.engine.runner_api import Runner, RunnerDeadError, StepError
 from serving.engine.scheduler import Scheduler
+from serving.spec_decode import SpecBackoff, make_proposer
 from serving.structured_output import GrammarCompiler, fill_masks
 from serving.types import (
     EngineStats,
@@ -52,6 +58,7 @@ from serving.types import (
     RequestOutput,
     SamplingParams,
     Sequence,
+    SpecDecodeCounters,
     StepPlan,
 )
 
@@ -80,7 +87,12 @@ class LLMEngine:
     self.allocator = PageAllocator(runner.num_pages, config.page_size,
                                    config.enable_prefix_caching)
     self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None
-    self.scheduler = Scheduler(config, self.allocator, self.lora_slots)
+    proposer = make_proposer(config.speculative_method,
+                             prompt_lookup_min=config.prompt_lookup_min,
+                             prompt_lookup_max=config.prompt_lookup_max)
+    self.scheduler = Scheduler(config, self.allocator, self.lora_slots, proposer)
+    self.spec = SpecBackoff(enabled=config.speculative, max_batch=config.speculative_max_batch)
+    self.spec_counters = SpecDecodeCounters()
     self._loras: dict[str, LoraAdapter] = {}  # registered adapters by name
     self._lora_ids = itertools.count(1)
     self.outputs = OutputProcessor(tokenizer)
@@ -247,7 +259,13 @@ class LLMEngine:
 
   def _step(self) -> None:
     self._drain_inbox()
-    plan = self.scheduler.schedule()
+    speculate = self.spec.wants_step(len(self.scheduler.running))
+    if speculate and self._inflight is not None:  # drafts are proposed from the latest tokens
+      previous, self._inflight = self._inflight, None
+      self._postprocess(*previous)
+    plan = self.scheduler.schedule(speculate=speculate)
+    if speculate and not plan.speculative:  # nothing proposed: a step that gained nothing
+      self.spec.record(len(plan.decodes), 0)
     inflight = None
     needs_masks = bool(plan.constrained)  # the runner sees the same when it executes
     if not plan.empty:
@@ -301,11 +319,11 @@ class LLMEngine:
     except Exception as e:
       self._fail_step(plan, e)
       return
-    for seq, sampled in self.scheduler.postprocess(plan, result):
+    if plan.speculative:
+      self._count_speculation(plan, result)
+    for seq, run in self.scheduler.postprocess(plan, result):
       try:
-        complete = self._follow_grammar(seq, sampled.token_id)
-        if self.outputs.on_token(seq, sampled) or complete:
-          self.scheduler.finish(seq, "stop")
+        self._take_run(seq, run)
       except Exception as e:  # e.g. an undecodable token: fail this request only
         log.exception("output processing failed for request %s", seq.request_id)
         self._finish(seq, "error", error=f"output processing failed: {e}")
@@ -314,6 +332,31 @@ class LLMEngine:
         self._finish(seq, seq.finish_reason)
       else:
         self.outputs.emit(seq)
+
+  def _take_run(self, seq: Sequence, run: list) -> None:
+    """Feeds a step's tokens of one request (the scheduler appended them) to its grammar
+    and output; a stop string or a complete grammar ends the request there, dropping
+    the run's later tokens."""
+    for i, sampled in enumerate(run):
+      complete = self._follow_grammar(seq, sampled.token_id)
+      if self.outputs.on_token(seq, sampled) or complete:
+        del seq.output_ids[len(seq.output_ids) - len(run) + i + 1:]
+        if seq.finish_reason is None:
+          self.scheduler.finish(seq, "stop")
+        else:  # the run went on to a later stop condition: this one came first
+          seq.finish_reason = "stop"
+        return
+
+  def _count_speculation(self, plan: StepPlan, result) -> None:
+    """Acceptance counters (metrics) and the back-off's view of a speculative step."""
+    kept_total = 0
+    for row in plan.decodes:
+      rid = row.seq.request_id
+      proposed = result.num_drafts.get(rid, 0)
+      kept = max(0, len(result.tokens.get(rid, ())) - 1)
+      self.spec_counters.record(proposed, kept)
+      kept_total += kept
+    self.spec.record(len(plan.decodes), kept_total)
 
   @staticmethod
   def _follow_grammar(seq: Sequence, token: int) -> bool:
@@ -420,4 +463,6 @@ class LLMEngine:
         prefix_cache_queries_total=a.stats.queries, prefix_cache_hits_total=a.stats.hits,
         prefill_tokens_computed_total=s.prefill_tokens_computed,
         lora_running=self.lora_slots.running_by_adapter() if self.lora_slots else {},
-        lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0)
+        lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
+        spec_decode=dataclasses.replace(self.spec_counters,
+                                        accepted_per_pos=list(self.spec_counters.accepted_per_pos)))

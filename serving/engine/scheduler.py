@@ -25,6 +25,15 @@ Lifecycle of a sequence:
 Tokens sampled by an in-flight step are "pending": the next decode step
 reads them on the device, so the host need not wait for them. A sequence
 with a pending token cannot be (re)prefilled until that token arrives.
+
+Speculative decoding (`schedule(speculate=True)`, docs/spec_decode.md): each
+decode row with no pending token gets up to `num_speculative_tokens` drafts
+from the proposer (host proposers read the row's tokens; the draft model's
+are proposed by the runner on the device), capped so that the row cannot
+pass max_tokens or max_model_len, with pages for the draft positions. A step
+brings back a run of tokens per row (kept drafts + one); `postprocess`
+appends them one by one and stops at the first stop condition, and
+publishes only pages whose KV was written for tokens that were kept.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import itertools
 from serving.config import EngineConfig
 from serving.engine.lora_slots import LoraSlots
 from serving.engine.page_allocator import PageAllocator, page_hash
+from serving.spec_decode import Proposer
 from serving.types import (
   DecodeRow,
   FinishReason,
@@ -52,10 +62,11 @@ class Scheduler:
   """Continuous batching over `max_num_seqs` slots (see module doc)."""
 
   def __init__(self, config: EngineConfig, allocator: PageAllocator,
-               lora_slots: LoraSlots | None = None):
+               lora_slots: LoraSlots | None = None, proposer: Proposer | None = None):
     self.config = config
     self.allocator = allocator
     self.lora_slots = lora_slots
+    self.proposer = proposer  # speculative decoding's draft source (serving/spec_decode)
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []
     self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
@@ -66,10 +77,11 @@ class Scheduler:
   def add(self, seq: Sequence) -> None:
     self.waiting.append(seq)
 
-  def schedule(self) -> StepPlan:
-    """The next step's plan (host state only; see module doc)."""
-    decodes = self._schedule_decodes()
-    budget = self.config.max_num_batched_tokens - len(decodes)
+  def schedule(self, speculate: bool = False) -> StepPlan:
+    """The next step's plan (host state only; see module doc). `speculate`: propose
+    drafts for the decode rows (the engine's back-off decides)."""
+    decodes = self._schedule_decodes(speculate)
+    budget = self.config.max_num_batched_tokens - sum(1 + r.num_drafts for r in decodes)
     prefills: list[PrefillChunk] = []
     for seq in sorted(self.running, key=lambda s: s.admit_order):
       if budget <= 0:
@@ -98,22 +110,42 @@ class Scheduler:
     self.waiting.extendleft(reversed(passed))
     self.prefill_tokens_computed += sum(c.end - c.start for c in prefills)
     loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
-    return StepPlan(prefills=prefills, decodes=decodes, lora_loads=loads)
+    return StepPlan(prefills=prefills, decodes=decodes, lora_loads=loads,
+                    speculative=any(r.num_drafts for r in decodes))
 
-  def _schedule_decodes(self) -> list[DecodeRow]:
-    """One token for every running sequence past prefill; preempts if pages run out."""
+  def _schedule_decodes(self, speculate: bool) -> list[DecodeRow]:
+    """One token (plus drafts when speculating) for every running sequence past
+    prefill; preempts if pages run out."""
     decodes: list[DecodeRow] = []
     candidates = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.admit_order)
+    # Constrained rows sample with token masks, which a speculative step does not take.
+    speculate = (speculate and self.proposer is not None
+                 and len(candidates) <= self.config.speculative_max_batch
+                 and not any(s.grammar is not None for s in candidates))
     for seq in candidates:
       if seq.status is not Status.RUNNING or not self._wants_token(seq):
         continue
-      # The input token sits at position num_tokens - 1.
-      if self._ensure_pages_or_preempt(seq, seq.num_tokens, {r.seq for r in decodes}):
-        decodes.append(DecodeRow(seq=seq, position=seq.num_tokens - 1))
+      drafts, n = self._propose(seq) if speculate and not seq.pending else ([], 0)
+      # The input token sits at position num_tokens - 1; drafts at the n positions after it.
+      if self._ensure_pages_or_preempt(seq, seq.num_tokens + n, {r.seq for r in decodes}):
+        decodes.append(DecodeRow(seq=seq, position=seq.num_tokens - 1, drafts=drafts,
+                                 num_drafts=n))
     for row in decodes:
       row.seq.num_computed = row.position + 1
       row.seq.pending += 1
     return decodes
+
+  def _propose(self, seq: Sequence) -> tuple[list[int], int]:
+    """(host drafts, number of drafts) for a decode row whose tokens are all known."""
+    max_tokens = seq.params.max_tokens or self.config.max_model_len
+    k = min(self.config.num_speculative_tokens, max_tokens - seq.num_generated - 1,
+            self.config.max_model_len - seq.num_tokens - 1)
+    if k <= 0:
+      return [], 0
+    if self.proposer.on_device:  # the runner's draft model fills them in
+      return [], k
+    drafts = list(self.proposer.propose(seq.request_id, seq.token_ids(), k))[:k]
+    return drafts, len(drafts)
 
   def _ensure_pages_or_preempt(self, seq: Sequence, num_tokens: int,
                                protected: set[Sequence]) -> bool:
@@ -213,38 +245,51 @@ class Scheduler:
       return
     if seq.status is Status.WAITING and seq in self.waiting:
       self.waiting.remove(seq)
+    if self.proposer is not None:
+      self.proposer.finish(seq.request_id, seq.output_ids)
     self._release(seq)
     seq.status = Status.FINISHED
     seq.finish_reason = reason
 
   def postprocess(self, plan: StepPlan,
-                  result: StepResult) -> list[tuple[Sequence, SampledToken]]:
-    """Applies a completed step: appends its sampled tokens, publishes the pages it
-    filled; returns the (sequence, token) pairs appended, in plan order.
+                  result: StepResult) -> list[tuple[Sequence, list[SampledToken]]]:
+    """Applies a completed step: appends its tokens (a run per speculative row, cut at
+    the first stop condition), publishes the pages it filled; returns each sequence's
+    appended tokens, in plan order.
 
-    A token is appended only if the sequence still holds exactly the tokens it was
+    Tokens are appended only if the sequence still holds exactly the tokens they were
     sampled after: when an earlier step failed and rolled the sequence back, a later
-    step already in flight sampled from a token that was never kept, and its token
-    is dropped (the sequence is recomputed).
+    step already in flight sampled from a token that was never kept, and its tokens
+    are dropped (the sequence is recomputed).
     """
     appended = []
+    kept_drafts: dict[Sequence, int] = {}
     sampled = [(c.seq, c.end) for c in plan.prefills if c.sample]
     sampled += [(r.seq, r.position + 1) for r in plan.decodes]
     for seq, context in sampled:
       seq.pending -= 1
       if seq.status is Status.FINISHED or seq.num_known != context:
         continue
-      token = result.tokens[seq.request_id]
-      seq.output_ids.append(token.token_id)
-      appended.append((seq, token))
-      reason = self._stop_reason(seq, token.token_id)
-      if reason is not None:
-        self.finish(seq, reason)
-    # Written KV: prefill chunks up to their end, decode rows up to their input position.
-    # A sequence preempted since the plan (and maybe readmitted on new pages) publishes
-    # nothing; decode rows cannot be readmitted before their token arrives.
+      run = []
+      for token in result.tokens[seq.request_id]:
+        seq.output_ids.append(token.token_id)
+        run.append(token)
+        reason = self._stop_reason(seq, token.token_id)
+        if reason is not None:
+          self.finish(seq, reason)
+          break
+      appended.append((seq, run))
+      # Kept drafts of a speculative row: their KV (written by the step) is valid.
+      kept = len(run) - 1
+      if kept and seq.status is Status.RUNNING and seq.num_computed == context:
+        seq.num_computed += kept
+        kept_drafts[seq] = kept
+    # Written KV: prefill chunks up to their end, decode rows up to their input position
+    # (plus the drafts kept). A sequence preempted since the plan (and maybe readmitted on
+    # new pages) publishes nothing; decode rows cannot be readmitted before their token
+    # arrives.
     written = [(c.seq, c.end) for c in plan.prefills if c.admission == c.seq.admit_order]
-    written += [(r.seq, r.position + 1) for r in plan.decodes]
+    written += [(r.seq, r.position + 1 + kept_drafts.get(r.seq, 0)) for r in plan.decodes]
     for seq, end in written:
       if seq.status is Status.RUNNING:
         self._commit_full_pages(seq, end)

@@ -5,7 +5,9 @@ The one place that wires the layers together for the entry points (`LLM`,
   1. `load_model` reads the checkpoint on the host (checkpoints/): a preset,
      HF directory, GGUF file or orbax directory; with `quantization`, GGUF
      blocks of the matching type are kept as stored.
-  2. `ModelRunner` puts it on the device(s) and sizes the KV cache.
+  2. `ModelRunner` puts it on the device(s) and sizes the KV cache; with
+     `speculative_method="draft"` the draft model (`speculative_model`) is
+     loaded the same way and checked against the target's tokenizer.
   3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up.
   4. LoRA adapters given as `lora_modules` are read, validated against the
      model (checkpoints/lora.py) and registered; the engine keeps the reader
@@ -55,13 +57,32 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   directory, registered before the engine is returned (needs `max_loras`).
   """
   loaded = load_model(model, config)
-  runner = ModelRunner(loaded.params, loaded.config, config)
+  runner = ModelRunner(loaded.params, loaded.config, config, draft=load_draft(loaded, config))
   engine = LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
                      tokenizer=loaded.tokenizer, config=config,
                      model_name=_model_name(model, loaded),
                      lora_loader=lora_loader(loaded.config, config))
   register_loras(engine, lora_modules)
   return engine
+
+
+def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelConfig] | None:
+  """The draft model's (params, config) for speculative_method="draft", else None.
+
+  It must speak the target's tokenizer: the same ids for the same text (checked
+  on a probe text) and no ids beyond the target's vocabulary.
+  """
+  if config.speculative_method != "draft":
+    return None
+  draft = load_model(config.speculative_model, config)
+  probe = "Speculative decoding: 12 + 30 = 42, naïve café — def f(x): return x"
+  if (draft.tokenizer.encode(probe, add_special_tokens=False)
+      != target.tokenizer.encode(probe, add_special_tokens=False)):
+    raise ValueError(f"speculative_model {config.speculative_model!r} does not use the target "
+                     "model's tokenizer (the same text gives other token ids)")
+  log.info("draft model %s: %d layers, vocabulary %d", config.speculative_model,
+           draft.config.num_layers, draft.config.vocab_size)
+  return draft.params, draft.config
 
 
 def lora_loader(model_cfg: ModelConfig, config: EngineConfig
@@ -97,6 +118,9 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   if config.max_loras:
     raise ValueError("LoRA adapters are not supported with several processes yet "
                      "(max_loras must be 0)")
+  if config.speculative:
+    raise ValueError("speculative decoding is not supported with several processes yet "
+                     "(speculative_method must be 'none')")
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)
   runner = ModelRunner(loaded.params, loaded.config, config)

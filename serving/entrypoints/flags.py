@@ -59,13 +59,25 @@ flags.DEFINE_integer("max_loras", None, "LoRA adapter slots on the device (0: Lo
 flags.DEFINE_integer("max_lora_rank", None, "Largest LoRA rank served (the slots' rank).")
 flags.DEFINE_list("lora_modules", None, "LoRA adapters to serve: name=path,... (PEFT "
                   "directories); clients pick one by `model`.")
+flags.DEFINE_enum("speculative_method", None, config_lib.SPECULATIVE_METHODS,
+                  "Speculative decoding: draft tokens from n-gram prompt lookup, suffix "
+                  "decoding, or a draft model (docs/spec_decode.md).")
+flags.DEFINE_integer("num_speculative_tokens", None, "Drafts verified per request and step.")
+flags.DEFINE_string("speculative_model", None, "The draft model (--speculative_method=draft), "
+                    "named as --model; it must use the target's tokenizer.")
+flags.DEFINE_integer("prompt_lookup_min", None, "Shortest n-gram the ngram proposer matches.")
+flags.DEFINE_integer("prompt_lookup_max", None, "Longest n-gram the ngram proposer matches.")
+flags.DEFINE_integer("speculative_max_batch", None, "Speculate only while at most this many "
+                     "requests run (back-off).")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "tp", "ep", "dp",
                 "prefill_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
-                "max_lora_rank")
+                "max_lora_rank", "speculative_method", "num_speculative_tokens",
+                "speculative_model", "prompt_lookup_min", "prompt_lookup_max",
+                "speculative_max_batch")
 # serve.
 # Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")

@@ -20,7 +20,7 @@ import numpy as np
 
 from serving.config import EngineConfig, bucket_for
 from serving.runner.sampling import SamplingTensors
-from serving.runner.steps import DecodeInput, PrefillInput
+from serving.runner.steps import DecodeInput, PrefillInput, VerifyInput
 from serving.types import DecodeRow, LoraAdapter, PrefillChunk, Sequence, StepError, StepPlan
 
 
@@ -40,6 +40,10 @@ class StepInputs:
   lora_users: dict[int, list[str]] = dataclasses.field(default_factory=dict)  # slot -> ids
   # Sampled requests with an output constraint: the step samples once their masks come.
   constrained: list[str] = dataclasses.field(default_factory=list)
+  # A speculative step runs its decode rows as one verify call instead (`decode` is None):
+  # `drafts` [B, S-1] holds host-proposed drafts (zeros where the draft model proposes).
+  verify: VerifyInput | None = None
+  drafts: np.ndarray | None = None
 
 
 def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
@@ -53,10 +57,13 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
     with _blame([chunk.seq]):
       prefills.append(build_prefill_input(chunk, config))
   ids = [c.seq.request_id if c.sample else None for c in plan.prefills]
-  decode = None
+  decode = verify = drafts = None
   if plan.decodes:
     with _blame([r.seq for r in plan.decodes]):
-      decode = build_decode_input(plan.decodes, config)
+      if plan.speculative:
+        verify, drafts = build_verify_input(plan.decodes, config)
+      else:
+        decode = build_decode_input(plan.decodes, config)
   users: dict[int, list[str]] = {}
   for seq in plan.sequences:
     if seq.lora_slot is not None:
@@ -64,7 +71,7 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
   return StepInputs(prefills=prefills, prefill_ids=ids, decode=decode,
                     decode_ids=[r.seq.request_id for r in plan.decodes],
                     lora_loads=list(plan.lora_loads), lora_users=users,
-                    constrained=plan.constrained)
+                    constrained=plan.constrained, verify=verify, drafts=drafts)
 
 
 def _lora_slot(seq: Sequence) -> int:
@@ -139,3 +146,36 @@ def build_decode_input(rows: list[DecodeRow], config: EngineConfig) -> DecodeInp
       seq_lens=seq_lens, lora_slots=lora_slots,
       sampling=SamplingTensors.build([r.seq.params for r in rows], [r.seq.seed for r in rows],
                                      [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b))
+
+
+def build_verify_input(rows: list[DecodeRow],
+                       config: EngineConfig) -> tuple[VerifyInput, np.ndarray]:
+  """A speculative step's input and its host drafts [B, S-1] (S = drafts + 1 per row)."""
+  b = bucket_for(len(rows), config.verify_batch_buckets)
+  s = config.num_speculative_tokens + 1
+  slots = np.full((b,), config.max_num_seqs, np.int32)  # padding rows: the dummy slot
+  positions = np.zeros((b,), np.int32)
+  num_drafts = np.zeros((b,), np.int32)
+  index = np.zeros((b, s), np.int32)  # positions past a row's drafts write to page 0
+  tables = np.zeros((b, config.block_table_width), np.int32)
+  lora_slots = np.full((b,), -1, np.int32)
+  prev_tokens = np.zeros((b,), np.int32)
+  prev_index = np.zeros((b,), np.int32)
+  drafts = np.zeros((b, s - 1), np.int32)
+  for i, row in enumerate(rows):
+    seq, pos, n = row.seq, row.position, row.num_drafts
+    slots[i], positions[i], num_drafts[i] = seq.decode_slot, pos, n
+    lora_slots[i] = _lora_slot(seq)
+    index[i, :n + 1] = kv_index(seq, pos + np.arange(n + 1), config.page_size)
+    tables[i, :len(seq.pages)] = seq.pages
+    drafts[i, :len(row.drafts)] = row.drafts
+    if pos > 0:
+      prev_tokens[i] = seq.token_ids()[pos - 1]
+      prev_index[i] = kv_index(seq, np.array([pos - 1]), config.page_size)[0]
+  inp = VerifyInput(
+      decode_slots=slots, positions=positions, num_drafts=num_drafts, kv_index=index,
+      block_tables=tables, lora_slots=lora_slots, prev_tokens=prev_tokens,
+      prev_kv_index=prev_index,
+      sampling=SamplingTensors.build([r.seq.params for r in rows], [r.seq.seed for r in rows],
+                                     [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b))
+  return inp, drafts

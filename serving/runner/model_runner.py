@@ -41,24 +41,28 @@ from serving.models import llama
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import has_quantized, is_quantized, params_nbytes
 from serving.runner import attention, lora_state, sampling
+from serving.runner.draft_model import DraftModel, check_vocabulary
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.inputs import StepInputs, build_step_inputs
 from serving.runner.kv_cache import create_kv_cache, kv_bytes_per_token
 from serving.runner.steps import (
-    DecodeInput,
-    DeviceState,
-    PrefillInput,
-    decode_step,
-    prefill_step,
-    sample_step,
+  DecodeInput,
+  DeviceState,
+  PrefillInput,
+  VerifyInput,
+  decode_step,
+  prefill_step,
+  sample_step,
+  verify_sample_step,
+  verify_step,
 )
 from serving.types import (
-    RunnerDeadError,
-    SampledToken,
-    StepError,
-    StepPlan,
-    StepResult,
-    TokenLogprob,
+  RunnerDeadError,
+  SampledToken,
+  StepError,
+  StepPlan,
+  StepResult,
+  TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -97,10 +101,15 @@ def put_params(params: dict, dtype) -> dict:
 
 
 
-def capacity_pages(model_cfg: ModelConfig, config: EngineConfig) -> int:
-  """KV pages from the memory budget, capped at what max_num_seqs can use."""
+def capacity_pages(model_cfg: ModelConfig, config: EngineConfig,
+                   draft_cfg: ModelConfig | None = None) -> int:
+  """KV pages from the memory budget, capped at what max_num_seqs can use (a draft
+  model's pool has as many pages, so its bytes count too)."""
   _, kv_dtype = resolve_dtypes(config, jax.default_backend())
-  page_bytes = config.page_size * kv_bytes_per_token(model_cfg, kv_dtype)
+  per_token = kv_bytes_per_token(model_cfg, kv_dtype)
+  if draft_cfg is not None:
+    per_token += kv_bytes_per_token(draft_cfg, kv_dtype)
+  page_bytes = config.page_size * per_token
   device = jax.local_devices()[0]
   stats = device.memory_stats() if device.platform != "cpu" else None
   if stats and "bytes_limit" in stats:
@@ -124,7 +133,7 @@ class SamplerCall:
   its logits and inputs until then."""
 
   ids: list[str]
-  out: sampling.SampleOutput | None = None
+  out: sampling.SampleOutput | sampling.VerifyOutput | None = None
   logits: jax.Array | None = None
   slots: np.ndarray | None = None
   tensors: sampling.SamplingTensors | None = None
@@ -136,6 +145,7 @@ class StepHandle:
 
   calls: list[SamplerCall]
   logprobs: dict[str, int]  # request id -> top alternatives wanted (absent: no logprobs)
+  num_drafts: dict[str, int] = dataclasses.field(default_factory=dict)  # speculative rows
 
   @property
   def awaiting_masks(self) -> bool:
@@ -146,10 +156,17 @@ class ModelRunner:
   """Holds weights and device state; runs bucketed, jitted steps (see module doc)."""
 
   def __init__(self, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
-               num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None):
+               num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None,
+               draft: tuple[dict, ModelConfig] | None = None):
+    """`draft`: (params, config) of the draft model (speculative_method="draft")."""
     # Sharded when tp*ep*dp > 1 or a mesh is given (sharding/placement.py).
     self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
     placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
+    if (draft is not None) != (engine_cfg.speculative_method == "draft"):
+      raise ValueError("a draft model is needed exactly when speculative_method='draft'")
+    if placement is not None and draft is not None:
+      raise NotImplementedError("a draft model on a mesh (tp/ep/dp > 1) is not supported yet; "
+                                "use speculative_method='ngram' or 'suffix' there")
     if placement is not None and (engine_cfg.quantization or has_quantized(params)):
       raise NotImplementedError("quantized weights on a mesh (tp/ep/dp > 1) are not supported "
                                 "yet; serve them on one device or without quantization")
@@ -174,7 +191,8 @@ class ModelRunner:
       self.params = placement.place_params(params, weight_dtype)
     else:
       self.params = put_params(params, weight_dtype)  # quantized leaves keep their dtypes
-    self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(model_cfg, engine_cfg)
+    self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(
+        model_cfg, engine_cfg, draft[1] if draft is not None else None)
     self.state = self._initial_state(placement)
     self.mask_width = (model_cfg.vocab_size + 31) // 32  # int32 words of a token mask row
     self._all_allowed: dict[int, jax.Array] = {}
@@ -198,6 +216,23 @@ class ModelRunner:
                                static=static, num_fixed=3, store=store)
     self._sample = StepProgram("sample", jit(sample_step, donate_argnums=(0,)), static="",
                                num_fixed=1, store=store)
+    # Speculative decoding: the verify forward per batch bucket, and its sampler.
+    self._verify = StepProgram("verify", jit(functools.partial(verify_step, **kw),
+                                             donate_argnums=(2,)),
+                               static=static, num_fixed=3, store=store)
+    self._verify_sample = StepProgram("verify_sample", jit(verify_sample_step,
+                                                           donate_argnums=(0,)),
+                                      static="", num_fixed=1, store=store)
+    self.draft = None
+    if draft is not None:
+      draft_params, draft_cfg = draft
+      check_vocabulary(draft_cfg.vocab_size, model_cfg.vocab_size)
+      if unroll if unroll is not None else platform == "cpu":
+        draft_params = llama.unstack_layers(draft_params)
+      self.draft = DraftModel(put_params(draft_params, weight_dtype), draft_cfg,
+                              num_pages=self.num_pages, page_size=engine_cfg.page_size,
+                              kv_dtype=self.kv_dtype_name, act_dtype=dtype, backend=self.backend,
+                              block_tokens=engine_cfg.attention_block_tokens, store=store)
     self._log_capacity()
 
   def _initial_state(self, placement) -> DeviceState:
@@ -280,19 +315,18 @@ class ModelRunner:
       raise RuntimeError("fetch of a step whose constrained rows were never sampled")
     with self._device_errors():
       outs = jax.device_get([c.out for c in handle.calls])
-    tokens: dict[str, SampledToken] = {}
-    rows = [(rid, out, i) for call, out in zip(handle.calls, outs, strict=True)
-            for i, rid in enumerate(call.ids)]
-    for rid, out, row in rows:
-      token = int(out.tokens[row])
-      n = handle.logprobs.get(rid)
-      logprob = None
-      if n is not None:
-        top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row][:n],
-                                                     out.top_logprobs[row][:n], strict=True)]
-        logprob = TokenLogprob(token, float(out.logprob[row]), top)
-      tokens[rid] = SampledToken(token_id=token, logprob=logprob)
-    return StepResult(tokens=tokens)
+    tokens: dict[str, list[SampledToken]] = {}
+    for call, out in zip(handle.calls, outs, strict=True):
+      for row, rid in enumerate(call.ids):
+        n = handle.logprobs.get(rid)
+        if isinstance(out, sampling.VerifyOutput):  # the kept drafts, then one more
+          tokens[rid] = [_sampled(out.tokens[row, j], out.logprob[row, j], out.top_ids[row, j],
+                                  out.top_logprobs[row, j], n)
+                         for j in range(int(out.num_accepted[row]) + 1)]
+        else:
+          tokens[rid] = [_sampled(out.tokens[row], out.logprob[row], out.top_ids[row],
+                                  out.top_logprobs[row], n)]
+    return StepResult(tokens=tokens, num_drafts=handle.num_drafts)
 
   def close(self) -> None:
     """Nothing to release: device memory goes with the runner."""
@@ -304,9 +338,14 @@ class ModelRunner:
     try:
       yield
     except Exception as e:
-      if any(a.is_deleted() for a in jax.tree.leaves((self.state, self.lora))):
+      if any(a.is_deleted() for a in self._donated()):
         raise RunnerDeadError(f"device state lost in a failed step: {e}") from e
       raise
+
+  def _donated(self) -> list:
+    """The arrays steps donate: lost if a step fails after taking them."""
+    extra = self.draft.arrays() if self.draft is not None else []
+    return jax.tree.leaves((self.state, self.lora)) + extra
 
   def run(self, inputs: StepInputs) -> StepHandle:
     """Dispatches a step's prefill chunks, then its decode batch (asynchronous)."""
@@ -331,13 +370,21 @@ class ModelRunner:
         calls.append(self._sampler_call([rid], logits, inp.decode_slot[None], inp.sampling,
                                         defer))
         logprobs[rid] = int(inp.sampling.num_logprobs[0])
+    num_drafts = {}
+    if inputs.verify is not None:
+      inp = inputs.verify
+      calls.append(SamplerCall(list(inputs.decode_ids), out=self.run_verify(inp, inputs.drafts)))
+      wanted = inp.sampling.num_logprobs
+      logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
+      num_drafts = {rid: int(inp.num_drafts[i]) for i, rid in enumerate(inputs.decode_ids)}
     if inputs.decode is not None:
       logits = self.run_decode(inputs.decode)
       calls.append(self._sampler_call(list(inputs.decode_ids), logits,
                                       inputs.decode.decode_slots, inputs.decode.sampling, defer))
       wanted = inputs.decode.sampling.num_logprobs
       logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
-    return StepHandle(calls=calls, logprobs={k: n for k, n in logprobs.items() if n >= 0})
+    return StepHandle(calls=calls, logprobs={k: n for k, n in logprobs.items() if n >= 0},
+                      num_drafts=num_drafts)
 
   def _sampler_call(self, ids: list[str], logits: jax.Array, slots: np.ndarray,
                     tensors: sampling.SamplingTensors, defer: bool) -> SamplerCall:
@@ -357,9 +404,21 @@ class ModelRunner:
     return mask
 
   def run_prefill(self, inp: PrefillInput) -> jax.Array:
-    """Runs a chunk; returns the logits [1, V] after its last token."""
+    """Runs a chunk (and the draft model's); returns the logits [1, V] after its last token."""
     self.state, logits = self._prefill(self.params, self.lora, self.state, inp)
+    if self.draft is not None:
+      self.draft.prefill(inp)
     return logits
+
+  def run_verify(self, inp: VerifyInput, drafts: np.ndarray) -> sampling.VerifyOutput:
+    """Runs a speculative step: drafts (the host's, or the draft model's), the verify
+    forward and its sampler; returns the kept drafts and the next token per row."""
+    if self.draft is not None:
+      drafts = self.draft.propose(inp, self.state.last_tokens)
+    self.state, logits = self._verify(self.params, self.lora, self.state, inp, drafts)
+    self.state, out = self._verify_sample(self.state, logits, drafts, inp.num_drafts,
+                                          inp.decode_slots, inp.sampling)
+    return out
 
   def run_decode(self, inp: DecodeInput) -> jax.Array:
     """Runs a decode batch; returns its logits [B, V]."""
@@ -387,13 +446,15 @@ class ModelRunner:
         step.prepare(*args)
     else:
       for step, args in programs:
-        if step is not self._sample:  # the samplers run on these logits
+        if step in (self._prefill, self._decode, self._verify):  # + their samplers and drafts
           jax.block_until_ready(self._run_dummy(step, args))
     steps = (self._prefill, self._decode, self._sample)
-    n = sum(s.num_programs() for s in steps)
-    log.info("compiled %d programs (%d prefill, %d decode, %d sampler; %d loaded from the "
-             "executable store) in %.1fs", n, *(s.num_programs() for s in steps),
-             sum(s.loaded for s in steps), time.perf_counter() - start)
+    spec = (self._verify, self._verify_sample) + (self.draft.steps if self.draft else ())
+    n = sum(s.num_programs() for s in steps + spec)
+    log.info("compiled %d programs (%d prefill, %d decode, %d sampler, %d speculative; %d loaded "
+             "from the executable store) in %.1fs", n, *(s.num_programs() for s in steps),
+             sum(s.num_programs() for s in spec), sum(s.loaded for s in steps + spec),
+             time.perf_counter() - start)
     return n
 
   def _bucket_programs(self) -> list[tuple[StepProgram, tuple]]:
@@ -409,10 +470,24 @@ class ModelRunner:
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
       allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
       out.append((self._sample, (self.state, logits, inp.decode_slots, inp.sampling, allowed)))
+    s = ec.num_speculative_tokens + 1
+    verifies = [self.dummy_verify(b) for b in ec.verify_batch_buckets]
+    for inp in verifies:
+      b = inp.decode_slots.shape[0]
+      drafts = np.zeros((b, s - 1), np.int32)
+      out.append((self._verify, (self.params, self.lora, self.state, inp, drafts)))
+      logits = jax.ShapeDtypeStruct((b, s, vocab), jnp.float32)
+      out.append((self._verify_sample, (self.state, logits, drafts, inp.num_drafts,
+                                        inp.decode_slots, inp.sampling)))
+    if self.draft is not None:
+      prefills = [self.dummy_prefill(t) for t in ec.prefill_token_buckets]
+      out += self.draft.programs(prefills, verifies, self.state.last_tokens)
     return out
 
   def _run_dummy(self, step: StepProgram, args: tuple) -> jax.Array:
     """Runs a prefill or decode program on its dummy input, then its sampler."""
+    if step is self._verify:
+      return self.run_verify(args[3], args[4]).tokens
     inp = args[-1]
     if step is self._prefill:
       logits, slots = self.run_prefill(inp), inp.decode_slot[None]
@@ -431,6 +506,16 @@ class ModelRunner:
                         kv_len=np.ones((1,), np.int32), decode_slot=np.int32(ec.max_num_seqs),
                         reset=np.bool_(True), lora_slot=np.int32(-1),
                         sampling=sampling.SamplingTensors.build([], [], [], 1))
+
+  def dummy_verify(self, b: int) -> VerifyInput:
+    """A padding-only speculative batch of B rows."""
+    ec = self.engine_cfg
+    z, s = np.zeros((b,), np.int32), ec.num_speculative_tokens + 1
+    return VerifyInput(decode_slots=np.full((b,), ec.max_num_seqs, np.int32), positions=z,
+                       num_drafts=z, kv_index=np.zeros((b, s), np.int32),
+                       block_tables=np.zeros((b, ec.block_table_width), np.int32),
+                       lora_slots=np.full((b,), -1, np.int32), prev_tokens=z, prev_kv_index=z,
+                       sampling=sampling.SamplingTensors.build([], [], [], b))
 
   def dummy_decode(self, b: int) -> DecodeInput:
     """A padding-only decode batch of B rows."""
@@ -462,3 +547,12 @@ def _enable_jax_compilation_cache(config: EngineConfig) -> None:
   if config.compilation_cache and not jax.config.jax_compilation_cache_dir:
     jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _sampled(token, logprob, top_ids, top_logprobs, n: int | None) -> SampledToken:
+  """One sampled token as the engine sees it; with its logprobs when `n` is not None."""
+  token = int(token)
+  if n is None:
+    return SampledToken(token_id=token)
+  top = [(int(i), float(lp)) for i, lp in zip(top_ids[:n], top_logprobs[:n], strict=True)]
+  return SampledToken(token_id=token, logprob=TokenLogprob(token, float(logprob), top))

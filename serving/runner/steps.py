@@ -84,6 +84,9 @@ class VerifyInput:
   kv_index: np.ndarray  # [B, S] int32; positions past num_drafts -> page 0
   block_tables: np.ndarray  # [B, W] int32
   lora_slots: np.ndarray  # [B] int32 (-1: none, and padding)
+  # The token before the latest and its KV index: where a draft model resumes.
+  prev_tokens: np.ndarray  # [B] int32
+  prev_kv_index: np.ndarray  # [B] int32
   sampling: sampling.SamplingTensors  # [B]; step = output index of position 0
 
 
