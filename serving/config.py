@@ -89,7 +89,7 @@ class EngineConfig:
   max_lora_rank: int = 16  # every slot's rank; adapters of lower rank are zero-padded
   # Speculative decoding (docs/spec_decode.md): proposer, drafts per step and row.
   speculative_method: str = "none"  # none | ngram | suffix | draft
-  num_speculative_tokens: int = 5
+  num_speculative_tokens: int = 8
   speculative_model: str | None = None  # the draft model (method "draft"), as --model
   prompt_lookup_min: int = 2  # n-gram sizes the ngram proposer matches
   prompt_lookup_max: int = 5

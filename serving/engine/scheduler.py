@@ -86,7 +86,8 @@ class Scheduler:
     for seq in sorted(self.running, key=lambda s: s.admit_order):
       if budget <= 0:
         break
-      if seq.status is not Status.RUNNING or not seq.in_prefill or seq.pending:
+      if (seq.status is not Status.RUNNING or not seq.in_prefill or seq.pending
+          or _decodable(seq)):
         continue
       end = min(seq.num_computed + budget, seq.num_known)
       protected = {r.seq for r in decodes} | {c.seq for c in prefills}
@@ -117,7 +118,8 @@ class Scheduler:
     """One token (plus drafts when speculating) for every running sequence past
     prefill; preempts if pages run out."""
     decodes: list[DecodeRow] = []
-    candidates = sorted((s for s in self.running if not s.in_prefill), key=lambda s: s.admit_order)
+    candidates = sorted((s for s in self.running if not s.in_prefill or _decodable(s)),
+                        key=lambda s: s.admit_order)
     # Constrained rows sample with token masks, which a speculative step does not take.
     speculate = (speculate and self.proposer is not None
                  and len(candidates) <= self.config.speculative_max_batch
@@ -321,6 +323,14 @@ class Scheduler:
     for slot, _ in plan.lora_loads:  # maybe never written
       self.lora_slots.forget(slot)
     return victims
+
+
+def _decodable(seq: Sequence) -> bool:
+  """A sequence whose only uncomputed position holds its latest sampled token, which the
+  device holds too (`last_tokens`): it decodes, rather than prefilling that one token.
+  This is every running sequence after its step was postprocessed, as when the engine
+  speculates (its previous step is postprocessed before scheduling)."""
+  return not seq.pending and bool(seq.output_ids) and seq.num_computed == seq.num_known - 1
 
 
 def _uses_penalties(p: SamplingParams) -> bool:

@@ -79,38 +79,58 @@ def xla_decode_attention(q, kv: KVCache, block_tables, seq_lens, *, scale: float
                          block_tokens: int = 128):
   """q [B, N, H]; block_tables [B, W] (layer-offset); seq_lens [B] -> [B, N, H].
 
-  A while loop over blocks of `block_tokens` keys runs only up to the longest
-  sequence in the batch, so the cost follows the context in use, not W.
+  One query per row: `xla_multi_query_attention` with T = 1.
   """
-  b, n, h = q.shape
+  out, kv = xla_multi_query_attention(q[:, None], kv, block_tables, seq_lens[:, None],
+                                      scale=scale, sliding_window=sliding_window,
+                                      soft_cap=soft_cap, block_tokens=block_tokens)
+  return out[:, 0], kv
+
+
+def xla_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: float,
+                              sliding_window: int | None = None,
+                              soft_cap: float | None = None, block_tokens: int = 128):
+  """q [B, T, N, H]; block_tables [B, W] (layer-offset); q_lens [B, T] -> [B, T, N, H].
+
+  Query t of row b attends to the row's first `q_lens[b, t]` keys (0: none; its
+  output is then to be ignored): a decode step is T = 1, a speculative step's
+  verification T = drafts + 1 with q_lens = positions + 1 (causal). Each key
+  block is gathered once per row for all its queries. A while loop over blocks
+  of `block_tokens` keys runs only up to the longest row in the batch, so the
+  cost follows the context in use, not W.
+  """
+  b, t, n, h = q.shape
   ps, nk = kv.k.shape[1], kv.k.shape[2]
   bp = _block_pages(block_tables.shape[1], ps, block_tokens)
-  qg = q.reshape(b, nk, n // nk, h).astype(kv.compute_dtype)  # [B, K, G, H]
-  n_blocks = (jnp.max(seq_lens) + bp * ps - 1) // (bp * ps)
+  # [B, T, N, H] -> [B, K, G, T, H]
+  qg = jnp.transpose(q.reshape(b, t, nk, n // nk, h), (0, 2, 3, 1, 4)).astype(kv.compute_dtype)
+  n_blocks = (jnp.max(q_lens) + bp * ps - 1) // (bp * ps)
 
   def body(i, carry):
     kc, vc, carry = carry[0], carry[1], carry[2:]
     tables = jax.lax.dynamic_slice_in_dim(block_tables, i * bp, bp, axis=1)  # [B, bp]
     k = _gather_pages(kc, tables, kv)  # [B, S, K, H]
     v = _gather_pages(vc, tables, kv)
-    s = jnp.einsum("bkgh,bskh->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
-    s = _softcap(s, soft_cap)[:, :, :, None, :]  # [B, K, G, 1, S]
-    pos = i * bp * ps + jnp.arange(bp * ps)[None, :]  # [1, S]
-    valid = pos < seq_lens[:, None]
+    s = jnp.einsum("bkgth,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = _softcap(s, soft_cap)  # [B, K, G, T, S]
+    pos = i * bp * ps + jnp.arange(bp * ps)[None, None, :]  # [1, 1, S]
+    valid = pos < q_lens[:, :, None]  # [B, T, S]
     if sliding_window is not None:
-      valid &= pos > seq_lens[:, None] - 1 - sliding_window
-    # Zero values of masked keys: pages past a sequence may hold anything (NaN).
-    v = jnp.where(valid[:, :, None, None], v, 0)
+      valid &= pos > q_lens[:, :, None] - 1 - sliding_window
+    # Zero values of keys no query sees: pages past a sequence may hold anything (NaN).
+    v = jnp.where(jnp.any(valid, axis=1)[:, :, None, None], v, 0)
     vk = jnp.swapaxes(v, 1, 2)[:, :, None]  # [B, K, 1, S, H]
-    return kc, vc, *_online_softmax_update(carry, s, vk, valid[:, None, None, None, :])
+    return kc, vc, *_online_softmax_update(carry, s, vk, valid[:, None, None])
 
   # The cache rides in the loop carry so XLA updates it in place afterwards.
-  init = (kv.k, kv.v, jnp.full((b, nk, n // nk, 1), _NEG, jnp.float32),
-          jnp.zeros((b, nk, n // nk, 1), jnp.float32),
-          jnp.zeros((b, nk, n // nk, 1, h), jnp.float32))
+  init = (kv.k, kv.v, jnp.full((b, nk, n // nk, t), _NEG, jnp.float32),
+          jnp.zeros((b, nk, n // nk, t), jnp.float32),
+          jnp.zeros((b, nk, n // nk, t, h), jnp.float32))
   kc, vc, _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-  out = acc / jnp.maximum(l, 1e-30)[..., None]
-  return out.reshape(b, n, h).astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, H]
+  # [B, K, G, T, H] -> [B, T, N, H]
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+  return out.astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
 
 
 def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale: float,
@@ -204,6 +224,20 @@ def decode_attention(backend: str, q, kv: KVCache, block_tables, seq_lens, *,
   return kernels_pallas.paged_decode_attention(
       q, from_storage(kv.k, kv), from_storage(kv.v, kv), block_tables, seq_lens,
       impl=_kernel_impl(), interpret=backend == "pallas_interpret", **kw), kv
+
+
+def verify_attention(backend: str, q, kv: KVCache, block_tables, q_lens, *,
+                     block_tokens: int = 128, **kw):
+  """A speculative step's attention: q [B, T, N, H], q_lens [B, T] (module letters);
+  returns (out [B, T, N, H], kv). The XLA path reads each row's keys once for its T
+  queries; the kernels run the B*T queries as decode rows over the row's table."""
+  if backend == "xla":
+    return xla_multi_query_attention(q, kv, block_tables, q_lens, block_tokens=block_tokens,
+                                     **kw)
+  b, t = q_lens.shape
+  out, kv = decode_attention(backend, q.reshape(b * t, *q.shape[2:]), kv,
+                             jnp.repeat(block_tables, t, axis=0), q_lens.reshape(-1), **kw)
+  return out.reshape(q.shape), kv
 
 
 def ragged_attention(backend: str, q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *,

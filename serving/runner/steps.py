@@ -102,6 +102,11 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
       kw["block_tokens"] = block_tokens
     if kind == "decode":
       return attention.decode_attention(backend, q, kv, tables, meta["seq_lens"], **kw)
+    if kind == "verify":  # q [B*T, N, H] -> [B, T, N, H]
+      q_lens = meta["q_lens"]
+      out, kv = attention.verify_attention(backend, q.reshape(*q_lens.shape, *q.shape[1:]), kv,
+                                           tables, q_lens, **kw)
+      return out.reshape(q.shape), kv
     return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
                                       meta["kv_lens"], **kw)
 
@@ -164,9 +169,9 @@ def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.
                 block_tokens: int) -> tuple[DeviceState, jax.Array]:
   """Scores every row's latest token and drafts [B, S-1] at once -> (state, logits [B, S, V]).
 
-  Each of the B*S positions runs as a decode row of its own over the row's
-  block table, attending up to itself: the step writes the K/V of all S
-  positions first, so position j sees the drafts before it (causal). K/V of
+  Position j of a row attends to the row's keys up to itself
+  (attention.verify_attention): the step writes the K/V of all S positions
+  first, so position j sees the drafts before it (causal). K/V of
   drafts that verification rejects stays past the sequence's length, is never
   read, and is overwritten when those positions are computed again.
   """
@@ -176,10 +181,9 @@ def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.
   positions = inp.positions[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
   real = (inp.decode_slots < state.last_tokens.shape[0] - 1)[:, None]
   used = real & (jnp.arange(s)[None, :] <= inp.num_drafts[:, None])
-  meta = dict(kv_index=inp.kv_index.reshape(-1),
-              block_tables=jnp.repeat(inp.block_tables, s, axis=0),
-              seq_lens=jnp.where(used, positions + 1, 0).reshape(-1))
-  attend = attend_fn(backend, cfg, state.kv.num_pages, "decode", meta, block_tokens)
+  meta = dict(kv_index=inp.kv_index.reshape(-1), block_tables=inp.block_tables,
+              q_lens=jnp.where(used, positions + 1, 0))
+  attend = attend_fn(backend, cfg, state.kv.num_pages, "verify", meta, block_tokens)
   hidden, kv = llama.forward(params, cfg, tokens.reshape(-1), positions.reshape(-1), state.kv,
                              attend, act_dtype=act_dtype,
                              experts_fn=sharding.expert_parallel(cfg),
