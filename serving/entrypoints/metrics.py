@@ -2,7 +2,8 @@
 
 Two sources, one per-server `CollectorRegistry` (no global state):
   1. Engine state (running / waiting requests, KV cache usage, token and
-     prefix-cache counters, LoRA adapters in use and slot swaps) is read from
+     prefix-cache counters, LoRA adapters in use and slot swaps, speculative
+     decoding's drafts and accepted tokens per position) is read from
      `engine.stats()` at scrape time by a custom collector, so it is never
      stale and costs nothing between scrapes.
   2. Per-request latencies (time to first token, inter-token latency, time per
@@ -76,6 +77,29 @@ class EngineStatsCollector(Collector):
     for adapter, count in sorted(stats.lora_running.items()):
       family.add_metric([*values, adapter], float(count))
     yield family
+    yield from _spec_decode_families(stats.spec_decode, names, values)
+
+
+# (metric name without prefix, SpecDecodeCounters field, help): vLLM's spec_decode names.
+_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts_total", "num_drafts",
+     "Speculative decode rows that verified at least one draft token."),
+    ("spec_decode_num_draft_tokens_total", "num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens_total", "num_accepted_tokens", "Draft tokens accepted."),
+)
+
+
+def _spec_decode_families(counters, names: list[str], values: list[str]):
+  for name, field, doc in _SPEC_COUNTERS:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=names)
+    family.add_metric(values, float(getattr(counters, field)))
+    yield family
+  family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+                               "Draft tokens accepted at each position of a row's drafts "
+                               "(0: the first draft).", labels=[*names, "position"])
+  for pos, count in enumerate(counters.accepted_per_pos):
+    family.add_metric([*values, str(pos)], float(count))
+  yield family
 
 
 class Metrics:

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.entrypoints import metrics as metrics_lib
 from serving.entrypoints.metrics import Metrics
-from serving.types import EngineStats
+from serving.types import EngineStats, SpecDecodeCounters
 
 REQUIRED = [
     "xlaserve_num_requests_running", "xlaserve_num_requests_waiting",
@@ -46,6 +46,27 @@ def test_engine_stats_read_at_scrape_time():
   assert samples["xlaserve_prefix_cache_hits_total"] == 16
   stats.generation_tokens_total = 20  # read live at the next scrape
   assert _samples(m.render()[0].decode())["xlaserve_generation_tokens_total"] == 20
+
+
+def test_spec_decode_counters_per_position():
+  spec = SpecDecodeCounters()
+  spec.record(proposed=4, kept=2)
+  spec.record(proposed=3, kept=3)
+  spec.record(proposed=0, kept=0)  # a row without drafts counts nothing
+  stats = EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.0, num_pages_total=8,
+                      num_pages_free=8, num_preemptions_total=0, prompt_tokens_total=0,
+                      generation_tokens_total=0, prefix_cache_queries_total=0,
+                      prefix_cache_hits_total=0, prefill_tokens_computed_total=0,
+                      spec_decode=spec)
+  text = Metrics(lambda: stats, model_name="m").render()[0].decode()
+  samples = _samples(text)
+  assert samples["xlaserve_spec_decode_num_drafts_total"] == 2
+  assert samples["xlaserve_spec_decode_num_draft_tokens_total"] == 7
+  assert samples["xlaserve_spec_decode_num_accepted_tokens_total"] == 5
+  name = "xlaserve_spec_decode_num_accepted_tokens_per_pos_total"
+  per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(text)
+             for s in f.samples if s.name == name}
+  assert per_pos == {"0": 2, "1": 2, "2": 1, "3": 0}
 
 
 def test_registries_are_per_server():
