@@ -1,0 +1,207 @@
+"""Speculative decoding in the scheduler and engine, over the FakeRunner (no model).
+
+The FakeRunner's tokens repeat the prompt, so an n-gram or suffix proposer
+predicts them once a cycle has been seen, and its "draft model" is right but
+for its last draft: every path of verification (all kept, some kept, none)
+runs. It writes drafts into the KV pool and reads each row's context back
+before every token, so a page-accounting mistake (drafts on a page the row
+does not own, a prefix hash published over rejected drafts) raises. The
+outputs must be exactly those of the same engine without speculation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from frontend_fake import VOCAB, ByteTokenizer, fake_engine
+from runner_faults import FaultyRunner
+
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.engine.fake_runner import FakeRunner
+from serving.spec_decode import SpecBackoff
+from serving.types import SamplingParams
+
+METHODS = [dict(speculative_method="ngram", prompt_lookup_min=1, prompt_lookup_max=3),
+           dict(speculative_method="suffix"),
+           dict(speculative_method="draft", speculative_model="fake-draft")]
+
+
+def engine(**kw):
+  base = dict(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96,
+              max_num_batched_tokens=32, num_speculative_tokens=4, speculative_max_batch=4)
+  return fake_engine(step_s=0.0, **{**base, **kw})
+
+
+def run(eng, requests):
+  """requests: (id, prompt, params) -> {id: (token ids, text, finish_reason, stop_reason,
+  error)}."""
+  outs = {rid: [] for rid, _, _ in requests}
+  for rid, prompt, params in requests:
+    eng.add_request(rid, prompt, params, outs[rid].append)
+  eng.run_until_idle()
+  alloc = eng.allocator
+  alloc.check()
+  assert alloc.num_free == alloc.num_usable, "pages leaked"
+  return {rid: (sum((o.token_ids for o in d), []), "".join(o.text for o in d),
+                d[-1].finish_reason, d[-1].stop_reason, d[-1].error) for rid, d in outs.items()}
+
+
+def greedy(max_tokens, **kw):
+  return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def workload():
+  rng = np.random.default_rng(0)
+  reqs = []
+  for i in range(4):
+    prompt = [int(t) for t in rng.integers(97, 123, int(rng.integers(3, 9)))]
+    reqs.append((f"r{i}", prompt, greedy(int(rng.integers(5, 40)))))
+  return reqs
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m["speculative_method"])
+def test_outputs_equal_plain_decoding_and_drafts_are_kept(method):
+  reqs = workload()
+  want = run(engine(), reqs)
+  eng = engine(**method)
+  assert run(eng, reqs) == want
+  spec = eng.stats().spec_decode
+  assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0
+  assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[-1]
+  if method["speculative_method"] == "draft":  # right but for the last draft
+    assert spec.num_accepted_tokens < spec.num_draft_tokens
+
+
+def test_max_tokens_and_context_length_cut_the_drafts():
+  eng = engine(**METHODS[0])
+  out = run(eng, [("a", list(b"abc"), greedy(10)),
+                  ("b", list(b"xy"), greedy(None))])  # runs to max_model_len
+  assert len(out["a"][0]) == 10 and out["a"][2] == "length"
+  assert len(out["b"][0]) == 128 - 2 and out["b"][2] == "length"
+
+
+@pytest.mark.parametrize("stop", [dict(stop=["dab"]), dict(stop_token_ids=[ord("c")]),
+                                  dict(stop=["da"], include_stop_str_in_output=True)])
+def test_a_stop_inside_a_kept_run_ends_the_request_there(stop):
+  """The output repeats the prompt, so the first speculative step keeps a run that
+  holds the stop; the request ends there, as without speculation."""
+  reqs = [("a", list(b"abcdabcdabcd"), greedy(30, **stop))]
+  eng = engine(**METHODS[0])
+  got = run(eng, reqs)
+  assert got == run(engine(), reqs)
+  assert got["a"][2] == "stop" and len(got["a"][0]) < 8
+  assert eng.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_eos_inside_a_run_stops_and_drops_the_rest():
+  eos = SamplingParams(max_tokens=30, temperature=0.0)  # EOS (id 0 in ByteTokenizer) stops
+  prompt = [5, 6, 7, 5, 6, 7, 5, 6, 0, 9]  # the output reaches EOS once the cycle gets there
+  want = run(engine(), [("a", prompt, eos)])
+  assert run(engine(**METHODS[0]), [("a", prompt, eos)]) == want
+
+
+def test_preemption_and_prefix_cache_with_speculation():
+  """A pool too small for everyone: preemptions and shared prefixes, outputs unchanged."""
+  rng = np.random.default_rng(1)
+  shared = [int(t) for t in rng.integers(97, 123, 12)]
+  reqs = [(f"q{i}", shared + [97 + i, 98 + i], greedy(int(rng.integers(20, 60))))
+          for i in range(8)]
+  want = run(engine(num_pages=30), reqs)
+  eng = engine(num_pages=30, **METHODS[0])
+  assert run(eng, reqs) == want
+  stats = eng.stats()
+  assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits_total > 0
+  assert stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_no_speculation_beyond_the_batch_limit_or_with_a_constraint():
+  eng = engine(speculative_max_batch=2, **METHODS[0])
+  reqs = [(f"r{i}", list(b"abab"), greedy(12)) for i in range(3)]
+  run(eng, reqs)
+  assert eng.stats().spec_decode.num_drafts == 0  # three decode together: over the limit
+
+
+def test_constrained_requests_do_not_speculate(default_tokenizer):
+  """A step with a constrained row samples with token masks: no drafts that step."""
+  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96,
+                        **METHODS[0])
+  vocab = default_tokenizer.vocab_size
+  runner = _PlanRecorder(num_pages=96, page_size=4, max_num_seqs=4, vocab_size=vocab)
+  eng = LLMEngine(runner=runner, tokenizer=default_tokenizer, config=config)
+  ids = default_tokenizer.encode("yes no yes no yes no", add_special_tokens=False)
+  regex = SamplingParams(max_tokens=12, temperature=0.0,
+                         structured_outputs={"regex": "( ?(yes|no)){3,6}"})
+  out = run(eng, [("c", ids, regex), ("free", ids, greedy(12))])
+  constrained = [spec for spec, has_grammar in runner.plans if has_grammar]
+  assert constrained and not any(constrained)
+  assert any(spec for spec, _ in runner.plans)  # once "c" is done, "free" speculates
+  assert out["c"][2] in ("stop", "length")
+  assert out["free"][0] == run(engine_over(default_tokenizer), [("free", ids, greedy(12))])[
+      "free"][0]
+
+
+class _Recording:
+  """A Runner that notes (speculative?, request ids) of every plan it passes on."""
+
+  def __init__(self, runner, plans):
+    self.runner, self.plans = runner, plans
+    self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+
+  def __getattr__(self, name):
+    return getattr(self.runner, name)
+
+  def execute(self, *, plan):
+    self.plans.append((plan.speculative, [s.request_id for s in plan.sequences]))
+    return self.runner.execute(plan=plan)
+
+
+class _PlanRecorder(FakeRunner):
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.plans = []
+
+  def execute(self, *, plan):
+    self.plans.append((plan.speculative, bool(plan.constrained)))
+    return super().execute(plan=plan)
+
+
+def engine_over(tokenizer):
+  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96)
+  runner = FakeRunner(num_pages=96, page_size=4, max_num_seqs=4, vocab_size=tokenizer.vocab_size)
+  return LLMEngine(runner=runner, tokenizer=tokenizer, config=config)
+
+
+@pytest.mark.parametrize("fail_at", ["execute", "fetch"])
+def test_a_failed_speculative_step_fails_only_its_request(fail_at):
+  """"bad" fails in a speculative step (named by the runner): it alone ends with an error;
+  "ok", in the same step, is rolled back, recomputed and ends as without speculation."""
+  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96,
+                        num_speculative_tokens=4, **METHODS[0])
+  fake = FakeRunner(num_pages=96, page_size=4, max_num_seqs=4, vocab_size=VOCAB)
+  plans = []
+
+  def bad_in_a_speculative_step(seq):
+    return seq.request_id == "bad" and len(seq.output_ids) >= 6
+
+  runner = FaultyRunner(fake, fail_request=bad_in_a_speculative_step, fail_at=fail_at)
+  eng = LLMEngine(runner=_Recording(runner, plans), tokenizer=ByteTokenizer(), config=config)
+  reqs = [("ok", list(b"abcabc"), greedy(20)), ("bad", list(b"xyzxyz"), greedy(20))]
+  out = run(eng, reqs)
+  assert out["bad"][2] == "error" and "step failed" in out["bad"][4]
+  assert out["ok"] == run(engine(), [reqs[0]])["ok"]
+  assert any(speculative and "bad" in ids for speculative, ids in plans)
+
+
+def test_backoff_pauses_on_low_acceptance_and_tries_again():
+  b = SpecBackoff(enabled=True, max_batch=4, window=4, min_accepted=0.5, pause_steps=3)
+  assert not b.wants_step(0) and not b.wants_step(5)
+  for _ in range(4):
+    assert b.wants_step(2)
+    b.record(rows=2, kept=0)
+  assert [b.wants_step(2) for _ in range(4)] == [False, False, False, True]
+  assert b.num_pauses == 1
+  for _ in range(8):
+    b.record(rows=2, kept=2)
+  assert b.wants_step(2) and b.num_pauses == 1
+  assert not SpecBackoff(enabled=False, max_batch=4).wants_step(1)
