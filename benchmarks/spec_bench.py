@@ -6,10 +6,10 @@
 Two `xlaserve serve` (default preset, prefix caching off, `--max_model_len`
 2048), one after the other (never both up: they would share the cores): a
 plain one (`--speculative_method=none`, on `--port`) and one with `--method`
-and its flags (docs/spec_decode.md; on the next port). Every request is greedy, streamed over a fresh
-connection, with `stream_options.include_usage` (a speculative step may stream
-several tokens in one event: the usage is the token count). On each server,
-rounds that alternate the order of:
+and its flags (docs/spec_decode.md; on the next port). Every request is
+greedy, streamed over a fresh connection, with `stream_options.include_usage`
+(a speculative step may stream several tokens in one event: the usage is the
+token count). On each server, rounds that alternate the order of:
   * `copy` (one request at a time): 6 chat-templated prompts (the model is
     instruct-tuned; the template is applied here, and the text sent to
     `/v1/completions`) asking to repeat or lightly edit a passage of this
@@ -329,7 +329,7 @@ def bench(args) -> dict:
                  if plain["output_tok_s"] else None, acceptance_rate=spec.get("acceptance_rate"))
     summary["cases"][case] = row
     spec_tok = f"{spec['output_tok_s']:10.1f}" if spec else f"{'-':>10s}"
-    ratio = f"x{row['ratio']:9.3f}" if row.get("ratio") else f"{'-':>10s}"
+    ratio = f"{'x' + format(row['ratio'], '.3f') if row.get('ratio') else '-':>10s}"
     spec_tpot = f"{spec['tpot_p50'] * 1e3:6.1f} ms" if spec else f"{'-':>9s}"
     print(f"{case:14s} {plain['output_tok_s']:11.1f} {spec_tok} {ratio} "
           f"{plain['tpot_p50'] * 1e3:7.1f} ms {spec_tpot} {_fmt_rate(row.get('acceptance_rate'))}",

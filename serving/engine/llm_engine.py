@@ -15,6 +15,8 @@ Lifecycle of `step()`:
 A speculative step (docs/spec_decode.md) needs the latest tokens on the host to
 propose drafts, so when the back-off (serving/spec_decode/backoff.py) lets the
 engine speculate, step 4 comes first: postprocess, then schedule with drafts.
+The step after a speculative one also waits for it: each row kept a number of
+drafts the host learns only from its result.
 
 The engine owns no device and loads nothing: it is given a `Runner`
 (runner_api.py), a tokenizer and an `EngineConfig`. Front ends call
@@ -260,7 +262,9 @@ class LLMEngine:
   def _step(self) -> None:
     self._drain_inbox()
     speculate = self.spec.wants_step(len(self.scheduler.running))
-    if speculate and self._inflight is not None:  # drafts are proposed from the latest tokens
+    # Drafts are proposed from the latest tokens; and after a speculative step the host
+    # cannot tell where its rows stand (how many tokens each kept) until it is fetched.
+    if self._inflight is not None and (speculate or self._inflight[0].speculative):
       previous, self._inflight = self._inflight, None
       self._postprocess(*previous)
     plan = self.scheduler.schedule(speculate=speculate)

@@ -7,7 +7,8 @@
   through the prefix cache; at the end every page is free and unreferenced.
 - Nothing compiles after warm-up: a fresh engine, watched from the end of its
   warm-up, runs that same kind of workload (preemption, aborts, prefix-cache
-  hits, chunked prefill) with every kind of sampling parameter.
+  hits, chunked prefill) with every kind of sampling parameter, with and
+  without speculative decoding.
 - A shared system prompt hits the prefix cache and skips that prefill.
 """
 
@@ -154,11 +155,20 @@ def test_randomized_workload_matches_alone(engine):
   assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def test_no_compilation_after_warm_up(tiny_dir):
+# Speculation: off, and a draft model (the model itself, so drafts are kept and every
+# verify bucket runs; n-gram and suffix use the same verify programs, minus the draft's).
+SPECULATION = {"off": {}, "draft": dict(speculative_method="draft", num_speculative_tokens=3)}
+
+
+@pytest.mark.parametrize("speculation", sorted(SPECULATION))
+def test_no_compilation_after_warm_up(tiny_dir, speculation):
   """A fresh engine, watched from the end of its warm-up (no earlier test has run anything
   on it), with a pool small enough to force preemption and the prefix cache on."""
   jax.clear_caches()  # nothing jitted by earlier tests can stand in for this warm-up
-  eng = make_engine(tiny_dir, num_pages=16, enable_prefix_caching=True)
+  spec = dict(SPECULATION[speculation])
+  if spec:
+    spec["speculative_model"] = tiny_dir
+  eng = make_engine(tiny_dir, num_pages=16, enable_prefix_caching=True, **spec)
   events = []
 
   def listener(name, *args, **kwargs):
@@ -182,6 +192,8 @@ def test_no_compilation_after_warm_up(tiny_dir):
   assert len({r["params"].max_tokens for r in reqs}) > 1
   assert len({r["arrival"] for r in reqs}) > 1
   assert any(r["params"].structured_outputs for r in reqs)
+  if spec:
+    assert stats.spec_decode.num_accepted_tokens > 0
 
 
 def test_prefix_cache_skips_shared_prefill(tiny_dir, engine):
