@@ -4,12 +4,13 @@
         [--repeats 3] [--quick] [--json out.json]
 
 Two `xlaserve serve` (default preset, prefix caching off, `--max_model_len`
-2048), one after the other (never both up: they would share the cores): a
-plain one (`--speculative_method=none`, on `--port`) and one with `--method`
-and its flags (docs/spec_decode.md; on the next port). Every request is
+2048), both up (an idle server takes no CPU): a plain one
+(`--speculative_method=none`, on `--port`) and one with `--method` and its
+flags (docs/spec_decode.md; on the next port). Each round runs every case on
+both, alternating which server goes first and the order of the cases. Every request is
 greedy, streamed over a fresh connection, with `stream_options.include_usage`
 (a speculative step may stream several tokens in one event: the usage is the
-token count). On each server, rounds that alternate the order of:
+token count). The cases:
   * `copy` (one request at a time): 6 chat-templated prompts (the model is
     instruct-tuned; the template is applied here, and the text sent to
     `/v1/completions`) asking to repeat or lightly edit a passage of this
@@ -34,7 +35,6 @@ import ast
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import textwrap
 import time
@@ -199,49 +199,67 @@ def start_server(flags: list[str], port: int, log_path: str, timeout_s: float = 
         raise
 
 
-def run_server(name: str, flags: list[str], cases: dict, port: int, repeats: int,
-               work: str) -> dict:
-  """Every case on one server, in rounds of alternating order -> {case: [run, ...]}."""
+class Server:
+  """One `xlaserve serve` of the benchmark, up until `stop()`."""
+
+  def __init__(self, name: str, flags: list[str], port: int, work: str):
+    from serving.tools import bench_serve
+
+    self.name, self.flags = name, flags
+    self.log_path = os.path.join(work, f"{name}.log")
+    t0 = time.perf_counter()
+    self.proc = start_server(flags, port, self.log_path)
+    self.url = f"http://127.0.0.1:{port}"
+    print(f"{name} server up in {time.perf_counter() - t0:.0f} s ({' '.join(flags)}); "
+          f"log {self.log_path}", flush=True)
+    self.model = bench_serve.first_model_id(self.url)
+
+  def run(self, case: str, spec: tuple, rep: int) -> dict:
+    """One round of one case -> bench_serve's summary, with the spec counters' change."""
+    from serving.tools import bench_serve
+
+    concurrency, prompts_of, output_len, extra = spec
+    target = bench_serve.Target(self.url, self.model, {**USAGE, **extra})
+    before = spec_counters(self.url)
+    res = asyncio.run(bench_serve.run_groups([(target, prompts_of(rep), concurrency)],
+                                             output_len))
+    after = spec_counters(self.url)
+    if before and after:
+      res["spec"] = {k.removeprefix("xlaserve_spec_decode_").removesuffix("_total"):
+                     after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_METRICS}
+    print(f"{self.name:5s} round {rep} {case:13s} {res['output_tok_s']:7.1f} tok/s  TPOT p50 "
+          f"{res['tpot_p50'] * 1e3:6.1f} ms  {res['output_tokens']:5d} tokens  "
+          f"accept {_fmt_rate(_rate(res.get('spec')))}  errors {res['errors']}", flush=True)
+    if self.proc.poll() is not None:
+      raise RuntimeError(f"{self.name} server exited with status {self.proc.returncode}; "
+                         f"log tail:\n{_tail(self.log_path)}")
+    if res["errors"]:
+      print(f"  errors: {res.get('error_examples')}", flush=True)
+    return res
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      self.proc.wait(timeout=60)
+
+
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+def run_rounds(servers: list[Server], cases: dict, repeats: int) -> dict:
+  """Rounds over both servers, alternating which goes first and the order of the cases
+  (drift of the machine falls on both alike) -> {server: {case: [run, ...]}}."""
   from serving.tools import bench_serve
 
-  log_path = os.path.join(work, f"{name}.log")
-  t0 = time.perf_counter()
-  proc = start_server(flags, port, log_path)
-  url = f"http://127.0.0.1:{port}"
-  print(f"{name} server up in {time.perf_counter() - t0:.0f} s ({' '.join(flags)}); "
-        f"log {log_path}", flush=True)
-  results: dict[str, list[dict]] = {c: [] for c in cases}
-  try:
-    model = bench_serve.first_model_id(url)
-    usage = {"stream_options": {"include_usage": True}}
-    warm = bench_serve.Target(url, model, usage)
+  for server in servers:  # a warm-up request each
+    warm = bench_serve.Target(server.url, server.model, USAGE)
     asyncio.run(bench_serve.run_groups([(warm, cases["copy"][1](0)[:1], 1)], 8))
-    for rep in range(repeats):
-      order = list(cases) if rep % 2 == 0 else list(reversed(cases))
-      for case in order:
-        (concurrency, prompts_of, output_len, extra) = cases[case]
-        target = bench_serve.Target(url, model, {**usage, **extra})
-        before = spec_counters(url)
-        res = asyncio.run(bench_serve.run_groups([(target, prompts_of(rep), concurrency)],
-                                                 output_len))
-        after = spec_counters(url)
-        if before and after:
-          res["spec"] = {k.removeprefix("xlaserve_spec_decode_").removesuffix("_total"):
-                         after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_METRICS}
-        results[case].append(res)
-        accept = _rate(res.get("spec"))
-        print(f"{name} round {rep} {case:13s} {res['output_tok_s']:7.1f} tok/s  TPOT p50 "
-              f"{res['tpot_p50'] * 1e3:6.1f} ms  {res['output_tokens']:5d} tokens  "
-              f"accept {_fmt_rate(accept)}  errors {res['errors']}", flush=True)
-        if proc.poll() is not None:
-          raise RuntimeError(f"{name} server exited with status {proc.returncode}; "
-                             f"log tail:\n{_tail(log_path)}")
-        if res["errors"]:
-          print(f"  errors: {res.get('error_examples')}", flush=True)
-  finally:
-    if proc.poll() is None:
-      proc.terminate()
-      proc.wait(timeout=60)
+  results = {s.name: {c: [] for c in cases} for s in servers}
+  for rep in range(repeats):
+    order = list(cases) if rep % 2 == 0 else list(reversed(cases))
+    for case in order:
+      for server in servers if rep % 2 == 0 else list(reversed(servers)):
+        results[server.name][case].append(server.run(case, cases[case], rep))
   return results
 
 
@@ -297,7 +315,7 @@ def bench(args) -> dict:
                                                         seed=rep * 100)],
           out_len, {"ignore_eos": True}),
   }
-  common = [f"--max_model_len={args.max_model_len}"]
+  common = [f"--max_model_len={args.max_model_len}", "--enable_prefix_caching=false"]
   spec_flags = [f"--speculative_method={args.method}",
                 f"--num_speculative_tokens={args.num_speculative_tokens}"]
   for flag in ("prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch",
@@ -305,19 +323,16 @@ def bench(args) -> dict:
     if getattr(args, flag) is not None:
       spec_flags.append(f"--{flag}={getattr(args, flag)}")
   work = tempfile.mkdtemp(prefix="spec_bench_")
-  runs = {"plain": run_server("plain", [*common, "--speculative_method=none"], cases,
-                              args.port, args.repeats, work)}
-  spec_error = None
-  try:  # on the next port: the first server's may linger a moment
-    runs["spec"] = run_server("spec", [*common, *spec_flags], cases, args.port + 1,
-                              args.repeats, work)
-  except (RuntimeError, TimeoutError, OSError) as e:
-    spec_error = f"{type(e).__name__}: {e}"
-    print(f"speculative server failed: {spec_error}", file=sys.stderr, flush=True)
+  # Both up at once (an idle server costs nothing), so that rounds can alternate them.
+  servers = [Server("plain", [*common, "--speculative_method=none"], args.port, work)]
+  try:
+    servers.append(Server("spec", [*common, *spec_flags], args.port + 1, work))
+    runs = run_rounds(servers, cases, args.repeats)
+  finally:
+    for server in servers:
+      server.stop()
 
   summary: dict = {"method": args.method, "spec_flags": spec_flags, "cases": {}}
-  if spec_error:
-    summary["spec_error"] = spec_error
   print(f"\n{'case':14s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'spec/plain':>10s} "
         f"{'plain TPOT':>10s} {'spec TPOT':>9s} {'accept':>6s}")
   for case in cases:
@@ -362,8 +377,6 @@ def main() -> None:
   result = bench(args)
   from serving.tools import bench_serve
   bench_serve.save_record(args.json, args, result)
-  if "spec_error" in result:
-    sys.exit(1)
 
 
 if __name__ == "__main__":
