@@ -118,9 +118,9 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   if config.max_loras:
     raise ValueError("LoRA adapters are not supported with several processes yet "
                      "(max_loras must be 0)")
-  if config.speculative:
-    raise ValueError("speculative decoding is not supported with several processes yet "
-                     "(speculative_method must be 'none')")
+  if config.speculative_method == "draft":
+    raise ValueError("a draft model is not supported with several processes yet; use "
+                     "speculative_method='ngram' or 'suffix'")
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)
   runner = ModelRunner(loaded.params, loaded.config, config)

@@ -15,6 +15,8 @@ process with the same inputs. Lifecycle:
      (structured output) samples later: for each waiting sampler call the
      leader broadcasts a SAMPLE header and the call's token masks, and every
      process runs that sampler call (the oldest waiting one) with them.
+     A speculative step's verify call (n-gram / suffix drafts, host-proposed)
+     goes out as a VERIFY header, its input and its drafts.
   4. `LeaderRunner.close()` broadcasts STOP; followers return.
 Only process 0 fetches results (`jax.device_get` of replicated outputs
 reads the local copy) and runs front ends. Starting the processes is the
@@ -34,7 +36,7 @@ from serving.runner.inputs import StepInputs, build_step_inputs
 from serving.runner.model_runner import ModelRunner, SamplerCall, StepHandle, capacity_pages
 from serving.types import StepPlan, StepResult
 
-STOP, PREFILL, DECODE, SAMPLE = 0, 1, 2, 3
+STOP, PREFILL, DECODE, SAMPLE, VERIFY = 0, 1, 2, 3, 4
 
 
 def agree_config(model_cfg, config: EngineConfig) -> EngineConfig:
@@ -73,7 +75,12 @@ class LeaderRunner:
     if inputs.decode is not None:
       _broadcast_header(DECODE, inputs.decode.decode_slots.shape[0], defer=defer)
       decode = multihost_utils.broadcast_one_to_all(inputs.decode)
-    return self.runner.run(dataclasses.replace(inputs, prefills=prefills, decode=decode))
+    verify, drafts = inputs.verify, inputs.drafts
+    if verify is not None:
+      _broadcast_header(VERIFY, verify.decode_slots.shape[0])
+      verify, drafts = multihost_utils.broadcast_one_to_all((verify, drafts))
+    return self.runner.run(dataclasses.replace(inputs, prefills=prefills, decode=decode,
+                                               verify=verify, drafts=drafts))
 
   def sample(self, *, handle: StepHandle, masks) -> None:
     """Each waiting sampler call: its masks to every process, then the call everywhere."""
@@ -110,6 +117,12 @@ def follower_loop(runner: ModelRunner) -> int:
       handle = runner.run(StepInputs(prefills=[], prefill_ids=[], decode=inp,
                                      decode_ids=[""] * size, constrained=constrained))
       waiting.extend(c for c in handle.calls if c.out is None)
+    elif op == VERIFY:
+      inp = runner.dummy_verify(size)
+      drafts = np.zeros((size, runner.engine_cfg.num_speculative_tokens), np.int32)
+      inp, drafts = multihost_utils.broadcast_one_to_all((inp, drafts))
+      runner.run(StepInputs(prefills=[], prefill_ids=[], decode=None, decode_ids=[""] * size,
+                            verify=inp, drafts=drafts))
     elif op == SAMPLE:
       allowed = np.zeros((size, runner.mask_width), np.int32)
       runner.sample_call(waiting.popleft(), multihost_utils.broadcast_one_to_all(allowed))

@@ -202,9 +202,10 @@ class StepTimer:
     self.totals["inputs"] += time.perf_counter() - t0
     parts = [("prefill", StepInputs([p], [rid], None, [], constrained=inputs.constrained))
              for p, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True)]
-    if inputs.decode is not None:
+    if inputs.decode is not None or inputs.verify is not None:  # plain or speculative
       parts.append(("decode", StepInputs([], [], inputs.decode, inputs.decode_ids,
-                                         constrained=inputs.constrained)))
+                                         constrained=inputs.constrained, verify=inputs.verify,
+                                         drafts=inputs.drafts)))
     handles = []
     for name, part in parts:
       t0 = time.perf_counter()
@@ -246,6 +247,7 @@ def _merge_handles(handles):
   for h in handles:
     merged.calls += h.calls
     merged.logprobs.update(h.logprobs)
+    merged.num_drafts.update(h.num_drafts)
   return merged
 
 
@@ -291,7 +293,21 @@ def offline_main() -> dict[str, Any]:
     result["profile_top_ops"] = summarize_trace(FLAGS.profile_dir)
   else:
     result["offline"] = run_offline(llm, prompts, FLAGS.output_len, FLAGS.naive)
+  if llm.engine.config.speculative:
+    result["spec_decode"] = spec_decode_summary(llm.engine.stats().spec_decode)
   return result
+
+
+def spec_decode_summary(counters) -> dict[str, Any]:
+  """Speculative decoding's figures: drafts, kept drafts, acceptance rate (per position)."""
+  drafts = counters.num_draft_tokens
+  return {"num_drafts": counters.num_drafts, "num_draft_tokens": drafts,
+          "num_accepted_tokens": counters.num_accepted_tokens,
+          "acceptance_rate": counters.num_accepted_tokens / drafts if drafts else None,
+          "accepted_per_draft": (counters.num_accepted_tokens / counters.num_drafts
+                                 if counters.num_drafts else None),
+          "acceptance_per_position": [n / counters.num_drafts if counters.num_drafts else None
+                                      for n in counters.accepted_per_pos]}
 
 
 def _build_llm(timed: bool = False):
@@ -320,7 +336,9 @@ def _engine_summary(llm) -> dict[str, Any]:
           "quantization": c.quantization, "max_num_seqs": c.max_num_seqs,
           "max_num_batched_tokens": c.max_num_batched_tokens,
           "attention_block_tokens": c.attention_block_tokens,
-          "unroll_layers": c.unroll_layers, "programs": llm.engine.num_programs}
+          "unroll_layers": c.unroll_layers, "programs": llm.engine.num_programs,
+          "speculative_method": c.speculative_method,
+          "num_speculative_tokens": c.num_speculative_tokens if c.speculative else None}
 
 
 # ---- serve ----

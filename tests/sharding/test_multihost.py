@@ -3,8 +3,10 @@
 Each process has one CPU device; `sharding.distributed.initialize_from`
 joins them, `serving.entrypoints.engine_builder.start_multihost` gives process 0
 the engine and runs process 1's follower loop. Process 0's greedy output must equal a plain
-one-process run, also for a request constrained by a regex (its sampling waits
-for the token masks, which the leader broadcasts). The test starts both
+one-process run without speculation, with n-gram speculative decoding on (the
+leader broadcasts each verify call and its drafts), also for a request
+constrained by a regex (its sampling waits for the token masks, which the
+leader broadcasts). The test starts both
 processes itself and kills them if they outlive the timeout.
 """
 
@@ -65,6 +67,7 @@ def test_two_processes_match_one(model_path):
   assert leader["devices"] == 2 and leader["processes"] == 2
   assert follower["follower_returned"]  # after the leader's engine shut down
   assert leader["tokens"] == single["tokens"]
+  assert leader["draft_tokens"] > 0
   constrained = bytes(leader["tokens"][-1]).decode()  # byte-level tokenizer: id == byte
   assert re.fullmatch("[a-c]{2,5}!?", constrained[:6]), constrained
 
@@ -75,7 +78,7 @@ def _generate(engine) -> list[list[int]]:
   tokens: dict[int, list[int]] = {}
   for i, prompt in enumerate(stu.PROMPTS):
     tokens[i] = []
-    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0.0),
+    engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0),
                        lambda out, i=i: tokens[i].extend(out.token_ids))
   tokens[-1] = []
   engine.add_request("constrained", stu.PROMPTS[0], SamplingParams(
@@ -100,14 +103,16 @@ def _worker(mode: str, *args: str) -> None:
 
   from serving.entrypoints.engine_builder import start_multihost
 
-  config = stu.engine_config(tp=2, max_num_seqs=1)  # 3 programs
+  config = stu.engine_config(tp=2, max_num_seqs=1, speculative_method="ngram",
+                             prompt_lookup_min=1)  # 5 programs
   engine = start_multihost(path, config)
   if not dist.is_leader:
     stu.emit({"follower_returned": engine is None})
     return
   tokens = _generate(engine)
   engine.shutdown()  # releases the follower
-  stu.emit({"tokens": tokens, "devices": len(jax.devices()), "processes": jax.process_count()})
+  stu.emit({"tokens": tokens, "devices": len(jax.devices()), "processes": jax.process_count(),
+            "draft_tokens": engine.stats().spec_decode.num_draft_tokens})
 
 
 if __name__ == "__main__":

@@ -71,6 +71,11 @@ def test_engine_tp2_greedy(result):
   assert result["engine_programs"] == [1, 1, 1]  # no recompiles after warm-up
 
 
+def test_speculative_decoding_under_tp2(result):
+  assert result["spec_tp2_16"] == result["engine_tp2_16"]
+  assert result["spec_draft_tokens"] > 0
+
+
 def _worker(path: str) -> None:
   import checkpoints
   from serving import LLM, SamplingParams
@@ -96,6 +101,13 @@ def _worker(path: str) -> None:
   runner = llm.engine.runner  # warm-up compiled each program once; serving added none
   out["engine_programs"] = [f.num_programs() for f in (runner._prefill, runner._decode,
                                                       runner._sample)]
+  # Speculative decoding under tp=2: the verify programs on the mesh, same tokens.
+  params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+  out["engine_tp2_16"] = [o.token_ids for o in llm.generate(stu.PROMPTS, params)]
+  spec = LLM(path, tp=2, speculative_method="ngram", prompt_lookup_min=1,
+             **{**stu.ENGINE_KW, "max_num_seqs": 2})
+  out["spec_tp2_16"] = [o.token_ids for o in spec.generate(stu.PROMPTS, params)]
+  out["spec_draft_tokens"] = spec.engine.stats().spec_decode.num_draft_tokens
   stu.emit(out)
 
 

@@ -11,6 +11,7 @@
 Zero compilations after warm-up with speculation on: tests/serving/engine/test_engine.py.
 """
 
+import numpy as np
 import pytest
 from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG
 
@@ -37,9 +38,15 @@ def test_default_model_greedy_output_is_unchanged(default_llm, method):
     kw["speculative_model"] = DEFAULT_MODEL
   llm = LLM(DEFAULT_MODEL, **DEFAULT_MODEL_TEST_CONFIG, **kw)
   prompts = default_prompts(llm.get_tokenizer())
-  params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-  want = [o.token_ids for o in default_llm.generate(prompts, params)]
-  assert [o.token_ids for o in llm.generate(prompts, params)] == want
+  params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+  want = default_llm.generate(prompts, params)
+  got = llm.generate(prompts, params)
+  assert [o.token_ids for o in got] == [o.token_ids for o in want]
+  for g, w in zip(got, want, strict=True):  # logprobs of kept drafts: the verify forward's
+    np.testing.assert_allclose([lp.logprob for lp in g.logprobs],
+                               [lp.logprob for lp in w.logprobs], atol=2e-3)
+    assert [[t for t, _ in lp.top] for lp in g.logprobs] == [
+        [t for t, _ in lp.top] for lp in w.logprobs]
   spec = llm.engine.stats().spec_decode
   assert spec.num_accepted_tokens > 0, spec
   if method == "draft":  # the model drafting for itself: (nearly) every draft kept

@@ -79,6 +79,31 @@ def test_offline_naive_breakdown_and_costs(tiny_llm):
   assert bench.measure_bandwidth(nbytes=4 * 2**20, repeats=1) > 0
 
 
+def test_breakdown_with_speculation(tmp_path):
+  """The step timer runs speculative steps (their verify call is timed as decode) and the
+  figures report the drafts; the tokens are those of the same engine untimed."""
+  from serving.config import EngineConfig
+  from serving.entrypoints.engine_builder import build_engine
+  from serving.entrypoints.llm import LLM
+
+  save_tiny_model("llama", str(tmp_path))
+  config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=40,
+                        max_num_batched_tokens=16, attention_block_tokens=16,
+                        unroll_layers=False, compilation_cache=False, num_speculative_tokens=3,
+                        speculative_method="draft", speculative_model=str(tmp_path))
+  timed = LLM(engine=build_engine(str(tmp_path), config, wrap_runner=bench.StepTimer))
+  plain = LLM(engine=build_engine(str(tmp_path), config))
+  prompts = [[5, 6, 7, 8], [9, 10, 11]]
+  out = bench.run_offline(timed, prompts, 12, warm_up=False)
+  assert out["output_tokens"] == 24
+  params = bench.standard_params(12)
+  assert ([o.token_ids for o in timed.generate(prompts, params)]
+          == [o.token_ids for o in plain.generate(prompts, params)])
+  figures = bench.spec_decode_summary(timed.engine.stats().spec_decode)
+  assert figures["acceptance_rate"] == 1.0  # the model drafts for itself
+  assert timed.engine.runner.report(1.0)["ms_per_step"]["decode"] > 0
+
+
 def test_summarize_trace_reads_perfetto_json(tmp_path):
   import gzip
   import json
