@@ -69,6 +69,8 @@ class _Handle:
   num_drafts: dict[str, int]
   # Constrained requests not sampled yet: request id -> (sequence, decode slot, preferred token).
   pending: dict[str, tuple[Sequence, int, int]] = dataclasses.field(default_factory=dict)
+  # Constrained rows of a speculative step not verified yet: request id -> (row, drafts).
+  pending_rows: dict[str, tuple[DecodeRow, list[int]]] = dataclasses.field(default_factory=dict)
 
 
 class FakeRunner:
@@ -96,36 +98,49 @@ class FakeRunner:
       sampled = self._prefill(chunk)
       if sampled is not None:
         tokens[chunk.seq.request_id] = [sampled]
-    num_drafts = {}
-    for row in plan.decodes:
-      if plan.speculative:
-        tokens[row.seq.request_id] = self._verify(row)
-        num_drafts[row.seq.request_id] = row.num_drafts
-      else:
-        tokens[row.seq.request_id] = [self._decode(row)]
-    self.num_steps += 1
+    num_drafts, rows = {}, {}
     constrained = set(plan.constrained)
+    for row in plan.decodes:
+      rid = row.seq.request_id
+      if plan.speculative:
+        drafts = self._write_drafts(row)
+        num_drafts[rid] = row.num_drafts
+        if rid in constrained:  # verified once its masks come
+          rows[rid] = (row, drafts)
+          constrained.discard(rid)
+        else:
+          tokens[rid] = self._verify(row.seq, row.position, drafts)
+      else:
+        tokens[rid] = [self._decode(row)]
+    self.num_steps += 1
     pending = {rid: (seq, seq.decode_slot, tokens.pop(rid)[0].token_id) for seq in plan.sampled
                if (rid := seq.request_id) in constrained}
-    return _Handle(tokens, num_drafts, pending)
+    return _Handle(tokens, num_drafts, pending, rows)
 
   def sample(self, *, handle: _Handle, masks: dict[str, Any]) -> None:
     """Samples the constrained requests: the preferred token, or the next one allowed."""
     for rid, (seq, slot, token) in handle.pending.items():
-      mask = masks.get(rid)
-      if mask is not None:
-        bits = np.unpackbits(np.asarray(mask, np.int32).view(np.uint8),
-                             bitorder="little")[:self.vocab_size]
-        allowed = np.flatnonzero(bits)
-        if allowed.size:
-          above = allowed[allowed >= token]
-          token = int(above[0] if above.size else allowed[0])
+      token = self._allowed(token, masks.get(rid))
       self.last_tokens[slot] = token
       handle.tokens[rid] = [SampledToken(token_id=token, logprob=self._logprob(seq, token))]
-    handle.pending = {}
+    for rid, (row, drafts) in handle.pending_rows.items():
+      handle.tokens[rid] = self._verify(row.seq, row.position, drafts, masks.get(rid))
+    handle.pending, handle.pending_rows = {}, {}
+
+  def _allowed(self, token: int, mask) -> int:
+    """`token` if the packed `mask` allows it (or there is none), else the next allowed id."""
+    if mask is None:
+      return token
+    bits = np.unpackbits(np.asarray(mask, np.int32).view(np.uint8),
+                         bitorder="little")[:self.vocab_size]
+    allowed = np.flatnonzero(bits)
+    if not allowed.size:
+      return token
+    above = allowed[allowed >= token]
+    return int(above[0] if above.size else allowed[0])
 
   def fetch(self, *, handle: _Handle) -> StepResult:
-    if handle.pending:
+    if handle.pending or handle.pending_rows:
       raise RuntimeError("fetch of a step whose constrained rows were never sampled")
     if self.step_s:
       time.sleep(self.step_s)
@@ -149,16 +164,26 @@ class FakeRunner:
     self._write(seq, row.position, self.last_tokens[seq.decode_slot])
     return self._sample(seq, row.position + 1)
 
-  def _verify(self, row: DecodeRow) -> list[SampledToken]:
-    """A speculative row: its drafts kept while right, then the token after them."""
+  def _write_drafts(self, row: DecodeRow) -> list[int]:
+    """A speculative row's forward: writes its token and drafts; returns the drafts."""
     seq, p = row.seq, row.position
     drafts = list(row.drafts) if row.drafts else self._device_drafts(seq, p, row.num_drafts)
     for j, token in enumerate([self.last_tokens[seq.decode_slot]] + drafts):
       self._write(seq, p + j, token)
+    return drafts
+
+  def _verify(self, seq: Sequence, p: int, drafts: list[int], masks=None) -> list[SampledToken]:
+    """A speculative row's tokens: its drafts kept while right, then the token after them;
+    `masks` [S, W]: position j's token is moved to the next id its mask allows."""
     run = []
     for j in range(len(drafts) + 1):
-      run.append(self._sample(seq, p + 1 + j, drafts[:j]))
-      if j == len(drafts) or drafts[j] != run[-1].token_id:
+      sampled = self._sample(seq, p + 1 + j, drafts[:j])
+      if masks is not None:
+        token = self._allowed(sampled.token_id, masks[j])
+        self.last_tokens[seq.decode_slot] = token
+        sampled = SampledToken(token_id=token, logprob=self._logprob(seq, token))
+      run.append(sampled)
+      if j == len(drafts) or drafts[j] != sampled.token_id:
         break
     return run
 

@@ -53,7 +53,7 @@ from serving.engine.page_allocator import PageAllocator
 from serving.engine.runner_api import Runner, RunnerDeadError, StepError
 from serving.engine.scheduler import Scheduler
 from serving.spec_decode import SpecBackoff, make_proposer
-from serving.structured_output import GrammarCompiler, fill_masks
+from serving.structured_output import GrammarCompiler, fill_draft_masks, fill_masks
 from serving.types import (
     EngineStats,
     LoraAdapter,
@@ -291,17 +291,31 @@ class LLMEngine:
     """
     seqs = [s for s in plan.sampled if s.grammar is not None and s.finish_reason is None]
     try:
-      masks, dead = fill_masks([s.grammar for s in seqs], self.runner.vocab_size)
-      for i in dead:
-        seq = seqs[i]
+      by_id, dead = self._token_masks(plan, seqs)
+      for seq in dead:
         why = seq.grammar.error or "no token can continue it"
         self._finish(seq, "error", error=f"structured output failed: {why}")
-      refused = set(dead)
-      by_id = {s.request_id: masks[i] for i, s in enumerate(seqs) if i not in refused}
       self.runner.sample(handle=handle, masks=by_id)
     except Exception as e:  # the masks or the sampling: a failed step, not a dead engine
       self._inflight = None
       self._fail_step(plan, e)
+
+  def _token_masks(self, plan: StepPlan, seqs: list[Sequence]
+                   ) -> tuple[dict[str, np.ndarray], list[Sequence]]:
+    """Each constrained request's mask (one per position for a row verifying drafts, the
+    n-th assuming drafts 1..n), and the requests whose grammar cannot go on."""
+    vocab = self.runner.vocab_size
+    drafts = {r.seq.request_id: r.drafts for r in plan.decodes} if plan.speculative else {}
+    single = [s for s in seqs if s.request_id not in drafts]
+    rows = [s for s in seqs if s.request_id in drafts]
+    by_id, dead = {}, []
+    for group, (masks, refused) in (
+        (single, fill_masks([s.grammar for s in single], vocab)),
+        (rows, fill_draft_masks([s.grammar for s in rows], [drafts[s.request_id] for s in rows],
+                                self.config.num_speculative_tokens + 1, vocab))):
+      dead += [group[i] for i in refused]
+      by_id.update({s.request_id: masks[i] for i, s in enumerate(group) if i not in refused})
+    return by_id, dead
 
   def _drain_inbox(self) -> None:
     with self._lock:

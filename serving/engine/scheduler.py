@@ -120,10 +120,8 @@ class Scheduler:
     decodes: list[DecodeRow] = []
     candidates = sorted((s for s in self.running if not s.in_prefill or _decodable(s)),
                         key=lambda s: s.admit_order)
-    # Constrained rows sample with token masks, which a speculative step does not take.
     speculate = (speculate and self.proposer is not None
-                 and len(candidates) <= self.config.speculative_max_batch
-                 and not any(s.grammar is not None for s in candidates))
+                 and len(candidates) <= self.config.speculative_max_batch)
     for seq in candidates:
       if seq.status is not Status.RUNNING or not self._wants_token(seq):
         continue
@@ -145,8 +143,11 @@ class Scheduler:
     if k <= 0:
       return [], 0
     if self.proposer.on_device:  # the runner's draft model fills them in
-      return [], k
+      # ...unseen by the host, so not checked against an output constraint: none then.
+      return ([], 0) if seq.grammar is not None else ([], k)
     drafts = list(self.proposer.propose(seq.request_id, seq.token_ids(), k))[:k]
+    if seq.grammar is not None:  # only drafts the constraint allows (masks follow them)
+      drafts = drafts[:seq.grammar.valid_prefix(drafts)]
     return drafts, len(drafts)
 
   def _ensure_pages_or_preempt(self, seq: Sequence, num_tokens: int,

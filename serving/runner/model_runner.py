@@ -137,6 +137,14 @@ class SamplerCall:
   logits: jax.Array | None = None
   slots: np.ndarray | None = None
   tensors: sampling.SamplingTensors | None = None
+  # A speculative step's verify call: its drafts [B, S-1] and their counts [B].
+  drafts: jax.Array | np.ndarray | None = None
+  num_drafts: np.ndarray | None = None
+
+  @property
+  def mask_shape(self) -> tuple[int, ...]:
+    """[B] (or [B, S] for a verify call) rows of token masks, less the mask width."""
+    return tuple(self.logits.shape[:-1])
 
 
 @dataclasses.dataclass
@@ -295,8 +303,9 @@ class ModelRunner:
         self.sample_call(call, self.mask_rows(call, masks))
 
   def mask_rows(self, call: SamplerCall, masks: dict[str, np.ndarray]) -> np.ndarray:
-    """The [B, ceil(V / 32)] mask input of a waiting sampler call (all ones by default)."""
-    allowed = np.full((call.slots.shape[0], self.mask_width), -1, np.int32)
+    """The [B, ceil(V / 32)] mask input of a waiting sampler call ([B, S, ceil(V / 32)]
+    for a verify call: one mask per position); all ones by default."""
+    allowed = np.full((*call.mask_shape, self.mask_width), -1, np.int32)
     for i, rid in enumerate(call.ids):
       if rid in masks:
         allowed[i] = masks[rid]
@@ -305,9 +314,14 @@ class ModelRunner:
   def sample_call(self, call: SamplerCall, allowed: np.ndarray) -> None:
     """Runs one waiting sampler call with its mask input."""
     with self._device_errors():
-      self.state, call.out = self._sample(self.state, call.logits, call.slots, call.tensors,
-                                          allowed)
-    call.logits = call.slots = call.tensors = None
+      if call.drafts is not None:
+        self.state, call.out = self._verify_sample(self.state, call.logits, call.drafts,
+                                                   call.num_drafts, call.slots, call.tensors,
+                                                   allowed)
+      else:
+        self.state, call.out = self._sample(self.state, call.logits, call.slots, call.tensors,
+                                            allowed)
+    call.logits = call.slots = call.tensors = call.drafts = call.num_drafts = None
 
   def fetch(self, *, handle: StepHandle) -> StepResult:
     """Waits for the step's samples and reads them per request."""
@@ -373,7 +387,7 @@ class ModelRunner:
     num_drafts = {}
     if inputs.verify is not None:
       inp = inputs.verify
-      calls.append(SamplerCall(list(inputs.decode_ids), out=self.run_verify(inp, inputs.drafts)))
+      calls.append(self.run_verify(inp, inputs.drafts, list(inputs.decode_ids), defer))
       wanted = inp.sampling.num_logprobs
       logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
       num_drafts = {rid: int(inp.num_drafts[i]) for i, rid in enumerate(inputs.decode_ids)}
@@ -394,13 +408,14 @@ class ModelRunner:
                                    self._unconstrained(slots.shape[0]))
     return SamplerCall(ids, out=out)
 
-  def _unconstrained(self, b: int) -> jax.Array:
-    """All-ones token masks for B rows, kept on the device (one per batch size)."""
-    mask = self._all_allowed.get(b)
+  def _unconstrained(self, *rows: int) -> jax.Array:
+    """All-ones token masks for B rows (or [B, S] positions), kept on the device (one per
+    shape)."""
+    mask = self._all_allowed.get(rows)
     if mask is None:
-      ones = np.full((b, self.mask_width), -1, np.int32)
+      ones = np.full((*rows, self.mask_width), -1, np.int32)
       # On one device it stays there; a mesh's programs take it from the host.
-      mask = self._all_allowed[b] = ones if self.mesh is not None else jnp.asarray(ones)
+      mask = self._all_allowed[rows] = ones if self.mesh is not None else jnp.asarray(ones)
     return mask
 
   def run_prefill(self, inp: PrefillInput) -> jax.Array:
@@ -410,15 +425,19 @@ class ModelRunner:
       self.draft.prefill(inp)
     return logits
 
-  def run_verify(self, inp: VerifyInput, drafts: np.ndarray) -> sampling.VerifyOutput:
+  def run_verify(self, inp: VerifyInput, drafts: np.ndarray, ids: list[str],
+                 defer: bool = False) -> SamplerCall:
     """Runs a speculative step: drafts (the host's, or the draft model's), the verify
-    forward and its sampler; returns the kept drafts and the next token per row."""
+    forward and, unless it waits for token masks (`defer`), its sampler, which keeps
+    drafts and draws the next token per row."""
     if self.draft is not None:
       drafts = self.draft.propose(inp, self.state.last_tokens)
     self.state, logits = self._verify(self.params, self.lora, self.state, inp, drafts)
-    self.state, out = self._verify_sample(self.state, logits, drafts, inp.num_drafts,
-                                          inp.decode_slots, inp.sampling)
-    return out
+    call = SamplerCall(ids, logits=logits, slots=inp.decode_slots, tensors=inp.sampling,
+                       drafts=drafts, num_drafts=inp.num_drafts)
+    if not defer:
+      self.sample_call(call, self._unconstrained(*call.mask_shape))
+    return call
 
   def run_decode(self, inp: DecodeInput) -> jax.Array:
     """Runs a decode batch; returns its logits [B, V]."""
@@ -477,8 +496,9 @@ class ModelRunner:
       drafts = np.zeros((b, s - 1), np.int32)
       out.append((self._verify, (self.params, self.lora, self.state, inp, drafts)))
       logits = jax.ShapeDtypeStruct((b, s, vocab), jnp.float32)
+      allowed = jax.ShapeDtypeStruct((b, s, self.mask_width), jnp.int32)
       out.append((self._verify_sample, (self.state, logits, drafts, inp.num_drafts,
-                                        inp.decode_slots, inp.sampling)))
+                                        inp.decode_slots, inp.sampling, allowed)))
     if self.draft is not None:
       prefills = [self.dummy_prefill(t) for t in ec.prefill_token_buckets]
       out += self.draft.programs(prefills, verifies, self.state.last_tokens)
@@ -487,7 +507,7 @@ class ModelRunner:
   def _run_dummy(self, step: StepProgram, args: tuple) -> jax.Array:
     """Runs a prefill or decode program on its dummy input, then its sampler."""
     if step is self._verify:
-      return self.run_verify(args[3], args[4]).tokens
+      return self.run_verify(args[3], args[4], []).out.tokens
     inp = args[-1]
     if step is self._prefill:
       logits, slots = self.run_prefill(inp), inp.decode_slot[None]

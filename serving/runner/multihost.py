@@ -77,7 +77,7 @@ class LeaderRunner:
       decode = multihost_utils.broadcast_one_to_all(inputs.decode)
     verify, drafts = inputs.verify, inputs.drafts
     if verify is not None:
-      _broadcast_header(VERIFY, verify.decode_slots.shape[0])
+      _broadcast_header(VERIFY, verify.decode_slots.shape[0], defer=defer)
       verify, drafts = multihost_utils.broadcast_one_to_all((verify, drafts))
     return self.runner.run(dataclasses.replace(inputs, prefills=prefills, decode=decode,
                                                verify=verify, drafts=drafts))
@@ -121,11 +121,14 @@ def follower_loop(runner: ModelRunner) -> int:
       inp = runner.dummy_verify(size)
       drafts = np.zeros((size, runner.engine_cfg.num_speculative_tokens), np.int32)
       inp, drafts = multihost_utils.broadcast_one_to_all((inp, drafts))
-      runner.run(StepInputs(prefills=[], prefill_ids=[], decode=None, decode_ids=[""] * size,
-                            verify=inp, drafts=drafts))
+      handle = runner.run(StepInputs(prefills=[], prefill_ids=[], decode=None,
+                                     decode_ids=[""] * size, constrained=constrained,
+                                     verify=inp, drafts=drafts))
+      waiting.extend(c for c in handle.calls if c.out is None)
     elif op == SAMPLE:
-      allowed = np.zeros((size, runner.mask_width), np.int32)
-      runner.sample_call(waiting.popleft(), multihost_utils.broadcast_one_to_all(allowed))
+      call = waiting.popleft()
+      allowed = np.zeros((*call.mask_shape, runner.mask_width), np.int32)
+      runner.sample_call(call, multihost_utils.broadcast_one_to_all(allowed))
     else:
       raise RuntimeError(f"unknown step op {op} from the leader")
     calls += 1

@@ -194,12 +194,16 @@ def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.
 
 def verify_sample_step(state: DeviceState, logits: jax.Array, drafts: jax.Array,
                        num_drafts: jax.Array, slots: jax.Array,
-                       tensors: sampling.SamplingTensors
-                       ) -> tuple[DeviceState, sampling.VerifyOutput]:
+                       tensors: sampling.SamplingTensors,
+                       allowed: jax.Array) -> tuple[DeviceState, sampling.VerifyOutput]:
   """Keeps or rejects each row's drafts (sampling/speculative.py) and records the
-  emitted tokens in the slot state: the last one feeds the next step."""
+  emitted tokens in the slot state: the last one feeds the next step.
+
+  `allowed` [B, S, ceil(V / 32)] int32: token masks per position (all ones
+  without a constraint), as `sample_step`'s.
+  """
   out = sampling.verify(logits, drafts, num_drafts, tensors, state.prompt_mask,
-                        state.output_counts, rows=slots, num_top=MAX_LOGPROBS)
+                        state.output_counts, rows=slots, allowed=allowed, num_top=MAX_LOGPROBS)
   b, s = out.tokens.shape
   last = out.tokens[jnp.arange(b), out.num_accepted]
   emitted = (jnp.arange(s)[None, :] <= out.num_accepted[:, None]).astype(jnp.int32)

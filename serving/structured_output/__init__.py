@@ -15,7 +15,8 @@ from serving.structured_output.backend_guidance import (
     Grammar,
     GrammarCompiler,
     bitmask_width,
+    fill_draft_masks,
     fill_masks,
 )
 
-__all__ = ["Grammar", "GrammarCompiler", "bitmask_width", "fill_masks"]
+__all__ = ["Grammar", "GrammarCompiler", "bitmask_width", "fill_draft_masks", "fill_masks"]

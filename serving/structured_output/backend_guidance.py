@@ -58,6 +58,11 @@ class Grammar:
     """Advances by a sampled token; False if the grammar does not allow it."""
     return bool(self.matcher.consume_token(token_id))
 
+  def valid_prefix(self, tokens: list[int]) -> int:
+    """How many of `tokens`, in order, the grammar would accept from here (state unchanged):
+    speculative drafts are cut to that before they are verified."""
+    return int(self.matcher.validate_tokens(list(tokens))) if tokens else 0
+
   @property
   def terminated(self) -> bool:
     """The grammar is complete and admits nothing more (only end-of-sequence)."""
@@ -196,5 +201,35 @@ def fill_masks(grammars: list[Grammar], vocab_size: int) -> tuple[np.ndarray, li
   if live:
     llg_numpy.fill_next_token_bitmask_par(_executor, live, masks)
   dead = [i for i, g in enumerate(grammars) if g.matcher.is_error() or not masks[i].any()]
+  masks[dead] = 0
+  return masks, dead
+
+
+def fill_draft_masks(grammars: list[Grammar], drafts: list[list[int]], positions: int,
+                     vocab_size: int) -> tuple[np.ndarray, list[int]]:
+  """Token masks of a speculative step's constrained rows -> ([n, positions, bitmask_width]
+  int32, rows that cannot go on).
+
+  Row i's mask at position 0 is its grammar's next-token mask now; at position j
+  the mask after its drafts 1..j (which must be valid: `Grammar.valid_prefix`),
+  computed in parallel with the grammar rolled back after. Positions past a row's
+  drafts are all ones (unconstrained: the verifier ignores them).
+  """
+  global _executor
+  if _executor is None:
+    _executor = llguidance.LLExecutor()
+  width = bitmask_width(vocab_size)
+  masks = np.full((len(grammars), positions, width), -1, np.int32)
+  flat = masks.reshape(len(grammars) * positions, width)
+  live = [i for i, g in enumerate(grammars) if not g.matcher.is_error()]
+  for i in live:
+    flat[i * positions:i * positions + len(drafts[i]) + 1] = 0
+  with_drafts = [(grammars[i].matcher, i * positions, list(drafts[i])) for i in live if drafts[i]]
+  if with_drafts:
+    llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(_executor, with_drafts, flat)
+  without = [(grammars[i].matcher, i * positions) for i in live if not drafts[i]]
+  if without:  # llguidance's draft variant refuses an empty draft list
+    llg_numpy.fill_next_token_bitmask_par(_executor, without, flat)
+  dead = [i for i, g in enumerate(grammars) if g.matcher.is_error() or not masks[i, 0].any()]
   masks[dead] = 0
   return masks, dead

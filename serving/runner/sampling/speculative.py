@@ -22,9 +22,10 @@ test_spec_sampling.py checks it with a chi-square test). Greedy rows give
 exactly the non-speculative tokens.
 
 Penalties see the drafts: position j counts d_1..d_j as generated, as
-sequential decoding would have by then. Uniforms are seeded like `sample`'s:
-the draw of output index i uses `fold_in(key(seed), i)` and its acceptance
-test `fold_in(fold_in(key(seed), i), 1)`.
+sequential decoding would have by then. Token masks (structured output) come
+per position, position j's assuming d_1..d_j, and apply first, as in `sample`.
+Uniforms are seeded like `sample`'s: the draw of output index i uses
+`fold_in(key(seed), i)` and its acceptance test `fold_in(fold_in(key(seed), i), 1)`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ import jax.numpy as jnp
 
 from serving.runner.sampling.penalties import penalise, penalised_rows
 from serving.runner.sampling.reductions import argmax, take
-from serving.runner.sampling.sampler import MIN_TEMPERATURE, _draw, _logprobs, _row_uniform
+from serving.runner.sampling.sampler import (
+    MIN_TEMPERATURE,
+    _draw,
+    _logprobs,
+    _row_uniform,
+    apply_token_mask,
+)
 from serving.runner.sampling.tensors import SamplingTensors
 from serving.runner.sampling.thresholds import filter_thresholds
 from serving.types import MAX_LOGPROBS
@@ -76,7 +83,7 @@ def draft_counts(output_counts: jax.Array, drafts: jax.Array, num_drafts: jax.Ar
 
 def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: SamplingTensors,
            prompt_mask: jax.Array, output_counts: jax.Array, *, rows: jax.Array,
-           num_top: int = MAX_LOGPROBS) -> VerifyOutput:
+           allowed: jax.Array | None = None, num_top: int = MAX_LOGPROBS) -> VerifyOutput:
   """Accepts or rejects each row's drafts and draws the token after them (module doc).
 
   Args:
@@ -85,17 +92,21 @@ def verify(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, t: Sampl
     num_drafts: [B] i32 drafts to verify per row, 0..S-1 (0: a plain decode row).
     t: the rows' sampling parameters [B]; `t.step` is the output index of position 0.
     prompt_mask, output_counts: [R, V] per-slot penalty state; `rows` [B] the slots.
+    allowed: optional [B, S, ceil(V / 32)] int32 packed token masks per position
+      (structured output: position j's mask assumes drafts 1..j); all ones for
+      unconstrained rows. Logprobs stay the model's.
   """
   b, s, v = logits.shape
   raw = logits.astype(jnp.float32).reshape(b * s, v)
+  masked = raw if allowed is None else apply_token_mask(raw, allowed.reshape(b * s, -1))
   tf = expand_tensors(t, s)
 
   def penalised():
     pm = jnp.repeat(prompt_mask[rows], s, axis=0)
     counts = draft_counts(output_counts[rows], drafts, num_drafts).reshape(b * s, v)
-    return penalise(raw, tf, pm, counts)
+    return penalise(masked, tf, pm, counts)
 
-  x = jax.lax.cond(jnp.any(penalised_rows(t)), penalised, lambda: raw)  # [B*S, V]
+  x = jax.lax.cond(jnp.any(penalised_rows(t)), penalised, lambda: masked)  # [B*S, V]
   greedy = argmax(x)  # [B*S]
   # d_{j+1}: the draft position j decides on (padding past S-1 and num_drafts).
   proposed = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, S]

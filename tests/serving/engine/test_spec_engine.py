@@ -122,23 +122,26 @@ def test_no_speculation_beyond_the_batch_limit_or_with_a_constraint():
   assert eng.stats().spec_decode.num_drafts == 0  # three decode together: over the limit
 
 
-def test_constrained_requests_do_not_speculate(default_tokenizer):
-  """A step with a constrained row samples with token masks: no drafts that step."""
-  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96,
-                        **METHODS[0])
-  vocab = default_tokenizer.vocab_size
-  runner = _PlanRecorder(num_pages=96, page_size=4, max_num_seqs=4, vocab_size=vocab)
-  eng = LLMEngine(runner=runner, tokenizer=default_tokenizer, config=config)
-  ids = default_tokenizer.encode("yes no yes no yes no", add_special_tokens=False)
-  regex = SamplingParams(max_tokens=12, temperature=0.0,
-                         structured_outputs={"regex": "( ?(yes|no)){3,6}"})
-  out = run(eng, [("c", ids, regex), ("free", ids, greedy(12))])
-  constrained = [spec for spec, has_grammar in runner.plans if has_grammar]
-  assert constrained and not any(constrained)
-  assert any(spec for spec, _ in runner.plans)  # once "c" is done, "free" speculates
-  assert out["c"][2] in ("stop", "length")
-  assert out["free"][0] == run(engine_over(default_tokenizer), [("free", ids, greedy(12))])[
-      "free"][0]
+@pytest.mark.parametrize("method", [METHODS[0], METHODS[2]], ids=["ngram", "draft"])
+def test_constrained_requests_speculate_within_their_grammar(default_tokenizer, method):
+  """Host drafts are cut to what the grammar allows and verified with a mask per
+  position; a draft model's drafts (unseen by the host) are not used for a constrained
+  row, which still runs in the speculative step. Outputs equal plain decoding."""
+  ids = default_tokenizer.encode("yes no yes no maybe yes no", add_special_tokens=False)
+  reqs = [("c", ids, SamplingParams(max_tokens=14, temperature=0.0,
+                                    structured_outputs={"regex": "( ?(yes|no)){3,12}"})),
+          ("free", ids, greedy(14))]
+  plans = []
+  spec = run(engine_over(default_tokenizer, plans, **method), reqs)
+  assert spec == run(engine_over(default_tokenizer, []), reqs)
+  assert spec["c"][2] in ("stop", "length")
+  with_grammar = [(speculative, drafts) for speculative, has_grammar, drafts in plans
+                  if has_grammar]
+  assert any(speculative for speculative, _ in with_grammar)
+  if method is METHODS[0]:
+    assert any(drafts for _, drafts in with_grammar)  # the constrained row's own drafts
+  else:
+    assert not any(drafts for _, drafts in with_grammar)
 
 
 class _Recording:
@@ -157,18 +160,22 @@ class _Recording:
 
 
 class _PlanRecorder(FakeRunner):
-  def __init__(self, **kw):
+  """Notes (speculative?, holds a constrained row?, the constrained rows' drafts)."""
+
+  def __init__(self, plans, **kw):
     super().__init__(**kw)
-    self.plans = []
+    self.plans = plans
 
   def execute(self, *, plan):
-    self.plans.append((plan.speculative, bool(plan.constrained)))
+    drafts = [r.num_drafts for r in plan.decodes if r.seq.grammar is not None]
+    self.plans.append((plan.speculative, bool(plan.constrained), sum(drafts)))
     return super().execute(plan=plan)
 
 
-def engine_over(tokenizer):
-  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96)
-  runner = FakeRunner(num_pages=96, page_size=4, max_num_seqs=4, vocab_size=tokenizer.vocab_size)
+def engine_over(tokenizer, plans, **kw):
+  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96, **kw)
+  runner = _PlanRecorder(plans, num_pages=96, page_size=4, max_num_seqs=4,
+                         vocab_size=tokenizer.vocab_size)
   return LLMEngine(runner=runner, tokenizer=tokenizer, config=config)
 
 

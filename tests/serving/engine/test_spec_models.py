@@ -31,12 +31,25 @@ def default_prompts(tok) -> list[list[int]]:
           + [tok.encode(t, add_special_tokens=True) for t in RAW])
 
 
+@pytest.fixture(scope="module")
+def spec_llm():
+  """method -> the default model's LLM speculating with it (built once per module)."""
+  cache = {}
+
+  def get(method):
+    if method not in cache:
+      kw = dict(speculative_method=method)
+      if method == "draft":
+        kw["speculative_model"] = DEFAULT_MODEL
+      cache[method] = LLM(DEFAULT_MODEL, **DEFAULT_MODEL_TEST_CONFIG, **kw)
+    return cache[method]
+
+  return get
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
-def test_default_model_greedy_output_is_unchanged(default_llm, method):
-  kw = dict(speculative_method=method)
-  if method == "draft":
-    kw["speculative_model"] = DEFAULT_MODEL
-  llm = LLM(DEFAULT_MODEL, **DEFAULT_MODEL_TEST_CONFIG, **kw)
+def test_default_model_greedy_output_is_unchanged(default_llm, spec_llm, method):
+  llm = spec_llm(method)
   prompts = default_prompts(llm.get_tokenizer())
   params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
   want = default_llm.generate(prompts, params)
@@ -53,6 +66,23 @@ def test_default_model_greedy_output_is_unchanged(default_llm, method):
     assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec
   alloc = llm.engine.allocator
   assert alloc.num_free == alloc.num_usable
+
+
+def test_default_model_constrained_requests_speculate(default_llm, spec_llm):
+  """JSON that copies the prompt: n-gram drafts the grammar allows are verified with a
+  mask per position; the output equals the plain engine's."""
+  llm = spec_llm("ngram")
+  tok = llm.get_tokenizer()
+  record = ('{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", '
+            '"notes": "first program"}')
+  chat = [{"role": "user", "content": f"Repeat this JSON exactly: {record}"}]
+  prompt = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True))
+  params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json_object": True})
+  before = llm.engine.stats().spec_decode.num_accepted_tokens
+  got = llm.generate([prompt], params)[0]
+  assert got.token_ids == default_llm.generate([prompt], params)[0].token_ids
+  assert llm.engine.stats().spec_decode.num_accepted_tokens > before
+  assert got.text.startswith("{")
 
 
 def tiny_config(**kw) -> EngineConfig:

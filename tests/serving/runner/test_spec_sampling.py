@@ -15,17 +15,27 @@ from serving.runner.sampling import SamplingTensors, sample, verify
 from serving.runner.steps import DeviceState, verify_sample_step
 from serving.types import SamplingParams
 
-_verify = jax.jit(lambda logits, drafts, n, t, pm, oc, rows: verify(logits, drafts, n, t, pm, oc,
-                                                                     rows=rows))
+_verify = jax.jit(lambda logits, drafts, n, t, pm, oc, rows, allowed: verify(
+    logits, drafts, n, t, pm, oc, rows=rows, allowed=allowed))
 
 
-def _run(logits, drafts, num_drafts, params, prompt, counts, seeds=None, step=0):
-  b = logits.shape[0]
+def _run(logits, drafts, num_drafts, params, prompt, counts, seeds=None, step=0, allowed=None):
+  b, s, v = logits.shape
   seeds = list(range(10, 10 + b)) if seeds is None else seeds
   t = SamplingTensors.build(params, seeds, [step] * b, b)
+  if allowed is None:
+    allowed = np.full((b, s, (v + 31) // 32), -1, np.int32)
   out = _verify(logits, np.asarray(drafts, np.int32), np.asarray(num_drafts, np.int32), t,
-                prompt, counts, np.arange(b, dtype=np.int32))
+                prompt, counts, np.arange(b, dtype=np.int32), allowed)
   return jax.device_get(out)
+
+
+def pack(keep: np.ndarray) -> np.ndarray:
+  """[..., V] bool -> [..., ceil(V / 32)] int32 packed masks (bit v % 32 of word v // 32)."""
+  v = keep.shape[-1]
+  padded = np.zeros((*keep.shape[:-1], -(-v // 32) * 32), bool)
+  padded[..., :v] = keep
+  return np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
 
 
 def _sequential_greedy(logits_row, p, prompt, counts, steps):
@@ -68,6 +78,36 @@ def test_greedy_rows_equal_sequential_decoding():
     assert int(out.num_accepted[i]) == kept, i
     assert list(out.tokens[i, :kept + 1]) == tokens, i
     assert not out.tokens[i, kept + 1:].any()
+
+
+def test_token_masks_apply_per_position():
+  """Structured output: position j's mask constrains the token there (the greedy choice
+  is the best allowed one); a row without drafts draws what `sample` draws with the
+  same mask; logprobs stay raw."""
+  rng = np.random.default_rng(4)
+  b, s, v = 4, 3, 40
+  logits = (rng.standard_normal((b, s, v)) * 2).astype(np.float32)
+  keep = rng.random((b, s, v)) < 0.3
+  keep[..., 0] = True
+  allowed = pack(keep)
+  masked = np.where(keep, logits, -np.inf)
+  best = masked.argmax(-1)  # [B, S]
+  drafts = best[:, :2].astype(np.int32)
+  zero = np.zeros((b, v), bool), np.zeros((b, v), np.int32)
+  greedy = [SamplingParams(temperature=0.0, logprobs=1)] * b
+  out = _run(logits, drafts, [2, 2, 1, 0], greedy, *zero, allowed=allowed)
+  np.testing.assert_array_equal(out.num_accepted, [2, 2, 1, 0])
+  for i, n in enumerate([2, 2, 1, 0]):
+    assert list(out.tokens[i, :n + 1]) == list(best[i, :n + 1])
+    lsm = ref_log_softmax(logits[i, n])
+    np.testing.assert_allclose(out.logprob[i, n], lsm[best[i, n]], atol=1e-5)
+  params = [SamplingParams(temperature=0.9, top_p=0.9)] * b
+  out = _run(logits, np.zeros((b, s - 1), np.int32), [0] * b, params, *zero, seeds=[1, 2, 3, 4],
+             step=3, allowed=allowed)
+  t = SamplingTensors.build(params, [1, 2, 3, 4], [3] * b, b)
+  ref = jax.jit(sample)(logits[:, 0], t, *zero, allowed=allowed[:, 0])
+  np.testing.assert_array_equal(out.tokens[:, 0], np.asarray(ref.tokens))
+  assert keep[np.arange(b), 0, out.tokens[:, 0]].all()
 
 
 def test_logprobs_are_raw_at_each_position():
@@ -153,8 +193,9 @@ def test_verify_sample_step_records_the_emitted_tokens():
   logits[1, 0, 7] = logits[1, 1, 8] = 5.0  # row 1 greedy: 7, 8
   drafts = np.array([[3, 4], [9, 9]], np.int32)
   t = SamplingTensors.build([SamplingParams(temperature=0.0)] * b, [0, 1], [0, 0], b)
+  allowed = np.full((b, s, 1), -1, np.int32)
   state, out = jax.jit(verify_sample_step)(state, logits, drafts, np.array([2, 2], np.int32),
-                                           np.array([1, 2], np.int32), t)
+                                           np.array([1, 2], np.int32), t, allowed)
   np.testing.assert_array_equal(out.num_accepted, [2, 0])
   np.testing.assert_array_equal(out.tokens, [[3, 4, 5], [7, 0, 0]])
   np.testing.assert_array_equal(state.last_tokens, [0, 5, 7, 0])
