@@ -334,6 +334,9 @@ class Sequence:
   lora_slot: int | None = None  # the runner slot holding `lora` while running
   # The output constraint's state (serving.structured_output.Grammar), None if unconstrained.
   grammar: Any = dataclasses.field(default=None, repr=False)
+  # The device's `last_tokens[decode_slot]` holds output_ids[-1]: it was sampled while the
+  # sequence held its slot (a readmitted sequence's slot holds another's token).
+  token_on_device: bool = False
 
   @property
   def cache_salt(self) -> bytes | None:

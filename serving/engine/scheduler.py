@@ -224,6 +224,7 @@ class Scheduler:
 
   def _release(self, seq: Sequence) -> None:
     self.allocator.release(seq.pages)
+    seq.token_on_device = False
     seq.pages, seq.page_hashes = [], []
     seq.num_computed = 0
     if seq.decode_slot is not None:
@@ -282,6 +283,7 @@ class Scheduler:
           self.finish(seq, reason)
           break
       appended.append((seq, run))
+      seq.token_on_device = seq.status is Status.RUNNING
       # Kept drafts of a speculative row: their KV (written by the step) is valid.
       kept = len(run) - 1
       if kept and seq.status is Status.RUNNING and seq.num_computed == context:
@@ -330,8 +332,11 @@ def _decodable(seq: Sequence) -> bool:
   """A sequence whose only uncomputed position holds its latest sampled token, which the
   device holds too (`last_tokens`): it decodes, rather than prefilling that one token.
   This is every running sequence after its step was postprocessed, as when the engine
-  speculates (its previous step is postprocessed before scheduling)."""
-  return not seq.pending and bool(seq.output_ids) and seq.num_computed == seq.num_known - 1
+  speculates (its previous step is postprocessed before scheduling) — but not one
+  readmitted since (its prefix-cache hit may stop one token short; its new slot holds
+  another sequence's token)."""
+  return (not seq.pending and seq.token_on_device
+          and seq.num_computed == seq.num_known - 1)
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
