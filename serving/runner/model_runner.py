@@ -414,8 +414,9 @@ class ModelRunner:
     mask = self._all_allowed.get(rows)
     if mask is None:
       ones = np.full((*rows, self.mask_width), -1, np.int32)
-      # On one device it stays there; a mesh's programs take it from the host.
-      mask = self._all_allowed[rows] = ones if self.mesh is not None else jnp.asarray(ones)
+      # On one device it stays there (device_put: jnp.asarray would compile a staging
+      # program per shape); a mesh's programs take it from the host.
+      mask = self._all_allowed[rows] = ones if self.mesh is not None else jax.device_put(ones)
     return mask
 
   def run_prefill(self, inp: PrefillInput) -> jax.Array:
@@ -458,6 +459,10 @@ class ModelRunner:
     if self.lora is not None:  # compiles the slot write; slot 0 stays zero
       self.load_lora(0, None)
     programs = self._bucket_programs()
+    for b in sorted({1, *self.engine_cfg.decode_batch_buckets}):  # the all-ones mask inputs
+      self._unconstrained(b)
+    for b in self.engine_cfg.verify_batch_buckets:
+      self._unconstrained(b, self.engine_cfg.num_speculative_tokens + 1)
     if self._store is not None:
       with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
         list(pool.map(lambda p: p[0].try_load(*p[1]), programs))
