@@ -105,7 +105,7 @@ def _worker(path: str) -> None:
   params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
   out["engine_tp2_16"] = [o.token_ids for o in llm.generate(stu.PROMPTS, params)]
   spec = LLM(path, tp=2, speculative_method="ngram", prompt_lookup_min=1,
-             **{**stu.ENGINE_KW, "max_num_seqs": 2})
+             **{**stu.ENGINE_KW, "max_num_seqs": 1})  # 5 programs
   out["spec_tp2_16"] = [o.token_ids for o in spec.generate(stu.PROMPTS, params)]
   out["spec_draft_tokens"] = spec.engine.stats().spec_decode.num_draft_tokens
   stu.emit(out)

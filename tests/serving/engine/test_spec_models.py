@@ -86,12 +86,13 @@ def test_default_model_constrained_requests_speculate(default_llm, spec_llm):
 
 
 def tiny_config(**kw) -> EngineConfig:
-  base = dict(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
+  base = dict(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=40,
               max_num_batched_tokens=16, attention_block_tokens=16, unroll_layers=False,
               compilation_cache=False, num_speculative_tokens=4)
   return EngineConfig(**{**base, **kw})
 
 
+# Ragged, and more than max_num_seqs: one waits, then joins a running batch.
 PROMPTS = [[5, 6, 7], [40 + i % 9 for i in range(13)], [100 + (i * 7) % 31 for i in range(21)]]
 N_TOKENS = 20
 
