@@ -14,7 +14,7 @@ from checkpoints.layout import LoadedModel, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
 from checkpoints.tokenizer import Tokenizer
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import KINDS
+from serving.models.quantized import METHODS
 
 
 def resolve_model_path(model: str) -> str:
@@ -57,11 +57,14 @@ def load_quantized(model: str, method: str) -> LoadedModel:
   """Loads `model` for serving with weight quantization `method`: GGUF blocks of the
   matching type stay as stored (checkpoints/quantize.py), anything else loads as usual
   and is quantized by the runner."""
-  if method not in KINDS:
-    raise ValueError(f"unsupported quantization {method!r}; supported: {KINDS}")
+  if method not in METHODS:
+    raise ValueError(f"unsupported quantization {method!r}; supported: {METHODS}")
   path = resolve_model_path(model)
   if os.path.isfile(path) and path.endswith(".gguf"):
     return load_gguf_quantized(path, method)
+  if method == "gguf":
+    raise ValueError(f"quantization='gguf' serves a GGUF file's blocks as stored; {model!r} "
+                     "is not a .gguf file (use int8, int4 or fp8)")
   return load_checkpoint(model)
 
 
@@ -95,23 +98,44 @@ def _merge_eos(config: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
 
 
 def load_gguf_quantized(path: str, method: str) -> LoadedModel:
-  """A GGUF file with matching quantized blocks kept (see module doc, step 2)."""
+  """A GGUF file with the blocks of `quantize.KEEP_TYPES[method]` kept (module doc, step 2).
+
+  Layers whose kept weights differ in layout (a Q4_K_M file mixes Q4_K and
+  Q6_K across layers) are returned as a list of per-layer dicts, which the
+  forward runs unrolled.
+  """
   loaded = load_gguf(path)
   reader = gguf_io.read_gguf(path)
   cfg, params = loaded.config, loaded.params
   keep = quantize.KEEP_TYPES[method]
   types = {t.name: t.tensor_type for t in reader.tensors}
-  layers = dict(params["layers"])
+  kept = lambda name: quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, name))
+  stacked = dict(params["layers"])
+  per_layer: dict[str, list] = {}
   for key in quantize.kept_keys(cfg):
     names = [gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers)]
-    if all(types.get(n) in keep for n in names):
-      blocks = [quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, n)) for n in names]
-      stacked = quantize.stack_blocks(blocks)
-      if stacked is not None:
-        layers[key] = stacked
+    if not any(types.get(n) in keep for n in names):
+      continue
+    weights = [kept(n) if types.get(n) in keep else stacked[key][i]
+               for i, n in enumerate(names)]
+    together = (quantize.stack_blocks(weights)
+                if all(isinstance(w, quantize.quant.QuantizedWeight) for w in weights) else None)
+    if together is not None:
+      stacked[key] = together
+    else:
+      per_layer[key] = weights
+  if per_layer:
+    layers = [{k: (per_layer[k][i] if k in per_layer else v[i]) for k, v in stacked.items()}
+              for i in range(cfg.num_layers)]
+  else:
+    layers = stacked
   params = {**params, "layers": layers}
-  emb_type = types.get(gguf_io.gguf_tensor_name("embed"))
-  if cfg.tie_word_embeddings and method in ("int8", "int4") and emb_type == gguf_io.Q.Q8_0:
-    raw = gguf_io.raw_tensor(reader, "token_embd.weight")
-    params["embed"] = quantize.gguf_quantized_weight(raw)
+  # The head stays 8-bit under int8 and int4: only a Q8_0 table is kept there.
+  head_keep = keep if method == "gguf" else (
+      {gguf_io.Q.Q8_0} if method in ("int8", "int4") else set())
+  for key in ("embed", "lm_head"):
+    name = gguf_io.gguf_tensor_name(key)
+    is_head = key == "lm_head" or cfg.tie_word_embeddings  # an untied table is no matmul
+    if key in params and types.get(name) in head_keep and (is_head or method == "gguf"):
+      params[key] = kept(name)
   return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)

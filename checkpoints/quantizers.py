@@ -1,8 +1,9 @@
 """Host-side weight quantizers: numpy in, numpy-backed `QuantizedWeight` out.
 
 Round-to-nearest formats of `serving.models.quantized.QuantizedWeight`
-(its module doc has the layouts): int8 per channel or in groups, int4 in
-groups with a least-squares fitted min + scale, fp8 per channel.
+(its module doc has the layouts): int8 in groups (32 by default, llama.cpp's
+Q8_0) or per channel, int4 in groups with a least-squares fitted min + scale,
+fp8 per channel.
 `quantize_params` applies one method to every linear leaf of a params tree
 (docs/structure.md) and keeps leaves that are already quantized, so GPTQ
 layers (serving/tools/gptq.py) and kept GGUF blocks pass through.
@@ -15,9 +16,11 @@ import numpy as np
 
 from serving.models.quantized import (
   DEFAULT_INT4_GROUP,
+  DEFAULT_INT8_GROUP,
+  EXPERT_KEYS,
   FP8_MAX,
-  KINDS,
   LINEAR_KEYS,
+  METHODS,
   QuantizedWeight,
   is_quantized,
 )
@@ -117,16 +120,18 @@ def fit_group(in_dim: int, group_size: int) -> int:
 
 def quantize_weight(w: np.ndarray, method: str, *, group_size: int | None = None,
                     transpose: bool = True) -> QuantizedWeight:
-  """One weight with `method` in KINDS (int4 group defaults to 64)."""
+  """One weight with `method` int8 (groups of 32 by default, as Q8_0; `group_size=0`:
+  per channel), int4 (groups of 64) or fp8 (per channel)."""
+  in_dim = np.shape(w)[-2 if transpose else -1]
   if method == "int8":
-    return quantize_int8(w, group_size or 0, transpose=transpose)
+    group = DEFAULT_INT8_GROUP if group_size is None else group_size
+    return quantize_int8(w, group and fit_group(in_dim, group), transpose=transpose)
   if method == "int4":
-    in_dim = np.shape(w)[-2 if transpose else -1]
     return quantize_int4(w, fit_group(in_dim, group_size or DEFAULT_INT4_GROUP),
                          transpose=transpose)
   if method == "fp8":
     return quantize_fp8(w, transpose=transpose)
-  raise ValueError(f"unsupported quantization {method!r}; supported: {KINDS}")
+  raise ValueError(f"unsupported quantization {method!r}; supported: int8, int4, fp8")
 
 
 def quantize_params(params: dict, method: str, *, group_size: int | None = None,
@@ -134,19 +139,24 @@ def quantize_params(params: dict, method: str, *, group_size: int | None = None,
   """Quantizes the linear layers (and the LM head / tied embedding) of a params tree.
 
   Leaves that are already `QuantizedWeight`s (pre-quantized checkpoints, GPTQ
-  layers) are kept. The LM head uses int8 per channel for int8/int4 (it is the
-  most sensitive matmul) and fp8 for fp8. MoE expert weights stay as they are.
+  layers, GGUF blocks) are kept. MoE experts are quantized like the dense
+  linears; the router stays float. The LM head uses int8 in groups of 32 for
+  int8/int4 (it is the most sensitive matmul) and fp8 for fp8. `gguf` (serve a
+  GGUF's blocks as stored) quantizes nothing more.
   """
-  if method not in KINDS:
-    raise ValueError(f"unsupported quantization {method!r}; supported: {KINDS}")
+  if method not in METHODS:
+    raise ValueError(f"unsupported quantization {method!r}; supported: {METHODS}")
+  if method == "gguf":
+    return params
   quant = lambda w: w if is_quantized(w) else quantize_weight(w, method, group_size=group_size)
   head_method = "fp8" if method == "fp8" else "int8"
+  keys = (*LINEAR_KEYS, *EXPERT_KEYS)
   out = dict(params)
   layers = params["layers"]
   if isinstance(layers, dict):
-    out["layers"] = {k: quant(v) if k in LINEAR_KEYS else v for k, v in layers.items()}
+    out["layers"] = {k: quant(v) if k in keys else v for k, v in layers.items()}
   else:
-    out["layers"] = [{k: quant(v) if k in LINEAR_KEYS else v for k, v in lp.items()}
+    out["layers"] = [{k: quant(v) if k in keys else v for k, v in lp.items()}
                      for lp in layers]
   if not embedding:
     return out

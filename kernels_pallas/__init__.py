@@ -8,10 +8,12 @@ chosen by platform):
   prefill, mixed prefill + decode), causal.
 
 KV layout: ``k_pages``, ``v_pages`` are ``[P, page_size, K, H]`` page pools;
-page 0 may be a reserved dummy page. Query head ``n`` uses kv head ``n // G``
-with ``G = N // K``. ``impl``: ``"ref"`` (pure jnp, any platform), ``"tpu"``
-(Pallas Mosaic TPU), ``"gpu"`` (Pallas Triton). ``interpret=True`` runs a
-kernel through the Pallas interpreter (CPU tests).
+page 0 may be a reserved dummy page. With ``kv_quant="int8" | "fp8"`` they are
+uint8 ``[P, page_size, K, H + 4]``: each row's H one-byte codes followed by its
+float32 scale (4 bytes), dequantized per block inside the kernels. Query head
+``n`` uses kv head ``n // G`` with ``G = N // K``. ``impl``: ``"ref"`` (pure
+jnp, any platform), ``"tpu"`` (Pallas Mosaic TPU), ``"gpu"`` (Pallas Triton).
+``interpret=True`` runs a kernel through the Pallas interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ __all__ = [
   "ref_ragged_paged_attention",
 ]
 
-_STATIC = ("scale", "sliding_window", "soft_cap", "impl", "interpret", "block_sizes")
+_STATIC = ("scale", "sliding_window", "soft_cap", "impl", "interpret", "block_sizes",
+           "kv_quant")
 _DECODE = {"tpu": decode_tpu.paged_decode_attention, "gpu": decode_gpu.paged_decode_attention}
 _RAGGED = {"tpu": ragged_tpu.ragged_paged_attention, "gpu": ragged_gpu.ragged_paged_attention}
 
@@ -57,7 +60,7 @@ def _check_platform(impl: str, interpret: bool) -> None:
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
                            sliding_window=None, soft_cap=None, impl="ref", interpret=False,
-                           block_sizes: BlockSizes | None = None):
+                           block_sizes: BlockSizes | None = None, kv_quant: str | None = None):
   """Decode attention: one new query token per sequence over its KV pages.
 
   Args:
@@ -65,6 +68,9 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
       ``seq_lens[b] - 1``.
     k_pages, v_pages: [P, page_size, K, H] float32 or bfloat16 (both alike, may
       differ from q's: q is cast to it for the dots); N must be a multiple of K.
+      With ``kv_quant``: uint8 [P, page_size, K, H + 4], each row H codes then
+      its float32 scale's 4 bytes; dequantized to float32 per block (q is cast
+      to float32 for the dots).
     block_tables: [B, W] int32 page ids; entries past a sequence's
       ``cdiv(seq_lens[b], page_size)`` pages are never read.
     seq_lens: [B] int32 number of valid keys (including the query's own);
@@ -75,14 +81,15 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
     impl: "ref" | "tpu" | "gpu".
     interpret: run the Pallas kernel in interpret mode (ignored for "ref").
     block_sizes: override the tuned ``BlockSizes`` (kernels only).
+    kv_quant: None, "int8" or "fp8" (codes int8 or float8_e4m3fn), static.
 
   Returns:
     [B, N, H] in q's dtype (softmax and accumulation in float32).
   """
-  validation.check_decode(q, k_pages, v_pages, block_tables, seq_lens)
+  validation.check_decode(q, k_pages, v_pages, block_tables, seq_lens, kv_quant)
   validation.check_options(scale, sliding_window, soft_cap, impl)
   _check_platform(impl, interpret)
-  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
   if impl == "ref":
     return ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs)
   return _DECODE[impl](q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
@@ -92,7 +99,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
                            sliding_window=None, soft_cap=None, impl="ref", interpret=False,
-                           block_sizes: BlockSizes | None = None):
+                           block_sizes: BlockSizes | None = None, kv_quant: str | None = None):
   """Causal attention for a ragged batch of query tokens over paged KV.
 
   Args:
@@ -100,23 +107,24 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
       Sequence s owns rows ``cu_q_lens[s]:cu_q_lens[s+1]``; rows at or past
       ``cu_q_lens[S]`` are padding (output zeros).
     k_pages, v_pages: [P, page_size, K, H] float32 or bfloat16 (as in
-      ``paged_decode_attention``). The new tokens' K/V are already written.
+      ``paged_decode_attention``, incl. the quantized layout with ``kv_quant``).
+      The new tokens' K/V are already written.
     block_tables: [S, W] int32 page ids; entries past a sequence's
       ``cdiv(kv_lens[s], page_size)`` pages are never read.
     cu_q_lens: [S+1] int32 cumulative query counts, ``cu_q_lens[0] == 0``,
       non-decreasing.
     kv_lens: [S] int32 total keys of each sequence including its new queries;
       query i of sequence s sits at position ``kv_lens[s] - q_len_s + i``.
-    scale, sliding_window, soft_cap, impl, interpret, block_sizes: as in
+    scale, sliding_window, soft_cap, impl, interpret, block_sizes, kv_quant: as in
       ``paged_decode_attention`` (``block_sizes.q_block`` sets the query tile).
 
   Returns:
     [T, N, H] in q's dtype.
   """
-  validation.check_ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens)
+  validation.check_ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, kv_quant)
   validation.check_options(scale, sliding_window, soft_cap, impl)
   _check_platform(impl, interpret)
-  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
   if impl == "ref":
     return ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
                                       **kwargs)

@@ -13,7 +13,7 @@ import os
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 DTYPES = ("auto", "float32", "bfloat16")
-QUANTIZATIONS = (None, "int8", "int4", "fp8")
+QUANTIZATIONS = (None, "int8", "int4", "fp8", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 

@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from serving.models import llama
 from serving.models.model_config import ModelConfig
+from serving.models.quantized import is_quantized
 from sharding import rules
+from sharding.mesh import axis_size
 
 
 def expert_parallel(cfg: ModelConfig):
@@ -40,7 +42,8 @@ def _sharded(mesh, ep_axis: str | None, tp_axis: str | None, x: jax.Array,
   Tokens and routing are replicated; each device's output is a partial sum
   (other experts' pairs and other columns are zero there), psum'd once.
   """
-  gate_up, down = P(ep_axis, None, tp_axis), P(ep_axis, tp_axis, None)
+  gate_up = _spec(experts[0], ep_axis, None, tp_axis, mesh)
+  down = _spec(experts[2], ep_axis, tp_axis, None, mesh)
   axes = tuple(a for a in (ep_axis, tp_axis) if a)
 
   def local(x, weights, ids, we_gate, we_up, we_down):
@@ -50,3 +53,16 @@ def _sharded(mesh, ep_axis: str | None, tp_axis: str | None, x: jax.Array,
   out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), gate_up, gate_up, down),
                       out_specs=P())(x, weights, ids, *experts)
   return out.astype(x.dtype)
+
+
+def _spec(w, ep_axis: str | None, in_axis: str | None, out_axis: str | None, mesh):
+  """Spec of an expert weight [E, In, Out]: a PartitionSpec, or a quantized weight's
+  specs, which must split In exactly as asked (whole groups per device)."""
+  if not is_quantized(w):
+    return P(ep_axis, in_axis, out_axis)
+  spec = rules.weight_spec(w, (ep_axis,), in_axis, out_axis, axis_size(mesh, in_axis))
+  if in_axis is not None and spec.q[-1] is None:
+    raise ValueError(f"expert columns per tp shard ({w.in_features // axis_size(mesh, in_axis)}) "
+                     f"must be a multiple of the quantization group ({w.group_size}); use a "
+                     "smaller group or another tp")
+  return spec

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from serving.models.model_config import ModelConfig
+from serving.models.quantized import QuantizedWeight, is_quantized
 from sharding import rules
 from sharding.mesh import axis_size
 
@@ -61,16 +62,19 @@ class Placement:
   def place_params(self, params: Params, dtype: Any) -> Params:
     """Every leaf onto its NamedSharding, converted to `dtype` slice by slice.
 
-    A quantized weight (serving/models/quantized.py, stored output-channel-major with
-    scales) is not split yet: its codes and scales are replicated as stored.
+    A quantized weight's arrays (serving/models/quantized.py: codes, scales)
+    keep their dtypes and are split with it (`rules.weight_spec`).
     """
+    shardings = self.param_shardings(params)
+    quantized = jax.tree.map(is_quantized, params, is_leaf=is_quantized)
 
-    def put(sharding: NamedSharding, x: Any) -> Any:
-      if isinstance(x, (np.ndarray, jax.Array, np.generic)):
-        return place(x, sharding, dtype)
-      return jax.tree.map(lambda a: place(a, self.replicated), x)
+    def put(sharding: NamedSharding, is_q: bool, x: Any) -> Any:
+      if is_q:
+        return jax.tree.map(place, x, sharding)
+      return place(x, sharding, dtype)
 
-    return jax.tree.map(put, self.param_shardings(params), params)
+    return jax.tree.map(put, shardings, quantized, params,
+                        is_leaf=lambda s: isinstance(s, (NamedSharding, QuantizedWeight)))
 
   @property
   def kv_sharding(self) -> NamedSharding:

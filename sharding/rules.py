@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from serving.models.model_config import ModelConfig
+from serving.models.quantized import QuantizedWeight, is_quantized
 from sharding.mesh import axis_size
 
 Params = dict[str, Any]
@@ -106,17 +107,50 @@ def logical_spec(names: tuple[str | None, ...], rules: Rules) -> P:
 
 
 def param_specs(params: Params, cfg: ModelConfig, mesh) -> Params:
-  """PartitionSpecs mirroring `params`: stacked `layers` dict or per-layer list form."""
+  """PartitionSpecs mirroring `params`: stacked `layers` dict or per-layer list form.
+
+  A quantized leaf gets a `QuantizedWeight` of specs (`weight_spec`).
+  """
   rules = resolve_rules(cfg, mesh)
+
+  def spec(names: tuple[str, ...], value: Any):
+    if not is_quantized(value):
+      return logical_spec(names, rules)
+    *lead, d_in, d_out = (rules[n] for n in names)
+    return weight_spec(value, tuple(lead), d_in, d_out, axis_size(mesh, rules[d_in]))
+
   out: Params = {}
   for key, value in params.items():
     if key != "layers":
-      out[key] = logical_spec(PARAM_AXES[key], rules)
+      out[key] = spec(PARAM_AXES[key], value)
     elif isinstance(value, (list, tuple)):
-      out[key] = [{k: logical_spec(PARAM_AXES[k], rules) for k in lp} for lp in value]
+      out[key] = [{k: spec(PARAM_AXES[k], v) for k, v in lp.items()} for lp in value]
     else:
-      out[key] = {k: logical_spec(("layers", *PARAM_AXES[k]), rules) for k in value}
+      out[key] = {k: spec(("layers", *PARAM_AXES[k]), v) for k, v in value.items()}
   return out
+
+
+def weight_spec(w: QuantizedWeight, lead: tuple[str | None, ...], in_axis: str | None,
+                out_axis: str | None, in_shards: int) -> QuantizedWeight:
+  """Specs of a quantized `[..., In, Out]` weight's arrays (stored `[..., Out, In]`).
+
+  Codes and per-group scales split with their weight: along Out as the
+  weight's output axis, along In only when every shard holds whole groups
+  (and whole super-blocks); otherwise the input axis stays replicated and
+  XLA gathers what the matmul needs. A per-channel scale follows Out; an
+  act-order `perm` is replicated.
+  """
+  whole = max(w.group_size, w.super_size, 8)
+  if in_axis is not None and (w.in_features // in_shards) % whole:
+    in_axis = None
+  rows, per_row = P(*lead, out_axis, in_axis), P(*lead, out_axis)
+  specs = {f: rows for f in w.arrays()}
+  if w.group_size == 0:
+    specs["scale"] = per_row
+  if w.perm is not None:
+    specs["perm"] = P(*lead, None)
+  return QuantizedWeight(**specs, kind=w.kind, group_size=w.group_size,
+                         super_size=w.super_size)
 
 
 def param_shardings(params: Params, cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Params:

@@ -5,35 +5,83 @@ The visible key range of a query row set is ``[first_key, last_key]`` where
 sliding window ``w``, ``oldest query position - w + 1``. Kernels only visit page
 blocks that intersect it and clamp every block-table read to the sequence's
 own pages, so entries past a sequence's last page are never touched.
+
+Quantized pages (``kv_quant`` "int8" | "fp8") are uint8 ``[..., H + 4]`` rows:
+H one-byte codes (int8, or float8_e4m3fn bits) followed by the row's float32
+scale as 4 little-endian bytes. ``load_rows`` reads one kv head's rows of a
+page block and dequantizes them there (``codes * scale`` in float32), so no
+kernel ever sees a dequantized pool.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 # Finite "minus infinity": keeps exp(NEG - m) == 0 without inf - inf NaNs.
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def kv_heads_per_block(num_kv_heads: int, head_dim: int, requested: int = 0) -> int:
+# Code dtype of each quantized page layout; the float32 scale follows the codes.
+CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALE_BYTES = 4
+
+
+def row_width(head_dim: int, kv_quant: str | None) -> int:
+  """Last dimension of a page row: H, or H codes + 4 scale bytes when quantized."""
+  return head_dim + (SCALE_BYTES if kv_quant else 0)
+
+
+def kv_heads_per_block(num_kv_heads: int, row_lanes: int, requested: int = 0) -> int:
   """KV heads per TPU block: ``requested``, or the smallest lane-aligned choice.
 
   TPU blocks must span a multiple of 128 lanes or the whole last dimension;
-  pages are viewed as ``[P, page_size, K * H]`` so a block of d kv heads is a
-  lane slice. With ``requested == 0`` this is the smallest divisor d of K with
-  ``d * H % 128 == 0``, else K. ``requested == K`` makes every page copy one
-  contiguous ``[page_size, K * H]`` DMA.
+  pages are viewed as ``[P, page_size, K * R]`` (R = ``row_lanes``: H, or
+  H + 4 for quantized pages) so a block of d kv heads is a lane slice. With
+  ``requested == 0`` this is the smallest divisor d of K with
+  ``d * R % 128 == 0``, else K (so quantized pages, R = 68 or 132, nearly
+  always take whole pages). ``requested == K`` makes every page copy one
+  contiguous ``[page_size, K * R]`` DMA.
   """
   if requested:
-    if num_kv_heads % requested or (requested * head_dim % 128 and requested != num_kv_heads):
+    if num_kv_heads % requested or (requested * row_lanes % 128 and requested != num_kv_heads):
       raise ValueError(f"kv_heads_per_block={requested} must divide {num_kv_heads=} and span "
-                       f"a multiple of 128 lanes (head_dim={head_dim}) or all heads")
+                       f"a multiple of 128 lanes ({row_lanes} lanes per kv head) or all heads")
     return requested
   for d in range(1, num_kv_heads + 1):
-    if num_kv_heads % d == 0 and (d * head_dim) % 128 == 0:
+    if num_kv_heads % d == 0 and (d * row_lanes) % 128 == 0:
       return d
   return num_kv_heads
+
+
+def dequantize(codes, scale_bytes, kv_quant: str):
+  """uint8 ``codes [..., H]`` times their row scales -> float32 ``[..., H]``.
+
+  ``scale_bytes``: the 4 little-endian bytes of each row's float32 scale, each
+  uint8 ``[..., 1]``. They are assembled into a uint32 and bitcast (same
+  width: lowers on Mosaic, Triton and XLA alike); codes are bitcast to
+  int8 / float8_e4m3fn (same width) and converted.
+  """
+  b = [x.astype(jnp.uint32) for x in scale_bytes]
+  bits = b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)
+  scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  values = jax.lax.bitcast_convert_type(codes, CODE_DTYPES[kv_quant]).astype(jnp.float32)
+  return values * scale
+
+
+def load_rows(ref, lead: tuple, start: int, head_dim: int, kv_quant: str | None):
+  """``ref[*lead, start:start + head_dim]``: one kv head's keys or values of a block.
+
+  With ``kv_quant`` the row's codes sit at ``start`` and its scale bytes at
+  ``start + head_dim``; only those ``head_dim + 4`` bytes per row are read and
+  dequantized to float32 here.
+  """
+  rows = ref[(*lead, pl.ds(start, head_dim))]
+  if kv_quant is None:
+    return rows
+  scale_bytes = [ref[(*lead, pl.ds(start + head_dim + i, 1))] for i in range(SCALE_BYTES)]
+  return dequantize(rows, scale_bytes, kv_quant)
 
 
 def first_visible_key(oldest_q_pos, sliding_window):

@@ -14,7 +14,10 @@ block-table entries are never dereferenced; keys past the length are masked
 
 Triton needs power-of-two tensor sizes: the block table is padded to a
 multiple of ``pages_per_block`` (itself a power of two), and ``page_size`` and
-``head_dim`` must be powers of two.
+``head_dim`` must be powers of two. Quantized pages (``kv_quant``: uint8 rows
+of H codes + 4 scale bytes) are gathered as ``[ppb, page_size, H]`` codes plus
+four ``[ppb, page_size, 1]`` byte loads and dequantized in registers
+(``common.load_rows``), so every loaded tensor keeps a power-of-two size.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from kernels_pallas.paged_attention import common, tuning
 def _decode_kernel(
   # Inputs.
   q_ref,  # [Gp, H]
-  k_ref,  # [P, page_size, H] (one kv head, strided view of the pool)
-  v_ref,  # [P, page_size, H]
+  k_ref,  # [P, page_size, R] (one kv head, strided view of the pool; R = H or H + 4)
+  v_ref,  # [P, page_size, R]
   tables_ref,  # [Wp] int32, this sequence's block table
   lens_ref,  # [B] int32
   # Outputs: o_ref [Gp, H]; with num_splits > 1 it holds the unnormalised f32
@@ -45,6 +48,7 @@ def _decode_kernel(
   scale: float,
   sliding_window: int | None,
   soft_cap: float | None,
+  kv_quant: str | None,
 ):
   b, split = pl.program_id(0), pl.program_id(2)
   group_pad, head_dim = q_ref.shape
@@ -67,8 +71,9 @@ def _decode_kernel(
     slots = jnp.minimum(blk * pages_per_block + jnp.arange(pages_per_block), last_page)
     ids = tables_ref[slots]  # [ppb], the sequence's own pages only
     # [ppb, page_size, H] -> [block_k, H]
-    k = k_ref[ids].reshape(block_k, head_dim)
-    v = v_ref[ids].reshape(block_k, head_dim)
+    k = common.load_rows(k_ref, (ids, slice(None)), 0, head_dim, kv_quant)
+    v = common.load_rows(v_ref, (ids, slice(None)), 0, head_dim, kv_quant)
+    k, v = k.reshape(block_k, head_dim), v.reshape(block_k, head_dim)
     key_pos = blk * block_k + jnp.arange(block_k)
     mask = common.key_mask(key_pos, q_pos, seq_len, sliding_window)  # [block_k]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -137,15 +142,15 @@ def check_pow2(name, value):
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
   """GPU paged decode attention; contract of ``kernels_pallas.paged_decode_attention``.
 
   q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (page_size
-  and H powers of two); block_tables [B, W] int32; seq_lens [B] int32 ->
-  [B, N, H] in q's dtype.
+  and H powers of two; uint8 [..., H + 4] with ``kv_quant``); block_tables
+  [B, W] int32; seq_lens [B] int32 -> [B, N, H] in q's dtype.
   """
   batch, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  num_pages, page_size, num_kv_heads, row = k_pages.shape
   check_pow2("page_size", page_size)
   check_pow2("head_dim", head_dim)
   group = num_q_heads // num_kv_heads
@@ -157,17 +162,19 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   padded_width = pl.cdiv(pages_per_seq, ppb) * ppb
   tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - pages_per_seq)))
   # [B, N, H] -> [B, K, Gp, H]
-  q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(k_pages.dtype)
+  compute_dtype = jnp.float32 if kv_quant else k_pages.dtype  # of the (dequantized) keys
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(compute_dtype)
   q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
 
   splits = num_splits_for(batch, num_kv_heads, padded_width // ppb, sizes.num_splits)
 
   q_spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h, s: (b, h, 0, 0))
-  page_spec = pl.BlockSpec((num_pages, page_size, None, head_dim),
+  page_spec = pl.BlockSpec((num_pages, page_size, None, row),
                            lambda b, h, s: (0, 0, h, 0))
   out_specs, out_shape = _outputs(q4.shape, q.dtype, splits)
   kernel = functools.partial(_decode_kernel, pages_per_block=ppb, num_splits=splits,
-                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                             kv_quant=kv_quant)
   out = pl.pallas_call(
     kernel,
     grid=(batch, num_kv_heads, splits),

@@ -11,7 +11,11 @@ kv head share each K/V tile: q is viewed as ``[B, K, G, H]``.
 
 Pages are viewed as ``[P, page_size, K * H]`` (a free reshape) so a block of
 ``hb`` kv heads is a lane slice of ``hb * H`` lanes (a multiple of 128, or all
-heads); see ``common.kv_heads_per_block``.
+heads); see ``common.kv_heads_per_block``. Quantized pages (``kv_quant``) are
+uint8 rows of R = H + 4 lanes (codes, then the float32 scale's bytes): the
+view is ``[P, page_size, K * R]``, a block copies ``hb * R`` bytes per key
+(hb = K unless ``hb * R`` is a multiple of 128), and each head's
+``[page_size, H]`` tile is dequantized in VMEM (``common.load_rows``).
 """
 
 from __future__ import annotations
@@ -32,18 +36,20 @@ def _decode_kernel(
   lens_ref,  # [B] int32
   # Inputs (VMEM blocks).
   q_ref,  # [hb, G, H]
-  *refs,  # ppb K page blocks [page_size, hb * H], ppb V page blocks, then outputs and scratch:
+  *refs,  # ppb K page blocks [page_size, hb * R], ppb V page blocks, then outputs and scratch:
   # o_ref [hb, G, H]; m_ref, l_ref [hb, G, 1] f32; acc_ref [hb, G, H] f32
   pages_per_block: int,
   scale: float,
   sliding_window: int | None,
   soft_cap: float | None,
+  kv_quant: str | None,
 ):
   del tables_ref
   k_refs, v_refs = refs[:pages_per_block], refs[pages_per_block : 2 * pages_per_block]
   o_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_block :]
   b, blk, num_blocks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
   heads, _, head_dim = q_ref.shape
+  row = common.row_width(head_dim, kv_quant)  # lanes per kv head in a page block
   page_size = k_refs[0].shape[0]
   keys_per_block = pages_per_block * page_size
   seq_len = lens_ref[b]
@@ -61,11 +67,10 @@ def _decode_kernel(
   def _compute():
     for h in range(heads):
       q = q_ref[h]  # [G, H]
-      lanes = pl.ds(h * head_dim, head_dim)
       logits, masks, values = [], [], []
       for j in range(pages_per_block):
         base = blk * keys_per_block + j * page_size
-        k = k_refs[j][:, lanes]  # [page_size, H]
+        k = common.load_rows(k_refs[j], (slice(None),), h * row, head_dim, kv_quant)  # [ps, H]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale
         s = common.cap_logits(s, soft_cap)  # [G, page_size]
@@ -75,7 +80,8 @@ def _decode_kernel(
         masks.append(mask)
         row_pos = base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
         row_ok = common.key_mask(row_pos, q_pos, seq_len, sliding_window)
-        values.append(jnp.where(row_ok, v_refs[j][:, lanes], 0))  # [page_size, H]
+        v = common.load_rows(v_refs[j], (slice(None),), h * row, head_dim, kv_quant)
+        values.append(jnp.where(row_ok, v, 0))  # [page_size, H]
       m_prev = m_ref[h]  # [G, 1]
       m_blk = functools.reduce(jnp.maximum, [s.max(axis=1, keepdims=True) for s in logits])
       m_new = jnp.maximum(m_prev, m_blk)
@@ -115,29 +121,31 @@ def _page_index_map(pages_per_block, page_size, pages_per_seq, sliding_window, s
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
   """TPU paged decode attention; contract of ``kernels_pallas.paged_decode_attention``.
 
-  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16;
-  block_tables [B, W] int32; seq_lens [B] int32 -> [B, N, H] in q's dtype.
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (uint8
+  [P, page_size, K, H + 4] with ``kv_quant``); block_tables [B, W] int32;
+  seq_lens [B] int32 -> [B, N, H] in q's dtype.
   """
   batch, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  num_pages, page_size, num_kv_heads, row = k_pages.shape
   group = num_q_heads // num_kv_heads
   pages_per_seq = block_tables.shape[1]
   sizes = block_sizes or tuning.lookup("tpu", "decode", page_size, pages_per_seq)
   ppb = min(sizes.pages_per_block, pages_per_seq)
   num_blocks = pl.cdiv(pages_per_seq, ppb)
-  hb = common.kv_heads_per_block(num_kv_heads, head_dim, sizes.kv_heads_per_block)
+  hb = common.kv_heads_per_block(num_kv_heads, row, sizes.kv_heads_per_block)
 
-  # [P, page_size, K, H] -> [P, page_size, K * H]
-  k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
-  v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
-  # [B, N, H] -> [B, K, G, H]
-  q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(k_pages.dtype)
+  # [P, page_size, K, R] -> [P, page_size, K * R] (R = H, or H + 4 when quantized)
+  k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * row)
+  v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * row)
+  # [B, N, H] -> [B, K, G, H], in the dtype of the (dequantized) keys
+  compute_dtype = jnp.float32 if kv_quant else k_pages.dtype
+  q4 = q.reshape(batch, num_kv_heads, group, head_dim).astype(compute_dtype)
 
   page_specs = [
-    pl.BlockSpec((None, page_size, hb * head_dim),
+    pl.BlockSpec((None, page_size, hb * row),
                  _page_index_map(ppb, page_size, pages_per_seq, sliding_window, j))
     for j in range(ppb)
   ]
@@ -154,7 +162,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
     ],
   )
   kernel = functools.partial(_decode_kernel, pages_per_block=ppb, scale=scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+                             sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
   out = pl.pallas_call(
     kernel,
     grid_spec=grid_spec,

@@ -9,6 +9,8 @@ tile's own rows), gathering pages by id, and runs an online softmax in
 registers. It stores only the rows it owns (masked store); the first tile of
 each block also zeroes the block's padding rows. Page ids are clamped to the
 sequence's own pages, keys past ``kv_len`` are masked in logits and values.
+Quantized pages (``kv_quant``) are dequantized per gathered block as in
+``decode_gpu``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from kernels_pallas.paged_attention.decode_gpu import check_pow2
 def _ragged_kernel(
   # Inputs.
   q_ref,  # [T_pad, Gp, H] (one kv head)
-  k_ref,  # [P, page_size, H] (one kv head, strided view of the pool)
-  v_ref,  # [P, page_size, H]
+  k_ref,  # [P, page_size, R] (one kv head, strided view of the pool; R = H or H + 4)
+  v_ref,  # [P, page_size, R]
   tables_ref,  # [S, Wp] int32
   cu_ref,  # [S + 1] int32
   kv_lens_ref,  # [S] int32
@@ -43,6 +45,7 @@ def _ragged_kernel(
   scale: float,
   sliding_window: int | None,
   soft_cap: float | None,
+  kv_quant: str | None,
 ):
   t = pl.program_id(0)
   _, group_pad, head_dim = q_ref.shape
@@ -67,8 +70,9 @@ def _ragged_kernel(
     slots = jnp.minimum(blk * pages_per_block + jnp.arange(pages_per_block), last_page)
     ids = tables_ref[bd["seq"], slots]  # [ppb], the sequence's own pages only
     # [ppb, page_size, H] -> [block_k, H]
-    k = k_ref[ids].reshape(block_k, head_dim)
-    v = v_ref[ids].reshape(block_k, head_dim)
+    k = common.load_rows(k_ref, (ids, slice(None)), 0, head_dim, kv_quant)
+    v = common.load_rows(v_ref, (ids, slice(None)), 0, head_dim, kv_quant)
+    k, v = k.reshape(block_k, head_dim), v.reshape(block_k, head_dim)
     key_pos = blk * block_k + jnp.arange(block_k)
     mask = common.key_mask(key_pos[None, :], q_pos[:, None], kv_len, sliding_window)
     mask &= row_ok[:, None]  # [rows_n, block_k]
@@ -100,16 +104,17 @@ def _ragged_kernel(
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
   """GPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
 
   q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16
-  (page_size and H powers of two); block_tables [S, W] int32; cu_q_lens [S+1]
-  int32; kv_lens [S] int32 -> [T, N, H] in q's dtype. ``block_sizes.q_block``
-  counts stacked rows (tokens * padded G), a power of two.
+  (page_size and H powers of two; uint8 [..., H + 4] with ``kv_quant``);
+  block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32 ->
+  [T, N, H] in q's dtype. ``block_sizes.q_block`` counts stacked rows
+  (tokens * padded G), a power of two.
   """
   num_tokens, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  num_pages, page_size, num_kv_heads, row = k_pages.shape
   check_pow2("page_size", page_size)
   check_pow2("head_dim", head_dim)
   group = num_q_heads // num_kv_heads
@@ -126,7 +131,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - pages_per_seq)))
   schedule = tiles.ragged_tiles(cu_q_lens, num_tokens, q_block)
   # [T, N, H] -> [T_pad, K, Gp, H]
-  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(k_pages.dtype)
+  compute_dtype = jnp.float32 if kv_quant else k_pages.dtype  # of the (dequantized) keys
+  q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(compute_dtype)
   q4 = jnp.pad(q4, ((0, num_q_blocks * q_block - num_tokens), (0, 0), (0, group_pad - group),
                     (0, 0)))
 
@@ -134,9 +140,9 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
     return pl.BlockSpec(x.shape, lambda t, h: (0,) * x.ndim)
 
   q_spec = pl.BlockSpec((q4.shape[0], None, group_pad, head_dim), lambda t, h: (0, h, 0, 0))
-  page_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda t, h: (0, 0, h, 0))
+  page_spec = pl.BlockSpec((num_pages, page_size, None, row), lambda t, h: (0, 0, h, 0))
   kernel = functools.partial(_ragged_kernel, q_block=q_block, pages_per_block=ppb, scale=scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+                             sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
   small = (tables, cu_q_lens, kv_lens, schedule.seq, schedule.q_block, schedule.first)
   out = pl.pallas_call(
     kernel,

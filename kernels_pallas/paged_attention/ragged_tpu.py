@@ -12,8 +12,11 @@ repeat the previous block index and the pipeline issues no copy).
 q and out are viewed as ``[T, N * H]`` (a free reshape), pages as
 ``[P, page_size, K * H]``; a block holds ``hb`` kv heads and their ``hb * G``
 query heads as lane slices. All G query heads of a kv head reuse each K/V
-tile. Consecutive tiles of one query block keep the output block resident:
-the first zeroes it, each merges its own rows with a row mask.
+tile. Quantized pages (``kv_quant``) are uint8 rows of R = H + 4 lanes, viewed
+``[P, page_size, K * R]``; each kv head's ``[page_size, H]`` tile is
+dequantized in VMEM once per step and shared by its G query heads.
+Consecutive tiles of one query block keep the output block resident: the
+first zeroes it, each merges its own rows with a row mask.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _ragged_kernel(
   tile_first_ref,  # [num_tiles] int32
   # Inputs (VMEM blocks).
   q_ref,  # [bq, hb * G * H]
-  *refs,  # ppb K page blocks [page_size, hb * H], ppb V page blocks, then outputs and scratch:
+  *refs,  # ppb K page blocks [page_size, hb * R], ppb V page blocks, then outputs and scratch:
   # o_ref [bq, hb * G * H]; m_ref, l_ref [hb * G, bq, 1] f32; acc_ref [hb * G, bq, H] f32
   pages_per_block: int,
   group: int,
@@ -46,6 +49,7 @@ def _ragged_kernel(
   scale: float,
   sliding_window: int | None,
   soft_cap: float | None,
+  kv_quant: str | None,
 ):
   del tables_ref
   ppb = pages_per_block
@@ -55,6 +59,7 @@ def _ragged_kernel(
   q_block = q_ref.shape[0]
   page_size = k_refs[0].shape[0]
   head_dim = acc_ref.shape[-1]
+  row = common.row_width(head_dim, kv_quant)  # lanes per kv head in a page block
   kv_heads = acc_ref.shape[0] // group
   keys_per_block = ppb * page_size
   bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref, q_block=q_block,
@@ -84,9 +89,11 @@ def _ragged_kernel(
       masks.append(common.key_mask(key_pos, q_pos, kv_len, sliding_window) & row_in)
       v_ok.append(base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < kv_len)
     for h in range(kv_heads):
-      kv_lanes = pl.ds(h * head_dim, head_dim)
-      keys = [k_refs[j][:, kv_lanes] for j in range(ppb)]  # [page_size, H] each
-      values = [jnp.where(v_ok[j], v_refs[j][:, kv_lanes], 0) for j in range(ppb)]
+      def load(ref, h=h):  # [page_size, H] of kv head h
+        return common.load_rows(ref, (slice(None),), h * row, head_dim, kv_quant)
+
+      keys = [load(k_refs[j]) for j in range(ppb)]
+      values = [jnp.where(v_ok[j], load(v_refs[j]), 0) for j in range(ppb)]
       for g in range(group):
         idx = h * group + g
         q = q_ref[:, pl.ds(idx * head_dim, head_dim)]  # [bq, H]
@@ -150,15 +157,16 @@ def _page_specs(pages_per_block, page_size, lanes, **index_kw):
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
   """TPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
 
-  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16;
+  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (uint8
+  [..., H + 4] with ``kv_quant``);
   block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32 ->
   [T, N, H] in q's dtype. ``block_sizes.q_block`` must be a multiple of 8.
   """
   num_tokens, num_q_heads, head_dim = q.shape
-  num_pages, page_size, num_kv_heads, _ = k_pages.shape
+  num_pages, page_size, num_kv_heads, row = k_pages.shape
   group = num_q_heads // num_kv_heads
   num_seqs, pages_per_seq = block_tables.shape
   sizes = block_sizes or tuning.lookup("tpu", "ragged", page_size, pages_per_seq)
@@ -167,17 +175,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   if q_block < 8 or q_block % 8:
     raise ValueError(f"TPU ragged attention needs q_block a multiple of 8, got {q_block}")
   num_q_blocks = pl.cdiv(num_tokens, q_block)
-  hb = common.kv_heads_per_block(num_kv_heads, head_dim, sizes.kv_heads_per_block)
+  hb = common.kv_heads_per_block(num_kv_heads, row, sizes.kv_heads_per_block)
   schedule = tiles.ragged_tiles(cu_q_lens, num_tokens, q_block)
 
   # [T, N, H] -> [T_pad, N * H]
-  q2 = q.reshape(num_tokens, num_q_heads * head_dim).astype(k_pages.dtype)
+  compute_dtype = jnp.float32 if kv_quant else k_pages.dtype  # of the (dequantized) keys
+  q2 = q.reshape(num_tokens, num_q_heads * head_dim).astype(compute_dtype)
   q2 = jnp.pad(q2, ((0, num_q_blocks * q_block - num_tokens), (0, 0)))
-  # [P, page_size, K, H] -> [P, page_size, K * H]
-  k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
-  v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * head_dim)
+  # [P, page_size, K, R] -> [P, page_size, K * R] (R = H, or H + 4 when quantized)
+  k_flat = k_pages.reshape(num_pages, page_size, num_kv_heads * row)
+  v_flat = v_pages.reshape(num_pages, page_size, num_kv_heads * row)
 
-  page_specs = _page_specs(ppb, page_size, hb * head_dim, pages_per_seq=pages_per_seq,
+  page_specs = _page_specs(ppb, page_size, hb * row, pages_per_seq=pages_per_seq,
                           q_block=q_block, num_seqs=num_seqs, sliding_window=sliding_window)
   q_spec = pl.BlockSpec((q_block, hb * group * head_dim),
                         lambda h, t, kv, tab, cu, kvl, tseq, tqb, tfirst: (tqb[t], h))
@@ -194,7 +203,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   )
   kernel = functools.partial(_ragged_kernel, pages_per_block=ppb, group=group,
                              num_seqs=num_seqs, scale=scale, sliding_window=sliding_window,
-                             soft_cap=soft_cap)
+                             soft_cap=soft_cap, kv_quant=kv_quant)
   out = pl.pallas_call(
     kernel,
     grid_spec=grid_spec,

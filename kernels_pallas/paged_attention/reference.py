@@ -9,6 +9,9 @@ page 0 before the gather, so garbage block-table entries are never read.
 Masking rule (shared with every kernel): a query at position ``i`` sees key
 ``j`` iff ``j <= i`` and, with a sliding window ``w``, ``i - j < w``. Logits are
 ``scale * q.k``, then ``soft_cap * tanh(logits / soft_cap)`` when capped.
+
+Quantized pages (``kv_quant``) are dequantized after the gather, as the kernels
+do per block (``common.dequantize``): only the gathered pages, never the pool.
 """
 
 from __future__ import annotations
@@ -16,17 +19,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.paged_attention import common
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _gather_pages(pages, block_tables, num_valid_pages):
-  """[P, ps, K, H] pages, [R, W] tables -> [R, W * ps, K, H] keys or values."""
+def dequantize_pages(pages, kv_quant):
+  """uint8 [..., H + 4] quantized rows -> float32 [..., H] (see ``common.dequantize``)."""
+  head_dim = pages.shape[-1] - common.SCALE_BYTES
+  scale_bytes = [pages[..., head_dim + i:head_dim + i + 1] for i in range(common.SCALE_BYTES)]
+  return common.dequantize(pages[..., :head_dim], scale_bytes, kv_quant)
+
+
+def _gather_pages(pages, block_tables, num_valid_pages, kv_quant):
+  """[P, ps, K, H] pages (H + 4 bytes if quantized), [R, W] tables -> [R, W * ps, K, H]."""
   rows, width = block_tables.shape
-  _, page_size, num_kv_heads, head_dim = pages.shape
+  _, page_size, num_kv_heads, _ = pages.shape
   in_use = jnp.arange(width)[None, :] < num_valid_pages[:, None]
   safe_tables = jnp.where(in_use, block_tables, 0)
+  gathered = pages[safe_tables]  # [R, W, ps, K, H or H + 4]
+  if kv_quant is not None:
+    gathered = dequantize_pages(gathered, kv_quant)
   # [R, W, ps, K, H] -> [R, W * ps, K, H]
-  return pages[safe_tables].reshape(rows, width * page_size, num_kv_heads, head_dim)
+  return gathered.reshape(rows, width * page_size, num_kv_heads, gathered.shape[-1])
 
 
 def _attend(q, k, v, valid, scale, soft_cap):
@@ -64,16 +79,17 @@ def _key_mask(key_pos, q_pos, kv_len, sliding_window):
 
 
 def ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
-                               sliding_window=None, soft_cap=None):
+                               sliding_window=None, soft_cap=None, kv_quant=None):
   """Reference paged decode attention; same contract as ``paged_decode_attention``.
 
-  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16;
-  block_tables [B, W] int32; seq_lens [B] int32. Returns [B, N, H] in q's dtype.
+  q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (uint8
+  [..., H + 4] with ``kv_quant``); block_tables [B, W] int32; seq_lens [B]
+  int32. Returns [B, N, H] in q's dtype.
   """
   page_size = k_pages.shape[1]
   num_valid_pages = (seq_lens + page_size - 1) // page_size
-  k = _gather_pages(k_pages, block_tables, num_valid_pages)
-  v = _gather_pages(v_pages, block_tables, num_valid_pages)
+  k = _gather_pages(k_pages, block_tables, num_valid_pages, kv_quant)
+  v = _gather_pages(v_pages, block_tables, num_valid_pages, kv_quant)
   key_pos = jnp.arange(k.shape[1])
   valid = _key_mask(key_pos, seq_lens - 1, seq_lens, sliding_window)
   return _attend(q, k, v, valid, scale, soft_cap)
@@ -97,10 +113,11 @@ def ragged_token_layout(cu_q_lens, kv_lens, num_tokens):
 
 
 def ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
-                               sliding_window=None, soft_cap=None):
+                               sliding_window=None, soft_cap=None, kv_quant=None):
   """Reference ragged paged attention; same contract as ``ragged_paged_attention``.
 
-  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H]; block_tables [S, W]
+  q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (uint8 [..., H + 4]
+  with ``kv_quant``); block_tables [S, W]
   int32; cu_q_lens [S+1] int32; kv_lens [S] int32. Returns [T, N, H] in q's dtype.
   Materialises [T, W * page_size, K, H] keys: a reference, not a fast path.
   """
@@ -109,8 +126,8 @@ def ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_
   kv_len = jnp.where(token_ok, kv_lens[seq_id], 0)
   num_valid_pages = (kv_len + page_size - 1) // page_size
   tables = block_tables[seq_id]
-  k = _gather_pages(k_pages, tables, num_valid_pages)
-  v = _gather_pages(v_pages, tables, num_valid_pages)
+  k = _gather_pages(k_pages, tables, num_valid_pages, kv_quant)
+  v = _gather_pages(v_pages, tables, num_valid_pages, kv_quant)
   key_pos = jnp.arange(k.shape[1])
   valid = _key_mask(key_pos, q_pos, kv_len, sliding_window)
   return _attend(q, k, v, valid, scale, soft_cap)

@@ -5,14 +5,21 @@ reserved dummy page. Everything a correct kernel must never read is poisoned:
 unused pages and the unused tail of each sequence's last page hold NaN, and
 block-table entries past a sequence's pages are garbage (ids of NaN pages or
 out-of-range ids). Any out-of-bounds read then shows up as NaN in the output.
+With ``kv_quant`` the pools are quantized to the uint8 ``[..., H + 4]`` layout
+(``quantize_pages``); poisoned rows get a NaN scale, so they still read as NaN.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kernels_pallas.paged_attention import common
+
+_QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +34,25 @@ class PagedInputs:
   cu_q_lens: jnp.ndarray | None = None
 
 
+def quantize_pages(pages, kv_quant: str):
+  """float [..., H] -> uint8 [..., H + 4]: absmax codes of each row, then its float32 scale.
+
+  The layout of the engine's int8 / fp8 KV cache (serving/runner/kv_cache.py).
+  A row holding NaN gets a NaN scale.
+  """
+  qmax = _QMAX[kv_quant]
+  x = jnp.asarray(pages, jnp.float32)
+  scale = jnp.max(jnp.abs(x), axis=-1) / qmax
+  inv = jnp.where(scale > 0, 1.0 / scale, 0.0)[..., None]
+  scaled = jnp.clip(x * inv, -qmax, qmax)
+  if kv_quant == "int8":
+    scaled = jnp.round(scaled)
+  codes = jax.lax.bitcast_convert_type(scaled.astype(common.CODE_DTYPES[kv_quant]), jnp.uint8)
+  return jnp.concatenate([codes, jax.lax.bitcast_convert_type(scale, jnp.uint8)], axis=-1)
+
+
 def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq, spare_pages,
-               dtype, poison):
+               dtype, poison, kv_quant=None):
   """K/V page pools and block tables holding ``kv_lens[s]`` keys for each sequence."""
   needed = [-(-n // page_size) for n in kv_lens]
   if max(needed, default=0) > pages_per_seq:
@@ -52,27 +76,30 @@ def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq
       rows = min(page_size, n - j * page_size)
       k[page, :rows] = rng.standard_normal((rows, num_kv_heads, head_dim))
       v[page, :rows] = rng.standard_normal((rows, num_kv_heads, head_dim))
+  if kv_quant:
+    return quantize_pages(k, kv_quant), quantize_pages(v, kv_quant), jnp.asarray(tables)
   return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
 
 
 def make_decode_inputs(seed, seq_lens, *, page_size, num_kv_heads, group, head_dim, dtype,
                        kv_dtype=None, pages_per_seq=None, spare_pages=2,
-                       poison=True) -> PagedInputs:
-  """Random decode inputs: q [B, K*group, H] and a poisoned page pool (``kv_dtype``)."""
+                       poison=True, kv_quant=None) -> PagedInputs:
+  """Random decode inputs: q [B, K*group, H] and a poisoned page pool (``kv_dtype``,
+  or quantized uint8 [..., H + 4] with ``kv_quant``)."""
   rng = np.random.default_rng(seed)
   if pages_per_seq is None:
     pages_per_seq = max(1, max(-(-n // page_size) for n in seq_lens) + 1)
   k, v, tables = _page_pool(
     rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
     pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=kv_dtype or dtype,
-    poison=poison)
+    poison=poison, kv_quant=kv_quant)
   q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
   return PagedInputs(jnp.asarray(q, dtype), k, v, tables, jnp.asarray(seq_lens, jnp.int32))
 
 
 def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_heads, group,
                        head_dim, dtype, kv_dtype=None, pages_per_seq=None, spare_pages=2,
-                       poison=True) -> PagedInputs:
+                       poison=True, kv_quant=None) -> PagedInputs:
   """Random ragged inputs: q [num_tokens, K*group, H]; rows past sum(q_lens) are padding."""
   if any(ql > kl for ql, kl in zip(q_lens, kv_lens, strict=True)):
     raise ValueError(f"each q_len must be <= its kv_len: {q_lens=} {kv_lens=}")
@@ -84,7 +111,7 @@ def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_h
   k, v, tables = _page_pool(
     rng, kv_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
     pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=kv_dtype or dtype,
-    poison=poison)
+    poison=poison, kv_quant=kv_quant)
   q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
   if poison:
     q[sum(q_lens):] = np.nan

@@ -179,8 +179,10 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.A
   """Experts [first, first + E_l) of one device -> their weighted output [T, D] f32.
 
   x [T, D]; weights, ids [T, k]; we_gate / we_up [E_l, D, M_l], we_down
-  [E_l, M_l, D]. Pairs routed to other experts sort last, past every group,
-  and get weight 0; with a column slice M_l < M the output is a partial sum.
+  [E_l, M_l, D] (arrays, or quantized weights of those logical shapes, which
+  are dequantized inside the step before the grouped matmul). Pairs routed
+  to other experts sort last, past every group, and get weight 0; with a
+  column slice M_l < M the output is a partial sum.
   """
   t, d = x.shape
   topk, e_local = ids.shape[1], we_gate.shape[0]
@@ -192,6 +194,8 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.A
   group_sizes = jnp.bincount(local, length=e_local).astype(jnp.int32)  # drops id e_local
 
   def grouped(a, w):
+    if hasattr(w, "dense"):  # quantized experts: this device's experts, dequantized here
+      w = w.dense(a)
     return jax.lax.ragged_dot(a.astype(w.dtype), w, group_sizes,
                               preferred_element_type=jnp.float32)
 
@@ -253,6 +257,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 def unstack_layers(params: Params) -> Params:
   """Stacked `layers` {name: [L, ...]} -> a list of per-layer dicts (unrolled forward)."""
   layers = params["layers"]
+  if isinstance(layers, (list, tuple)):  # already per layer (e.g. GGUF layers of mixed types)
+    return params
   n = jax.tree.leaves(layers)[0].shape[0]
   return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
 

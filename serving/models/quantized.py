@@ -10,11 +10,23 @@ without a transpose. Kinds:
   `[..., Out]` (`group_size == 0`) or per group `[..., Out, In/g]` (GGUF Q8_0).
 - `int4`: two codes a byte, `q` uint8 `[..., Out, In/2]`. Within each group of
   g inputs, byte j holds input j in its low nibble and input j + g/2 in its
-  high nibble (GGUF's Q4_0 / Q4_1 order). Codes are unsigned 0..15:
-  `w = scale * (code - 8)` without `offset` (Q4_0), `w = scale * code +
-  offset` with one (Q4_1 "min"); `scale`, `offset` are `[..., Out, In/g]`.
-- `fp8`: float8_e4m3fn codes `[..., Out, In]`, per-output-channel `scale`;
-  emulated (converted to the compute dtype inside the matmul) on every backend.
+  high nibble (GGUF's Q4_0 / Q4_1 order). Codes are unsigned 0..15.
+- `int5`, `int6` (GGUF Q5_0/Q5_1/Q5_K, Q6_K): the low nibbles as for int4,
+  plus `q_high` `[..., Out, In*b/8]` with the b = 1 or 2 bits above them:
+  byte k holds inputs k*8/b onward, b bits each, from the lowest bits up.
+- `fp8`: float8_e4m3fn codes `[..., Out, In]`, per-output-channel `scale` or
+  per group; emulated (converted to the compute dtype inside the matmul).
+
+Values, per group of g inputs (`scale`, `offset`, `zero` are `[..., Out, In/g]`):
+`scale * (code - zero)` with a zero point (GPTQ, AWQ), `scale * code +
+offset` with an additive min (Q4_1, Q5_1, Q4_K, Q5_K, ours), else `scale *
+(code - 2^(bits-1))` (Q4_0, Q5_0, Q6_K; int8 and fp8 codes are signed).
+K-quants keep their two-level scales: `scale` and `offset` are then the
+6- or 8-bit sub-block codes and each super-block of `super_size` inputs has
+float16 `super_scale` / `super_offset` they multiply (`offset` = -dmin * m
+is stored as `super_offset` = -dmin). GPTQ's act-order stores the inputs
+sorted by group; `perm` [..., In] says which input each stored column is, and
+`matmul` gathers the activations in that order.
 
 `matmul(x)` dequantizes inside the jitted step, so XLA fuses the unpack and
 scaling into one pass over the codes that feeds the dot: the full-precision
@@ -41,10 +53,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-KINDS = ("int8", "int4", "fp8")
+KINDS = ("int8", "int4", "int5", "int6", "fp8")
+METHODS = ("int8", "int4", "fp8", "gguf")  # values of `quantization=` (gguf: blocks as stored)
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+EXPERT_KEYS = ("we_gate", "we_up", "we_down")
 DEFAULT_INT4_GROUP = 64
+DEFAULT_INT8_GROUP = 32  # llama.cpp's Q8_0 block
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+CODE_BITS = {"int4": 4, "int5": 5, "int6": 6}  # nibble-packed kinds
+HIGH_BITS = {"int5": 1, "int6": 2}  # bits above the low nibble, in `q_high`
+ROW_FIELDS = ("q", "scale", "offset", "zero", "q_high", "super_scale", "super_offset")
+FIELDS = (*ROW_FIELDS, "perm")
 
 
 @jax.tree_util.register_dataclass
@@ -52,23 +71,41 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 class QuantizedWeight:
   """A quantized `[..., In, Out]` weight stored `[..., Out, In]` (see module doc)."""
 
-  q: Any  # int8 [..., O, I] | uint8 [..., O, I/2] (int4) | float8_e4m3fn [..., O, I]
-  scale: Any  # [..., O] (group_size 0) or [..., O, I/g]
-  offset: Any = None  # int4 only: [..., O, I/g] additive min (GGUF Q4_1)
+  q: Any  # int8 [..., O, I] | uint8 [..., O, I/2] (int4/5/6 low nibbles) | float8 [..., O, I]
+  scale: Any  # [..., O] (group_size 0) or [..., O, I/g]; integer codes with super_scale
+  offset: Any = None  # [..., O, I/g] additive min (GGUF Q4_1, Q4_K/Q5_K with super_offset)
+  zero: Any = None  # uint8 [..., O, I/g] zero-point codes: w = scale * (code - zero)
+  q_high: Any = None  # uint8 [..., O, I/8] (int5) or [..., O, I/4] (int6): the top code bits
+  super_scale: Any = None  # f16 [..., O, I/S]: scale = scale codes * super_scale (K-quants)
+  super_offset: Any = None  # f16 [..., O, I/S]: offset = offset codes * super_offset
+  perm: Any = None  # int32 [..., I]: input j of the stored codes is input perm[j] (act-order)
   kind: str = dataclasses.field(default="int8", metadata=dict(static=True))
   group_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: per channel
+  super_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # S, K-quants
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"kind={self.kind!r} not in {KINDS}")
-    if self.kind != "int4" and self.offset is not None:
-      raise ValueError(f"an offset is only supported for int4, not {self.kind}")
-    if self.kind == "int4" and (self.group_size <= 0 or self.group_size % 2):
-      raise ValueError(f"int4 needs an even group_size > 0, got {self.group_size}")
+    packed = self.kind in CODE_BITS
+    if packed and (self.group_size <= 0 or self.group_size % 2):
+      raise ValueError(f"{self.kind} needs an even group_size > 0, got {self.group_size}")
+    if (self.q_high is not None) != (self.kind in HIGH_BITS):
+      raise ValueError(f"q_high is needed exactly for {tuple(HIGH_BITS)}, not {self.kind}")
+    if self.offset is not None and self.zero is not None:
+      raise ValueError("a weight has an additive offset or a zero point, not both")
+    if self.group_size == 0 and any(getattr(self, f) is not None for f in
+                                    ("offset", "zero", "super_scale", "super_offset")):
+      raise ValueError("offsets, zero points and super-block scales need a group_size")
+    if (self.super_scale is not None) != (self.super_size > 0):
+      raise ValueError("super_scale and super_size go together")
+    if self.super_offset is not None and (self.super_scale is None or self.offset is None):
+      raise ValueError("super_offset needs super_scale and offset codes")
+    if self.super_size and self.super_size % self.group_size:
+      raise ValueError(f"group_size={self.group_size} must divide super_size={self.super_size}")
 
   @property
   def in_features(self) -> int:
-    return self.q.shape[-1] * (2 if self.kind == "int4" else 1)
+    return self.q.shape[-1] * (2 if self.kind in CODE_BITS else 1)
 
   @property
   def out_features(self) -> int:
@@ -80,8 +117,17 @@ class QuantizedWeight:
     return (*self.q.shape[:-2], self.in_features, self.out_features)
 
   @property
+  def bits(self) -> int:
+    """Bits of one code (8 for int8 and fp8)."""
+    return CODE_BITS.get(self.kind, 8)
+
+  @property
   def nbytes(self) -> int:
-    return sum(int(a.nbytes) for a in (self.q, self.scale, self.offset) if a is not None)
+    return sum(int(a.nbytes) for a in self.arrays().values())
+
+  def arrays(self) -> dict[str, Any]:
+    """The fields that hold arrays, by name."""
+    return {f: getattr(self, f) for f in FIELDS if getattr(self, f) is not None}
 
   def __getitem__(self, idx) -> QuantizedWeight:
     """Indexes the leading (layer) axes, e.g. `w[i]` of a stacked `[L, ...]` weight."""
@@ -105,24 +151,35 @@ class QuantizedWeight:
     return dataclasses.replace(self, q=q)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """The weight in storage orientation `[..., Out, In]`, as `dtype`."""
-    return _dequantize_rows(self, self.q, self.scale, self.offset, dtype)
+    """The weight in storage orientation `[..., Out, In]`, as `dtype` (inputs in stored
+    order: with `perm`, column j is input perm[j])."""
+    return _dequantize_rows(self, {f: getattr(self, f) for f in ROW_FIELDS}, dtype)
 
   def lookup(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Storage rows `[..., In]` for output channels `ids` (embedding lookup)."""
-    off = None if self.offset is None else self.offset[ids]
-    return _dequantize_rows(self, self.q[ids], self.scale[ids], off, dtype)
+    if self.perm is not None:
+      raise ValueError("an embedding cannot have permuted inputs")
+    rows = {f: None if getattr(self, f) is None else getattr(self, f)[ids] for f in ROW_FIELDS}
+    return _dequantize_rows(self, rows, dtype)
+
+  def dense(self, x: jax.Array) -> jax.Array:
+    """The logical `[..., In, Out]` matrix in the compute dtype for activations `x`,
+    dequantized after `x` is known (for grouped matmuls such as MoE experts)."""
+    if self.perm is not None:
+      raise ValueError("a weight with permuted inputs has no dense form; use matmul")
+    return jnp.swapaxes(self.after(x).dequantize(_compute_dtype(x.dtype)), -1, -2)
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x [..., In] -> x @ w [..., Out] in x.dtype, accumulating in float32."""
     cdt = _compute_dtype(x.dtype)
     w = self.after(x)
+    xs = x if self.perm is None else jnp.take(x, self.perm, axis=-1)
     if self.group_size == 0:  # per channel: dot the raw codes, scale the output
-      out = jnp.einsum("...i,oi->...o", x.astype(cdt), w.q.astype(cdt),
+      out = jnp.einsum("...i,oi->...o", xs.astype(cdt), w.q.astype(cdt),
                        preferred_element_type=jnp.float32)
       out = out * self.scale.astype(jnp.float32)
     else:
-      out = jnp.einsum("...i,oi->...o", x.astype(cdt), w.dequantize(cdt),
+      out = jnp.einsum("...i,oi->...o", xs.astype(cdt), w.dequantize(cdt),
                        preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 
@@ -132,24 +189,50 @@ def _compute_dtype(dtype):
   return jnp.float32 if jax.default_backend() == "cpu" else jnp.dtype(dtype)
 
 
-def _dequantize_rows(w: QuantizedWeight, q, scale, offset, dtype) -> jax.Array:
-  """Codes [..., R, C] (C packed for int4) and their scales -> [..., R, In] of dtype."""
+def unpack_codes(w: QuantizedWeight, q, q_high) -> jax.Array:
+  """The codes of rows `[..., R, C]` as float32 `[..., R, In]` (unsigned for int4/5/6)."""
+  if w.kind not in CODE_BITS:
+    return q.astype(jnp.float32)
+  # Low nibbles: [..., R, I/2] -> [..., R, G, g/2] -> [..., R, G, g] (GGUF's Q4 order)
+  p = q.reshape(*q.shape[:-1], -1, w.group_size // 2)
+  low = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).reshape(*q.shape[:-1], -1)
+  if q_high is None:
+    return low.astype(jnp.float32)
+  # High bits: byte k holds inputs k*n .. k*n + n-1, `b` bits each from the lowest.
+  b = HIGH_BITS[w.kind]
+  shifts = jnp.arange(0, 8, b, dtype=jnp.uint8)
+  high = (q_high[..., None] >> shifts) & ((1 << b) - 1)
+  high = high.reshape(*q_high.shape[:-1], -1)
+  return (low | (high << 4)).astype(jnp.float32)
+
+
+def _per_group(w: QuantizedWeight, codes, supers) -> jax.Array:
+  """Group values `[..., R, G]` as float32; integer codes times their super-block's value."""
+  vals = codes.astype(jnp.float32)
+  if supers is None:
+    return vals
+  per = w.super_size // w.group_size  # groups per super-block
+  grouped = vals.reshape(*vals.shape[:-1], -1, per)  # [..., R, G/per, per]
+  return (grouped * supers.astype(jnp.float32)[..., None]).reshape(vals.shape)
+
+
+def _dequantize_rows(w: QuantizedWeight, rows: dict[str, Any], dtype) -> jax.Array:
+  """Rows of every field (`ROW_FIELDS`) -> float `[..., R, In]` of dtype."""
+  codes = unpack_codes(w, rows["q"], rows["q_high"])
   if w.group_size == 0:
-    return (q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+    return (codes * rows["scale"].astype(jnp.float32)[..., None]).astype(dtype)
   g = w.group_size
-  if w.kind == "int4":
-    # [..., R, I/2] -> [..., R, G, g/2] -> nibbles -> [..., R, G, g]
-    p = q.reshape(*q.shape[:-1], -1, g // 2)
-    codes = jnp.concatenate([p & 0x0F, p >> 4], axis=-1).astype(jnp.float32)
-    if offset is None:
-      codes = codes - 8.0
+  codes = codes.reshape(*codes.shape[:-1], -1, g)  # [..., R, G, g]
+  scale = _per_group(w, rows["scale"], rows["super_scale"])[..., None]
+  if rows["zero"] is not None:
+    vals = (codes - rows["zero"].astype(jnp.float32)[..., None]) * scale
+  elif rows["offset"] is not None:
+    vals = codes * scale + _per_group(w, rows["offset"], rows["super_offset"])[..., None]
+  elif w.kind in CODE_BITS:  # symmetric: codes centred on 2^(bits-1)
+    vals = (codes - float(1 << (w.bits - 1))) * scale
   else:
-    # [..., R, I] -> [..., R, G, g]
-    codes = q.reshape(*q.shape[:-1], -1, g).astype(jnp.float32)
-  vals = codes * scale.astype(jnp.float32)[..., None]
-  if offset is not None:
-    vals = vals + offset.astype(jnp.float32)[..., None]
-  # [..., R, G, g] -> [..., R, I]
+    vals = codes * scale
+  # [..., R, G, g] -> [..., R, In]
   return vals.reshape(*vals.shape[:-2], -1).astype(dtype)
 
 

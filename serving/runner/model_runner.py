@@ -39,7 +39,7 @@ from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
 from serving.models import llama
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import has_quantized, is_quantized, params_nbytes
+from serving.models.quantized import is_quantized, params_nbytes
 from serving.runner import attention, lora_state, sampling
 from serving.runner.draft_model import DraftModel, check_vocabulary
 from serving.runner.executable_store import ExecutableStore, StepProgram
@@ -175,9 +175,6 @@ class ModelRunner:
     if placement is not None and draft is not None:
       raise NotImplementedError("a draft model on a mesh (tp/ep/dp > 1) is not supported yet; "
                                 "use speculative_method='ngram' or 'suffix' there")
-    if placement is not None and (engine_cfg.quantization or has_quantized(params)):
-      raise NotImplementedError("quantized weights on a mesh (tp/ep/dp > 1) are not supported "
-                                "yet; serve them on one device or without quantization")
     self.source_cfg = model_cfg  # before tp repeats KV heads: what adapters must fit
     if placement is not None:
       _enable_jax_compilation_cache(engine_cfg)

@@ -39,10 +39,10 @@ CONFIGS = [
 ]
 
 
-def _lower(platform, op, config):
+def _lower(platform, op, config, kv_quant=None):
   kv_heads, group, head_dim, dtype, window, cap, heads_per_block = config
   common = dict(page_size=16, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
-                dtype=dtype, poison=False)
+                dtype=dtype, poison=False, kv_quant=kv_quant)
   if op == "decode":
     x = testing.make_decode_inputs(0, [33, 16, 0], **common)
     args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.lens)
@@ -51,7 +51,7 @@ def _lower(platform, op, config):
     args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)
   sizes = BlockSizes(pages_per_block=2, q_block=16, kv_heads_per_block=heads_per_block)
   fn = functools.partial(KERNELS[platform, op], scale=head_dim**-0.5, sliding_window=window,
-                         soft_cap=cap, block_sizes=sizes)
+                         soft_cap=cap, block_sizes=sizes, kv_quant=kv_quant)
   return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -60,5 +60,16 @@ def _lower(platform, op, config):
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_kernel_lowers(platform, op, config):
   text = _lower(platform, op, config)
+  target = "tpu_custom_call" if platform == "tpu" else "triton"
+  assert target in text
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=str)
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
+@pytest.mark.parametrize("op", ["decode", "ragged"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_quantized_kernel_lowers(platform, op, kv_quant, config):
+  """uint8 [..., H + 4] pages: byte loads, the uint32 scale bitcast, code conversions."""
+  text = _lower(platform, op, config, kv_quant)
   target = "tpu_custom_call" if platform == "tpu" else "triton"
   assert target in text
