@@ -117,7 +117,7 @@ def param_specs(params: Params, cfg: ModelConfig, mesh) -> Params:
     if not is_quantized(value):
       return logical_spec(names, rules)
     *lead, d_in, d_out = (rules[n] for n in names)
-    return weight_spec(value, tuple(lead), d_in, d_out, axis_size(mesh, rules[d_in]))
+    return weight_spec(value, tuple(lead), d_in, d_out, axis_size(mesh, d_in))
 
   out: Params = {}
   for key, value in params.items():

@@ -67,3 +67,106 @@ def test_orbax_round_trip_quantized(method, tmp_path):
         assert x.dtype == y.dtype
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
   assert str(back.params["final_norm"].dtype) == "bfloat16"
+
+
+# GGUF types beyond Q8_0/Q4_0/Q4_1: gguf-py quantizes Q5_0/Q5_1; K-quants (no
+# quantizer there) are random blocks with finite f16 super-scales. Either way
+# gguf-py's own dequantization is the reference.
+_F16_AT = {Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_KIND = {Q.Q5_0: "int5", Q.Q5_1: "int5", Q.Q4_K: "int4", Q.Q5_K: "int5", Q.Q6_K: "int6"}
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+  """uint8 [rows, bytes per row] of `qtype` blocks: random codes and sub-scales, f16
+  super-scales uniform in +-scale."""
+  rng = np.random.default_rng(seed)
+  size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+  blocks = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+  for at in _F16_AT[qtype]:
+    d = rng.uniform(-scale, scale, (rows, cols // size)).astype(np.float16)
+    blocks[..., at:at + 2] = d[..., None].view(np.uint8)
+  return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(_KIND))
+def test_five_six_bit_and_k_quant_types_match_gguf_dequantization(qtype):
+  rows, cols = 6, 512
+  if qtype in (Q.Q5_0, Q.Q5_1):
+    w = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    blocks = gguf.quants.quantize(w, qtype)
+  else:
+    blocks = random_blocks(qtype, rows, cols)
+  raw = gguf_io.RawTensor(name="blk.0.ffn_up.weight", ggml_type=qtype, shape=(rows, cols),
+                          data=blocks)
+  qw = gguf_quantized_weight(raw)
+  assert qw.kind == _KIND[qtype] and qw.super_size == (256 if "K" in qtype.name else 0)
+  # The file's bits: only the 6-bit sub-scales of Q4_K/Q5_K are unpacked to a byte.
+  assert qw.nbytes <= blocks.nbytes * 1.03, (qw.nbytes, blocks.nbytes)
+  want = gguf.quants.dequantize(blocks, qtype).reshape(rows, cols)
+  np.testing.assert_array_equal(np.asarray(qw.dequantize()), want)
+  # The matmul runs on the same values (jitted, dequantized inside).
+  x = np.random.default_rng(2).standard_normal((3, cols)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(qw.matmul(x)), x @ want.T, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_k_quant_file_served_as_stored(tmp_path):
+  """A Q4_K_M-like file (Q4_K layers, Q6_K / Q5_K for some, Q6_K head, Q8_0 table):
+  `quantization="gguf"` keeps every block, per layer where types differ, and the
+  runner's logits equal the float model's (gguf-py's dequantization)."""
+  from ckpt_testutil import _add_arch_metadata, _block_tensors, add_tokenizer
+  from quant_testutil import eval_config, teacher_forced_logits
+
+  from checkpoints import load_gguf
+  from serving.runner.model_runner import ModelRunner
+
+  model = tiny_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=261)
+  cfg = model.config
+  sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+  types = {(0, "ffn_down.weight"): Q.Q6_K, (1, "attn_v.weight"): Q.Q5_K}
+  path = str(tmp_path / "mixed.gguf")
+  w = gguf.GGUFWriter(path, "llama")
+  _add_arch_metadata(w, "llama", cfg)
+  add_tokenizer(w)
+  seed = iter(range(1000))
+
+  def add(name, rows, cols, qtype):
+    w.add_tensor(name, random_blocks(qtype, rows, cols, next(seed), scale=0.004),
+                 raw_dtype=qtype)
+
+  table = sd["model.embed_tokens.weight"]
+  w.add_tensor("token_embd.weight", gguf.quants.quantize(table, Q.Q8_0), raw_dtype=Q.Q8_0)
+  w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+  add("output.weight", cfg.vocab_size, cfg.hidden_size, Q.Q6_K)
+  for i in range(cfg.num_hidden_layers):
+    for name, value in _block_tensors(sd, i, cfg, "llama"):
+      if value.ndim == 2:
+        add(f"blk.{i}.{name}", *value.shape, types.get((i, name), Q.Q4_K))
+      else:
+        w.add_tensor(f"blk.{i}.{name}", np.ascontiguousarray(value))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+
+  kept = load_quantized(path, "gguf")
+  layers = kept.params["layers"]
+  assert isinstance(layers, list)  # ffn_down and attn_v differ across layers
+  assert [lp["w_down"].kind for lp in layers] == ["int6", "int4"]
+  assert [lp["wv"].kind for lp in layers] == ["int4", "int5"]
+  assert kept.params["lm_head"].kind == "int6" and kept.params["embed"].kind == "int8"
+  flt = load_gguf(path)
+  tokens = np.arange(3, 60, dtype=np.int32) % cfg.vocab_size
+  ec = eval_config(max_model_len=64, num_pages=8, max_num_batched_tokens=64)
+  got = teacher_forced_logits(ModelRunner(kept.params, kept.config, ec), tokens)
+  want = teacher_forced_logits(ModelRunner(flt.params, flt.config, ec), tokens)
+  # Same weights; the per-layer (unrolled) and scanned forwards sum in other orders.
+  np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
+  assert (got.argmax(-1) == want.argmax(-1)).all()
+  # int4 keeps only the Q4_K tensors; the others are re-quantized by the runner.
+  int4 = load_quantized(path, "int4").params["layers"]  # per layer: w_down Q6_K, Q4_K
+  assert quant.is_quantized(int4[0]["wq"]) and int4[0]["wq"].super_size == 256
+  assert not quant.is_quantized(int4[0]["w_down"]) and quant.is_quantized(int4[1]["w_down"])
+  assert not quant.is_quantized(int4[1]["wv"])
+  with pytest.raises(ValueError, match="not a .gguf file"):
+    load_quantized(str(tmp_path), "gguf")

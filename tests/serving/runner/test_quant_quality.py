@@ -97,13 +97,15 @@ def test_gguf_blocks_served_as_is(smollm, tokens, reference):
 
 
 def test_weight_bytes(smollm, tokens, reference):
-  """int8 is ~1/2 of bf16; int4 layers ~1/4 plus group scales and mins."""
+  """int8 is ~1/2 of bf16 plus a float16 scale per 32; int4 layers ~1/4 plus group
+  scales and mins."""
   bf16 = {k: v // 2 for k, v in reference[1].items()}  # every float32 leaf at 2 bytes
   int8 = _evaluate("int8", quantizers.quantize_params(smollm.params, "int8"), smollm, tokens,
                    quantization="int8")[1]
   int4 = _evaluate("int4-g64-rtn", _int4_g64(smollm, "rtn"), smollm, tokens,
                    quantization="int4")[1]
-  assert 0.49 < int8["total"] / bf16["total"] < 0.51
+  # 1 byte a weight + a float16 scale per 32 weights = 0.53 of 2 bytes.
+  assert 0.52 < int8["total"] / bf16["total"] < 0.54
   # 0.5 byte a weight + float16 scale and min per 64 weights = 0.5625 of 2 bytes.
   assert 0.25 < int4["layers"] / bf16["layers"] < 0.29
   assert int4["total"] < 0.35 * bf16["total"]  # LM head (tied embedding) stays int8
