@@ -4,7 +4,9 @@
   of pages that stops at the longest sequence, so cost follows the context
   in use, not `max_model_len`, and one program serves every context length.
   It is the CPU path.
-- `pallas`: `kernels_pallas` (Mosaic TPU on TPU, the GPU kernel on GPU).
+- `pallas`: `kernels_pallas` (Mosaic TPU on TPU, the GPU kernel on GPU). The
+  kernels take the pool as stored: int8 / fp8 pages go in quantized
+  (`kv_quant`) and are dequantized per block inside the kernel.
 - `pallas_interpret`: the same kernels in Pallas interpret mode (CPU tests).
 - `auto`: `pallas` on TPU/GPU, `xla` on CPU.
 
@@ -20,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from serving.runner.kv_cache import KVCache, from_storage
+from serving.runner.kv_cache import QUANTIZED_DTYPES, KVCache, from_storage
 
 _NEG = -1e30
 
@@ -38,6 +40,14 @@ def resolve_backend(backend: str, platform: str | None = None) -> str:
 
 def _kernel_impl() -> str:
   return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def _kernel_pages(kv: KVCache) -> tuple[jax.Array, jax.Array, dict]:
+  """The pools and `kv_quant` option for `kernels_pallas`: quantized pages as stored,
+  bfloat16 pages bitcast from their uint16 storage (free), never a dequantized pool."""
+  if kv.dtype in QUANTIZED_DTYPES:
+    return kv.k, kv.v, dict(kv_quant=kv.dtype)
+  return from_storage(kv.k, kv), from_storage(kv.v, kv), {}
 
 
 def _gather_pages(pages: jax.Array, block_tables: jax.Array, kv: KVCache) -> jax.Array:
@@ -221,9 +231,10 @@ def decode_attention(backend: str, q, kv: KVCache, block_tables, seq_lens, *,
   if backend == "xla":
     return xla_decode_attention(q, kv, block_tables, seq_lens, block_tokens=block_tokens, **kw)
   import kernels_pallas
+  k_pages, v_pages, quant = _kernel_pages(kv)
   return kernels_pallas.paged_decode_attention(
-      q, from_storage(kv.k, kv), from_storage(kv.v, kv), block_tables, seq_lens,
-      impl=_kernel_impl(), interpret=backend == "pallas_interpret", **kw), kv
+      q, k_pages, v_pages, block_tables, seq_lens, impl=_kernel_impl(),
+      interpret=backend == "pallas_interpret", **quant, **kw), kv
 
 
 def verify_attention(backend: str, q, kv: KVCache, block_tables, q_lens, *,
@@ -254,6 +265,7 @@ def ragged_attention(backend: str, q, kv: KVCache, block_tables, cu_q_lens, kv_l
                                    block_tokens=block_tokens, **kw)
     return xla_ragged_attention(q, kv, block_tables, cu_q_lens, kv_lens, **kw), kv
   import kernels_pallas
+  k_pages, v_pages, quant = _kernel_pages(kv)
   return kernels_pallas.ragged_paged_attention(
-      q, from_storage(kv.k, kv), from_storage(kv.v, kv), block_tables, cu_q_lens, kv_lens,
-      impl=_kernel_impl(), interpret=backend == "pallas_interpret", **kw), kv
+      q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, impl=_kernel_impl(),
+      interpret=backend == "pallas_interpret", **quant, **kw), kv

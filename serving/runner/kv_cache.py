@@ -16,7 +16,9 @@ stored as uint8 `[H + 4]`, H codes followed by the row's float32 scale
 (bitcast), so `k`, `v` are `[L*P, page_size, K, H + 4]`. Keeping the scale
 beside its row means one scatter per write and one gather per page read, and
 the attention code needs no extra operands: `write_kv` quantizes and
-`from_storage` dequantizes a gathered block (docs/quantization.md).
+`from_storage` dequantizes a gathered block (docs/quantization.md). The
+Pallas kernels take the quantized pool as stored (`kv_quant`) and dequantize
+each block they load.
 """
 
 from __future__ import annotations
