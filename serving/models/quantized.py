@@ -244,6 +244,22 @@ def has_quantized(params: Any) -> bool:
   return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
+def weight_formats(params: Any, float_dtype: str) -> str:
+  """The weight formats in force, for the start-up line, e.g. "int4 g32 + int8 g32;
+  other weights float32"."""
+  leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+  kinds = sorted({_format(w) for w in leaves if is_quantized(w)})
+  floats = f"{float_dtype}" if not kinds else f"other weights {float_dtype}"
+  return "; ".join([" + ".join(kinds), floats] if kinds else [floats])
+
+
+def _format(w: QuantizedWeight) -> str:
+  group = f"g{w.group_size}" if w.group_size else "per channel"
+  extra = f"/{w.super_size} super-blocks" if w.super_size else ""
+  zero = ", zero points" if w.zero is not None else ""
+  return f"{w.kind} {group}{extra}{zero}"
+
+
 def params_nbytes(params: Any) -> int:
   """Bytes of every array in a params tree (quantized codes, scales and offsets)."""
   return sum(int(a.nbytes) for a in jax.tree.leaves(params))

@@ -39,7 +39,7 @@ from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
 from serving.models import llama
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import is_quantized, params_nbytes
+from serving.models.quantized import is_quantized, params_nbytes, weight_formats
 from serving.runner import attention, lora_state, sampling
 from serving.runner.draft_model import DraftModel, check_vocabulary
 from serving.runner.executable_store import ExecutableStore, StepProgram
@@ -552,7 +552,7 @@ class ModelRunner:
     c = self.engine_cfg
     per_tok = kv_bytes_per_token(self.model_cfg, self.kv_dtype_name)
     tokens = (self.num_pages - 1) * c.page_size
-    fmt = c.quantization or self.weight_dtype_name
+    fmt = weight_formats(self.params, self.weight_dtype_name)
     for msg in (f"KV cache: {self.num_pages - 1} pages x {c.page_size} tokens = {tokens} tokens "
                 f"({tokens * per_tok / 2**30:.2f} GiB, {per_tok} B/token, {self.kv_dtype_name}); "
                 f"max concurrency at max_model_len={c.max_model_len}: "

@@ -257,3 +257,12 @@ def test_gptq_quantize_params_tiny_model(stacked):
   ref = hidden(params)
   err = lambda p: float(np.mean((hidden(p) - ref) ** 2))
   assert err(qp) < 0.8 * err(rtn)
+
+
+def test_weight_formats_line():
+  """What the start-up line says about the weights in force."""
+  w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+  params = {"embed": w, "layers": {"wq": quantizers.quantize_weight(w, "int8"),
+                                   "wo": quantizers.quantize_weight(w, "int4", group_size=32)}}
+  assert quant.weight_formats(params, "bfloat16") == "int4 g32 + int8 g32; other weights bfloat16"
+  assert quant.weight_formats({"embed": w}, "float32") == "float32"
