@@ -1,6 +1,6 @@
 """Weight / KV quantization benchmark through `serving.LLM` (the standard workload).
 
-For each format (default f32, bf16, int8, int4) one `LLM` is built in this
+For each format (default f32, bf16, int8, int4; also fp8, gguf, int8+kv8, bf16w) one `LLM` is built in this
 process — its load + warm-up time is reported separately as "start-up"
 (compile time; the persistent compilation cache makes reruns cheaper) — and
 then the formats are measured round-robin, `--reps` rounds, so every figure
@@ -37,6 +37,8 @@ FORMATS = {
     "int8": dict(dtype="float32", quantization="int8", weight_dtype="float32"),
     "int4": dict(dtype="float32", quantization="int4", weight_dtype="float32"),
     "fp8": dict(dtype="float32", quantization="fp8", weight_dtype="float32"),
+    # A GGUF's blocks as stored (the default model: Q4_1 layers, Q8_0 tied head).
+    "gguf": dict(dtype="float32", quantization="gguf", weight_dtype="float32"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8",
                      weight_dtype="float32"),
     "bf16w": dict(dtype="float32", weight_dtype="bfloat16"),

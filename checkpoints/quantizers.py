@@ -32,19 +32,32 @@ def weight_rows(w: np.ndarray, transpose: bool) -> np.ndarray:
   return np.swapaxes(w, -1, -2) if transpose else w
 
 
-def quantize_int8(w: np.ndarray, group_size: int = 0, *, transpose: bool = True
-                  ) -> QuantizedWeight:
-  """Symmetric int8 of a `[..., In, Out]` weight (`transpose=False`: already `[..., Out, In]`)."""
+def quantize_int8(w: np.ndarray, group_size: int = 0, *, asymmetric: bool = True,
+                  transpose: bool = True) -> QuantizedWeight:
+  """int8 of a `[..., In, Out]` weight (`transpose=False`: already `[..., Out, In]`).
+
+  Per output channel (`group_size=0`): symmetric int8 codes, absmax / 127.
+  In groups: by default uint8 codes on 256 levels from the group's min to its
+  max (float16 scale and min: `w = code * scale + min`); `asymmetric=False`
+  gives GGUF Q8_0's symmetric int8 codes with one float16 scale.
+  """
   r = weight_rows(w, transpose)
-  if group_size:
-    grouped = r.reshape(*r.shape[:-1], -1, group_size)  # [..., O, G, g]
-    scale = (np.abs(grouped).max(-1) / 127.0).astype(np.float16)
-    s = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]
-    q = np.clip(np.rint(grouped / s), -127, 127).astype(np.int8).reshape(r.shape)
-  else:
+  if not group_size:
     scale = (np.abs(r).max(-1) / 127.0).astype(np.float32)
     s = np.where(scale == 0, 1, scale)[..., None]
     q = np.clip(np.rint(r / s), -127, 127).astype(np.int8)
+    return QuantizedWeight(q=q, scale=scale, kind="int8", group_size=0)
+  grouped = r.reshape(*r.shape[:-1], -1, group_size)  # [..., O, G, g]
+  if asymmetric:
+    lo = grouped.min(-1).astype(np.float16)
+    scale = ((grouped.max(-1) - lo.astype(np.float32)) / 255.0).astype(np.float16)
+    s = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]
+    q = np.clip(np.rint((grouped - lo.astype(np.float32)[..., None]) / s), 0, 255)
+    return QuantizedWeight(q=q.astype(np.uint8).reshape(r.shape), scale=scale, offset=lo,
+                           kind="int8", group_size=group_size)
+  scale = (np.abs(grouped).max(-1) / 127.0).astype(np.float16)
+  s = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]
+  q = np.clip(np.rint(grouped / s), -127, 127).astype(np.int8).reshape(r.shape)
   return QuantizedWeight(q=q, scale=scale, kind="int8", group_size=group_size)
 
 

@@ -71,3 +71,33 @@ def compare(ref_logits: np.ndarray, logits: np.ndarray) -> dict[str, float]:
   kl = jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
   agree = np.mean(np.argmax(ref_logits, -1) == np.argmax(logits, -1))
   return {"kl": float(jnp.mean(kl)), "kl_max": float(jnp.max(kl)), "agree": float(agree)}
+
+
+PROMPTS_PATH = os.path.join(os.path.dirname(__file__), "data", "heldout_prompts.json")
+FREE_TOKENS = 32
+
+
+def heldout_prompts() -> list[str]:
+  """12 chat prompts, not used to choose any quantization setting."""
+  import json
+
+  with open(PROMPTS_PATH, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def free_running(loaded, max_tokens: int = FREE_TOKENS, **engine_kw) -> list[list[int]]:
+  """Greedy continuations of `heldout_prompts()` (chat template) through a whole engine."""
+  from serving import LLM, SamplingParams
+  from serving.entrypoints.engine_builder import build_engine
+
+  base = dict(max_num_seqs=12, max_model_len=256, num_pages=200, max_num_batched_tokens=64,
+              unroll_layers=False, dtype="float32", weight_dtype="float32")
+  llm = LLM(engine=build_engine(loaded, EngineConfig(**{**base, **engine_kw})))
+  params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+  outs = llm.chat([[{"role": "user", "content": p}] for p in heldout_prompts()], params)
+  return [list(o.token_ids) for o in outs]
+
+
+def identical(reference: list[list[int]], candidate: list[list[int]]) -> int:
+  """How many continuations equal the reference token for token."""
+  return sum(a == b for a, b in zip(reference, candidate, strict=True))

@@ -7,7 +7,9 @@ layout), so groups run along the contraction axis and GGUF blocks map onto it
 without a transpose. Kinds:
 
 - `int8`: int8 codes `q [..., Out, In]`; `scale` per output channel
-  `[..., Out]` (`group_size == 0`) or per group `[..., Out, In/g]` (GGUF Q8_0).
+  `[..., Out]` (`group_size == 0`) or per group `[..., Out, In/g]` (GGUF
+  Q8_0); or, with a per-group `offset` (our default quantizer), uint8 codes
+  on 256 levels from the group's min.
 - `int4`: two codes a byte, `q` uint8 `[..., Out, In/2]`. Within each group of
   g inputs, byte j holds input j in its low nibble and input j + g/2 in its
   high nibble (GGUF's Q4_0 / Q4_1 order). Codes are unsigned 0..15.

@@ -27,7 +27,7 @@ def _rel_err(w, qw):
 
 
 @pytest.mark.parametrize("method,kw,bound", [
-    ("int8", {}, 0.01), ("int8", dict(group_size=32), 0.01),
+    ("int8", {}, 0.01), ("int8", dict(group_size=32), 0.01), ("int8", dict(group_size=0), 0.01),
     ("int4", dict(group_size=32), 0.1), ("int4", dict(group_size=64), 0.12),
     ("fp8", {}, 0.05)])
 def test_round_trip_error(method, kw, bound):
@@ -80,7 +80,7 @@ def test_stacked_indexing_and_params_tree():
   assert quant.is_quantized(qp["layers"]["wq"]) and quant.is_quantized(qp["embed"])
   assert not quant.is_quantized(qp["layers"]["attn_norm"])
   dev = put_params(qp, jnp.bfloat16)
-  assert dev["layers"]["wq"].q.dtype == jnp.int8 and dev["final_norm"].dtype == jnp.bfloat16
+  assert dev["layers"]["wq"].q.dtype == jnp.uint8 and dev["final_norm"].dtype == jnp.bfloat16
   assert quantizers.quantize_params(qp, "int8")["layers"]["wq"] is qp["layers"]["wq"]
 
 
@@ -266,3 +266,19 @@ def test_weight_formats_line():
                                    "wo": quantizers.quantize_weight(w, "int4", group_size=32)}}
   assert quant.weight_formats(params, "bfloat16") == "int4 g32 + int8 g32; other weights bfloat16"
   assert quant.weight_formats({"embed": w}, "float32") == "float32"
+
+
+def test_int8_groups_hold_a_coarser_grid():
+  """Asymmetric int8 groups (the default) contain any 16-level min + scale grid of
+  their group (e.g. weights from a Q4_1 file) to float16 precision; symmetric
+  Q8_0-style codes do not."""
+  rng = np.random.default_rng(3)
+  codes = rng.integers(0, 16, (8, 64)).astype(np.float32)
+  codes[:, ::32] = 0  # every group spans its whole grid
+  codes[:, 1::32] = 15
+  grid = codes * 0.013 - 0.1
+  asym = quantizers.quantize_int8(grid, 32, transpose=False)
+  sym = quantizers.quantize_int8(grid, 32, asymmetric=False, transpose=False)
+  err = lambda qw: np.abs(np.asarray(qw.dequantize()) - grid).max()
+  assert asym.q.dtype == np.uint8 and asym.offset is not None
+  assert err(asym) < 2e-4 < err(sym)
