@@ -1,7 +1,8 @@
 """Weight / KV quantization benchmark through `serving.LLM` (the standard workload).
 
 For each format (default f32, bf16, int8, int4; also fp8, gguf, int8+kv8,
-bf16w) one `LLM` is built in this process — its load + warm-up time is reported separately as "start-up"
+bf16w) one `LLM` is built in this process — its load + warm-up time is
+reported separately as "start-up"
 (compile time; the persistent compilation cache makes reruns cheaper) — and
 then the formats are measured round-robin, `--reps` rounds, so every figure
 is taken side by side with its comparison on the same noisy machine:
