@@ -18,7 +18,9 @@ one tensor). Weight names covered:
     {mlp,block_sparse_moe}.experts.down_proj [E, D, M]
 
 Linear weights are transposed to [in, out]. Tied embeddings: any `lm_head`
-tensor in the file is ignored.
+tensor in the file is ignored. A config with a `quantization_config` (GPTQ,
+AWQ, FP8) is loaded by checkpoints/hf_quantized.py, which routes the float
+tensors through `put_tensor` and finds each linear's slot with `linear_slot`.
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ def load_hf_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
   with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
     raw = json.load(f)
   if "text_config" in raw and "num_hidden_layers" not in raw:
+    outer = raw
     raw = {**raw["text_config"], "architectures": raw.get("architectures")}
+    if outer.get("quantization_config") and not raw.get("quantization_config"):
+      raw["quantization_config"] = outer["quantization_config"]
   gen_path = os.path.join(path, "generation_config.json")
   if os.path.exists(gen_path):
     with open(gen_path, encoding="utf-8") as f:
@@ -94,7 +99,7 @@ def load_hf_params(path: str, cfg: ModelConfig, dtype: Any = np.float32) -> Para
   """Streams the safetensors weights of `path` into the params tree."""
   builder = ParamsBuilder(cfg, dtype)
   for name, read in iter_safetensors(path):
-    _put(builder, cfg, name, read)
+    put_tensor(builder, cfg, name, read)
   return builder.finish()
 
 
@@ -130,7 +135,25 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, Any]]:
         yield name, (lambda f=f, name=name: f.get_tensor(name))
 
 
-def _put(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> None:
+def linear_slot(module: str) -> tuple[str, int | None, int | None] | None:
+  """A linear module's name (its weight's name without `.weight`) -> (params key, layer,
+  expert), e.g. "model.layers.3.self_attn.q_proj" -> ("wq", 3, None); None if the module
+  is not a linear layer of ours (norms, embeddings, routers, unknown names)."""
+  if module == "lm_head":
+    return "lm_head", None, None
+  m = _LAYER_RE.fullmatch(module)
+  if m is None:
+    return None
+  layer, rest = int(m.group(1)), m.group(2)
+  entry = _LAYER.get(f"{rest}.weight")
+  if entry is not None and entry[1] and entry[0] != "router":
+    return entry[0], layer, None
+  if em := _EXPERT_RE.fullmatch(f"{rest}.weight"):
+    return _EXPERT_KEYS[em.group(2)], layer, int(em.group(1))
+  return None
+
+
+def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> None:
   """Routes one HF tensor into the params tree."""
   if _IGNORED_RE.match(name):
     return

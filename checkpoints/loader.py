@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from checkpoints import gguf as gguf_io
-from checkpoints import hf, presets, quantize
+from checkpoints import hf, hf_quantized, presets, quantize
 from checkpoints.layout import LoadedModel, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
 from checkpoints.tokenizer import Tokenizer
@@ -69,9 +69,15 @@ def load_quantized(model: str, method: str) -> LoadedModel:
 
 
 def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
-  """A Hugging Face directory: config.json, safetensors, tokenizer files."""
-  _, config = hf.load_hf_config(path)
-  params = hf.load_hf_params(path, config, dtype)
+  """A Hugging Face directory: config.json, safetensors, tokenizer files. With a
+  `quantization_config` (GPTQ, AWQ, FP8) its quantized linears load as QuantizedWeights
+  holding the stored codes (checkpoints/hf_quantized.py)."""
+  raw, config = hf.load_hf_config(path)
+  if raw.get("quantization_config"):
+    params = hf_quantized.load_hf_quantized_params(path, config, raw["quantization_config"],
+                                                   dtype)
+  else:
+    params = hf.load_hf_params(path, config, dtype)
   tokenizer = None
   if os.path.exists(os.path.join(path, "tokenizer.json")):
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)

@@ -40,17 +40,24 @@ _BLOCKS = {Q.Q8_0: (32, 34), Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22
 
 
 def gguf_quantized_weight(raw: gguf_io.RawTensor) -> quant.QuantizedWeight:
-  """A 2-D GGUF tensor `[Out, In]` of a type in `BLOCK_TYPES` as a QuantizedWeight
-  (logical [In, Out]) holding the same codes and scales, exactly."""
-  if raw.ggml_type not in _BLOCKS or len(raw.shape) != 2:
+  """A GGUF tensor `[..., Out, In]` (MoE experts: `[E, Out, In]`) of a type in
+  `BLOCK_TYPES` as a QuantizedWeight (logical [..., In, Out]) holding the same
+  codes and scales, exactly."""
+  if raw.ggml_type not in _BLOCKS or len(raw.shape) not in (2, 3):
     raise ValueError(f"cannot keep GGUF tensor {raw.name!r} of type {raw.ggml_type.name} "
                      f"and shape {raw.shape} quantized (supported: "
-                     f"{sorted(t.name for t in BLOCK_TYPES)}, 2-D)")
-  out_dim, in_dim = raw.shape
+                     f"{sorted(t.name for t in BLOCK_TYPES)}, 2-D or 3-D)")
+  *lead, out_dim, in_dim = raw.shape
+  rows = out_dim * int(np.prod(lead, dtype=np.int64))
   size, nbytes = _BLOCKS[raw.ggml_type]
-  # [Out, G * type_size] -> [Out, G, type_size]
-  blocks = np.ascontiguousarray(raw.data).reshape(out_dim, in_dim // size, nbytes)
-  return _DECODERS[raw.ggml_type](blocks, out_dim, in_dim)
+  # [..., Out, G * type_size] -> [rows, G, type_size]
+  blocks = np.ascontiguousarray(raw.data).reshape(rows, in_dim // size, nbytes)
+  w = _DECODERS[raw.ggml_type](blocks, rows, in_dim)
+  if not lead:
+    return w
+  return quant.QuantizedWeight(
+      **{f: a.reshape(*lead, out_dim, *a.shape[1:]) for f, a in w.arrays().items()},
+      kind=w.kind, group_size=w.group_size, super_size=w.super_size)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -178,7 +185,10 @@ def stack_blocks(weights: list[quant.QuantizedWeight]) -> quant.QuantizedWeight 
 
 
 def kept_keys(cfg: ModelConfig) -> tuple[str, ...]:
-  return quant.LINEAR_KEYS if not cfg.is_moe else ("wq", "wk", "wv", "wo")
+  """Params keys whose GGUF tensors can stay quantized (the router stays float)."""
+  if cfg.is_moe:
+    return ("wq", "wk", "wv", "wo", *quant.EXPERT_KEYS)
+  return quant.LINEAR_KEYS
 
 
 def to_saveable(params: Params) -> tuple[Params, dict[str, Any]]:
