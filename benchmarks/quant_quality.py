@@ -101,7 +101,7 @@ def evaluate(loaded, engine_kw, tokens):
   nbytes = quant.params_nbytes(runner.params)
   fmt = quant.weight_formats(runner.params, runner.weight_dtype_name)
   del runner
-  return logits, nbytes, fmt, qt.free_running(loaded, **engine_kw)
+  return logits, nbytes, fmt, qt.free_running(qt.engine_for(loaded, **engine_kw))
 
 
 def main() -> None:

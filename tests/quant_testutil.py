@@ -85,17 +85,24 @@ def heldout_prompts() -> list[str]:
     return json.load(f)
 
 
-def free_running(loaded, max_tokens: int = FREE_TOKENS, **engine_kw) -> list[list[int]]:
-  """Greedy continuations of `heldout_prompts()` (chat template) through a whole engine."""
-  from serving import LLM, SamplingParams
-  from serving.entrypoints.engine_builder import build_engine
+def free_running(llm, max_tokens: int = FREE_TOKENS) -> list[list[int]]:
+  """Greedy continuations of `heldout_prompts()` (chat template) through `llm`'s engine."""
+  from serving import SamplingParams
 
-  base = dict(max_num_seqs=12, max_model_len=256, num_pages=200, max_num_batched_tokens=64,
-              unroll_layers=False, dtype="float32", weight_dtype="float32")
-  llm = LLM(engine=build_engine(loaded, EngineConfig(**{**base, **engine_kw})))
   params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
   outs = llm.chat([[{"role": "user", "content": p}] for p in heldout_prompts()], params)
   return [list(o.token_ids) for o in outs]
+
+
+def engine_for(loaded, **engine_kw):
+  """An `LLM` serving `loaded` with the default-model test config plus `engine_kw`."""
+  from server_procs import DEFAULT_MODEL_TEST_CONFIG
+
+  from serving import LLM
+  from serving.entrypoints.engine_builder import build_engine
+
+  config = EngineConfig(**{**DEFAULT_MODEL_TEST_CONFIG, **engine_kw})
+  return LLM(engine=build_engine(loaded, config))
 
 
 def identical(reference: list[list[int]], candidate: list[list[int]]) -> int:

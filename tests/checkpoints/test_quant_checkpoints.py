@@ -109,57 +109,74 @@ def test_five_six_bit_and_k_quant_types_match_gguf_dequantization(qtype):
   np.testing.assert_allclose(np.asarray(qw.matmul(x)), x @ want.T, rtol=1e-4, atol=1e-4)
 
 
-def test_mixed_k_quant_file_served_as_stored(tmp_path):
-  """A Q4_K_M-like file (Q4_K layers, Q6_K / Q5_K for some, Q6_K head, Q8_0 table):
-  `quantization="gguf"` keeps every block, per layer where types differ, and the
-  runner's logits equal the float model's (gguf-py's dequantization)."""
+def write_quantized_gguf(model, path: str, arch: str, block_type) -> None:
+  """`model` as a GGUF whose linear tensors (2-D, and MoE experts 3-D) are blocks:
+  `block_type(name, shape)` -> (GGML type, uint8 blocks) or None to keep float32."""
   from ckpt_testutil import _add_arch_metadata, _block_tensors, add_tokenizer
-  from quant_testutil import eval_config, teacher_forced_logits
 
-  from checkpoints import load_gguf
-  from serving.runner.model_runner import ModelRunner
-
-  model = tiny_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=261)
   cfg = model.config
   sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-  types = {(0, "ffn_down.weight"): Q.Q6_K, (1, "attn_v.weight"): Q.Q5_K}
-  path = str(tmp_path / "mixed.gguf")
-  w = gguf.GGUFWriter(path, "llama")
-  _add_arch_metadata(w, "llama", cfg)
+  w = gguf.GGUFWriter(path, arch)
+  _add_arch_metadata(w, arch, cfg)
   add_tokenizer(w)
-  seed = iter(range(1000))
 
-  def add(name, rows, cols, qtype):
-    w.add_tensor(name, random_blocks(qtype, rows, cols, next(seed), scale=0.004),
-                 raw_dtype=qtype)
+  def add(name, value):
+    blocks = block_type(name, value) if value.ndim >= 2 else None
+    if blocks is None:
+      w.add_tensor(name, np.ascontiguousarray(value))
+    else:
+      w.add_tensor(name, blocks[1], raw_dtype=blocks[0])
 
-  table = sd["model.embed_tokens.weight"]
-  w.add_tensor("token_embd.weight", gguf.quants.quantize(table, Q.Q8_0), raw_dtype=Q.Q8_0)
+  add("token_embd.weight", sd["model.embed_tokens.weight"])
   w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-  add("output.weight", cfg.vocab_size, cfg.hidden_size, Q.Q6_K)
+  if not cfg.tie_word_embeddings:
+    add("output.weight", sd["lm_head.weight"])
   for i in range(cfg.num_hidden_layers):
-    for name, value in _block_tensors(sd, i, cfg, "llama"):
-      if value.ndim == 2:
-        add(f"blk.{i}.{name}", *value.shape, types.get((i, name), Q.Q4_K))
-      else:
-        w.add_tensor(f"blk.{i}.{name}", np.ascontiguousarray(value))
+    for name, value in _block_tensors(sd, i, cfg, arch):
+      add(f"blk.{i}.{name}", value)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
 
+
+def _runner_logits(loaded, tokens):
+  from quant_testutil import eval_config, teacher_forced_logits
+
+  from serving.runner.model_runner import ModelRunner
+
+  ec = eval_config(max_model_len=64, num_pages=8, max_num_batched_tokens=64)
+  return teacher_forced_logits(ModelRunner(loaded.params, loaded.config, ec), tokens)
+
+
+def test_mixed_k_quant_file_served_as_stored(tmp_path):
+  """A Q4_K_M-like file (Q4_K layers, Q6_K / Q5_K for some, Q6_K head, Q8_0 table):
+  `quantization="gguf"` keeps every block, per layer where types differ, and the
+  runner's logits equal the float model's (gguf-py's dequantization)."""
+  from checkpoints import load_gguf
+
+  model = tiny_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=261)
+  types = {"blk.0.ffn_down.weight": Q.Q6_K, "blk.1.attn_v.weight": Q.Q5_K,
+           "output.weight": Q.Q6_K}
+  seed = iter(range(1000))
+
+  def block_type(name, value):
+    if name == "token_embd.weight":
+      return Q.Q8_0, gguf.quants.quantize(value, Q.Q8_0)
+    qtype = types.get(name, Q.Q4_K)
+    return qtype, random_blocks(qtype, *value.shape, next(seed), scale=0.004)
+
+  path = str(tmp_path / "mixed.gguf")
+  write_quantized_gguf(model, path, "llama", block_type)
   kept = load_quantized(path, "gguf")
   layers = kept.params["layers"]
   assert isinstance(layers, list)  # ffn_down and attn_v differ across layers
   assert [lp["w_down"].kind for lp in layers] == ["int6", "int4"]
   assert [lp["wv"].kind for lp in layers] == ["int4", "int5"]
   assert kept.params["lm_head"].kind == "int6" and kept.params["embed"].kind == "int8"
-  flt = load_gguf(path)
-  tokens = np.arange(3, 60, dtype=np.int32) % cfg.vocab_size
-  ec = eval_config(max_model_len=64, num_pages=8, max_num_batched_tokens=64)
-  got = teacher_forced_logits(ModelRunner(kept.params, kept.config, ec), tokens)
-  want = teacher_forced_logits(ModelRunner(flt.params, flt.config, ec), tokens)
+  tokens = np.arange(3, 60, dtype=np.int32) % model.config.vocab_size
+  got, want = _runner_logits(kept, tokens), _runner_logits(load_gguf(path), tokens)
   # Same weights; the per-layer (unrolled) and scanned forwards sum in other orders.
   np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
   assert (got.argmax(-1) == want.argmax(-1)).all()
@@ -170,3 +187,32 @@ def test_mixed_k_quant_file_served_as_stored(tmp_path):
   assert not quant.is_quantized(int4[1]["wv"])
   with pytest.raises(ValueError, match="not a .gguf file"):
     load_quantized(str(tmp_path), "gguf")
+
+
+def test_moe_experts_kept_from_gguf(tmp_path):
+  """A MoE GGUF with Q8_0 attention and Q4_0 / Q5_1 experts: the [E, Out, In] expert
+  blocks stay quantized and the logits equal the float load's."""
+  from checkpoints import load_gguf
+
+  model = tiny_model("qwen3_moe", moe_intermediate_size=64, head_dim=16)
+
+  def block_type(name, value):
+    if "_exps" in name:
+      qtype = Q.Q5_1 if "down" in name else Q.Q4_0
+    elif name.startswith("blk.") and "gate_inp" not in name:
+      qtype = Q.Q8_0
+    else:
+      return None
+    return qtype, gguf.quants.quantize(value, qtype)
+
+  path = str(tmp_path / "moe.gguf")
+  write_quantized_gguf(model, path, "qwen3moe", block_type)
+  kept = load_quantized(path, "gguf")
+  layers = kept.params["layers"]
+  assert (layers["we_gate"].kind, layers["we_down"].kind, layers["wq"].kind) == (
+      "int4", "int5", "int8")
+  assert layers["we_gate"].shape == (2, 4, 64, 64)  # [L, E, D, M]
+  assert not quant.is_quantized(layers["router"])
+  tokens = np.arange(3, 60, dtype=np.int32) % model.config.vocab_size
+  got, want = _runner_logits(kept, tokens), _runner_logits(load_gguf(path), tokens)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
