@@ -28,32 +28,29 @@ import quant_testutil as qt
 import checkpoints
 from checkpoints import gguf as gguf_io
 from checkpoints import load_quantized, quantizers
-from checkpoints.quantize import gguf_quantized_weight
+from checkpoints.quantize import gguf_quantized_weight, stack_blocks
 from serving.models import quantized as quant
 from serving.runner.model_runner import ModelRunner
 
 PRESET = "smollm2-135m-instruct"
 
 
+def _gguf_blocks(rows: np.ndarray, qtype) -> quant.QuantizedWeight:
+  """`[Out, In]` float rows as gguf-py's `qtype` blocks, served as stored."""
+  rows = np.ascontiguousarray(rows, np.float32)
+  raw = gguf_io.RawTensor(name="w", ggml_type=qtype, shape=rows.shape,
+                          data=gguf.quants.quantize(rows, qtype))
+  return gguf_quantized_weight(raw)
+
+
 def _gguf_requantized(loaded, qtype):
-  """Every linear (and the tied head) as gguf-py's `qtype` blocks of the float weights."""
-  def blocks(w, transpose=True):
-    rows = np.ascontiguousarray(np.swapaxes(w, -1, -2) if transpose else w, np.float32)
-    raw = gguf_io.RawTensor(name="w", ggml_type=qtype, shape=rows.shape,
-                            data=gguf.quants.quantize(rows, qtype))
-    return gguf_quantized_weight(raw)
-
-  layers = loaded.params["layers"]
-  n = loaded.config.num_layers
-  stacked = {k: (quantize_stack([blocks(v[i]) for i in range(n)])
+  """Every linear as gguf-py's `qtype` blocks of the float weights; the tied head as
+  Q8_0 (llama.cpp's mixes keep the output at 8 bits or Q6_K)."""
+  layers, n = loaded.params["layers"], loaded.config.num_layers
+  stacked = {k: (stack_blocks([_gguf_blocks(np.swapaxes(v[i], -1, -2), qtype) for i in range(n)])
                  if k in quant.LINEAR_KEYS else v) for k, v in layers.items()}
-  params = {**loaded.params, "layers": stacked, "embed": blocks(loaded.params["embed"], False)}
-  return dataclasses.replace(loaded, params=params)
-
-
-def quantize_stack(weights):
-  from checkpoints.quantize import stack_blocks
-  return stack_blocks(weights)
+  embed = _gguf_blocks(loaded.params["embed"], gguf_io.Q.Q8_0)
+  return dataclasses.replace(loaded, params={**loaded.params, "layers": stacked, "embed": embed})
 
 
 def formats(smollm):

@@ -120,10 +120,15 @@ def _abstract_from_metadata(metadata: Any, shardings: Params, dtype: Any) -> Par
 
 def _leaves(tree: Params) -> list[Any]:
   out = []
-  for v in tree.values():
-    out.extend(_leaves(v) if isinstance(v, dict) else [v])
+  for v in (tree.values() if isinstance(tree, dict) else tree):
+    out.extend(_leaves(v) if isinstance(v, (dict, list, tuple)) else [v])
   return out
 
 
 def _tree_map(fn, tree: Params) -> Params:
-  return {k: _tree_map(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+  """fn over the arrays of nested dicts / lists, stopping at quantized leaves."""
+  if isinstance(tree, (list, tuple)):
+    return [_tree_map(fn, v) for v in tree]
+  if isinstance(tree, dict):
+    return {k: _tree_map(fn, v) for k, v in tree.items()}
+  return fn(tree)

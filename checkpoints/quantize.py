@@ -202,6 +202,8 @@ def to_saveable(params: Params) -> tuple[Params, dict[str, Any]]:
       return tree.arrays()
     if isinstance(tree, dict):
       return {k: walk(v, f"{prefix}/{k}" if prefix else k) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):  # per-layer layers (mixed GGUF block types)
+      return [walk(v, f"{prefix}/{i}") for i, v in enumerate(tree)]
     return tree
 
   return walk(params, ""), spec
@@ -214,6 +216,8 @@ def from_saveable(params: Params, spec: dict[str, Any]) -> Params:
       return quant.QuantizedWeight(**{f: tree.get(f) for f in quant.FIELDS}, **spec[prefix])
     if isinstance(tree, dict):
       return {k: walk(v, f"{prefix}/{k}" if prefix else k) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+      return [walk(v, f"{prefix}/{i}") for i, v in enumerate(tree)]
     return tree
 
   return walk(params, "")

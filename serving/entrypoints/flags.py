@@ -41,7 +41,8 @@ flags.DEFINE_enum("weight_dtype", None, config_lib.DTYPES,
                   "Dtype of unquantized weights (default: --dtype); e.g. bfloat16 weights with "
                   "float32 activations.")
 flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
-flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8"], "Weight quantization.")
+flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8", "gguf"],
+                  "Weight quantization (gguf: a GGUF file's blocks as stored).")
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")

@@ -1,6 +1,7 @@
 """Quantized checkpoints: GGUF blocks as QuantizedWeights, orbax round trip, convert."""
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from ckpt_testutil import tiny_model
@@ -187,6 +188,13 @@ def test_mixed_k_quant_file_served_as_stored(tmp_path):
   assert not quant.is_quantized(int4[1]["wv"])
   with pytest.raises(ValueError, match="not a .gguf file"):
     load_quantized(str(tmp_path), "gguf")
+  # `xlaserve convert --quantization=gguf` stores the per-layer blocks as they are.
+  save_orbax(kept, str(tmp_path / "ckpt"))
+  back = load_orbax(str(tmp_path / "ckpt"))
+  assert [lp["w_down"].kind for lp in back.params["layers"]] == ["int6", "int4"]
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                      kept.params, back.params)
+  assert all(jax.tree.leaves(same))
 
 
 def test_moe_experts_kept_from_gguf(tmp_path):
