@@ -57,7 +57,7 @@ def build(fmt: str, args) -> tuple[LLM, float]:
 def prompts(llm: LLM, n: int, length: int) -> list[list[int]]:
   """n distinct prompts of `length` token ids (distinct first tokens: no shared prefix)."""
   rng = np.random.default_rng(0)
-  vocab = llm.engine.model_config.vocab_size
+  vocab = llm.engine.runner.vocab_size
   return [[int(t) for t in rng.integers(100, min(vocab, 30000), size=length)] for _ in range(n)]
 
 

@@ -43,8 +43,10 @@ rows (`serving.models.llama.embed_tokens`).
 
 Weights become `QuantizedWeight`s on the host: rounded by
 `checkpoints/quantizers.py`, kept as stored from GGUF blocks
-(`checkpoints/quantize.py`), or fitted by GPTQ (`serving/tools/gptq.py`,
-used by `xlaserve convert`).
+(`checkpoints/quantize.py`) or HF GPTQ / AWQ / FP8 checkpoints
+(`checkpoints/hf_quantized.py`), or fitted by GPTQ (`serving/tools/gptq.py`,
+used by `xlaserve convert`). On a mesh their arrays split with the weight
+(`sharding/rules.py: weight_spec`).
 """
 
 from __future__ import annotations

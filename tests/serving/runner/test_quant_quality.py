@@ -9,7 +9,7 @@ with the file's group of 32 reproduces it, while group 64 re-quantizes a
 4-bit grid. int4 g64 is gated as `xlaserve convert` makes it: GPTQ on the
 shipped calibration text (serving/tools/calibration_text.py, not this sample);
 plain rounding (what `--quantization=int4` does at load) is kept as a
-looser regression case. Measured values (2026-12-02) are in the comments.
+looser regression case. Measured values (2026-12-03) are in the comments.
 """
 
 import numpy as np
@@ -57,7 +57,7 @@ def reference(smollm, tokens):
 
 # name, engine options, params transform, max mean KL, min greedy agreement.
 CASES = [
-    ("int8", dict(quantization="int8"), None, 0.0005, 0.97),  # KL 0.0044, agree 0.975
+    ("int8", dict(quantization="int8"), None, 0.0005, 0.97),  # KL 0.00001, agree 1.0
     ("int4-g64", dict(quantization="int4"), "gptq", 0.09, 0.84),  # 0.070, 0.88 (GPTQ)
     ("int4-g64-rtn", dict(quantization="int4"), "rtn", 0.35, 0.7),  # 0.255, 0.77 (rounding)
     ("fp8", dict(quantization="fp8"), None, 0.06, 0.85),  # 0.039, 0.90
@@ -97,15 +97,15 @@ def test_gguf_blocks_served_as_is(smollm, tokens, reference):
 
 
 def test_weight_bytes(smollm, tokens, reference):
-  """int8 is ~1/2 of bf16 plus a float16 scale per 32; int4 layers ~1/4 plus group
-  scales and mins."""
+  """int8 is ~1/2 of bf16 plus a float16 scale and min per 32; int4 layers ~1/4 plus
+  group scales and mins."""
   bf16 = {k: v // 2 for k, v in reference[1].items()}  # every float32 leaf at 2 bytes
   int8 = _evaluate("int8", quantizers.quantize_params(smollm.params, "int8"), smollm, tokens,
                    quantization="int8")[1]
   int4 = _evaluate("int4-g64-rtn", _int4_g64(smollm, "rtn"), smollm, tokens,
                    quantization="int4")[1]
-  # 1 byte a weight + a float16 scale per 32 weights = 0.53 of 2 bytes.
-  assert 0.52 < int8["total"] / bf16["total"] < 0.54
+  # 1 byte a weight + a float16 scale and min per 32 weights = 0.5625 of 2 bytes.
+  assert 0.55 < int8["total"] / bf16["total"] < 0.57
   # 0.5 byte a weight + float16 scale and min per 64 weights = 0.5625 of 2 bytes.
   assert 0.25 < int4["layers"] / bf16["layers"] < 0.29
   assert int4["total"] < 0.35 * bf16["total"]  # LM head (tied embedding) stays int8
