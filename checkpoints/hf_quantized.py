@@ -29,8 +29,10 @@ Formats (docs/quantization.md, "Pre-quantized Hugging Face checkpoints"):
   channel or per `[bo, bi]` block. Static activation scales (`input_scale`) and
   KV-cache scales (`k_scale` / `v_scale`) are ignored: serving is weight-only.
 
-MoE expert projections of a quantized checkpoint are dequantized to float
-leaves (the experts' grouped matmul has no permuted-input path). Anything
+MoE expert projections of a quantized checkpoint stay quantized, one `[E, ...]`
+weight per layer (dequantized inside the step before the grouped matmul);
+with act-order perms they are dequantized to float leaves instead (the
+grouped matmul has no permuted-input path). Anything
 else (other methods, bit widths, AWQ GEMV, packed int compressed-tensors,
 Marlin formats, per-module `dynamic` overrides) raises ValueError naming
 what is supported.
@@ -159,8 +161,8 @@ def _compressed_tensors_scheme(qc):
 class _Builder(ParamsBuilder):
   """A `ParamsBuilder` whose quantized slots are filled outside it."""
 
-  def filled_elsewhere(self, key: str, layer: int | None) -> None:
-    self._todo.discard((key, layer, None))
+  def filled_elsewhere(self, key: str, layer: int | None, expert: int | None = None) -> None:
+    self._todo.discard((key, layer, expert))
 
 
 def load_hf_quantized_params(path: str, cfg: ModelConfig, quantization_config: dict[str, Any],
@@ -185,6 +187,7 @@ def load_hf_quantized_params(path: str, cfg: ModelConfig, quantization_config: d
       hf.put_tensor(builder, cfg, name, read)
 
   kept: dict[str, dict[int | None, QuantizedWeight]] = {}
+  experts: dict[tuple[str, int], dict[int, QuantizedWeight]] = {}
   for module, tensors in modules.items():
     slot = hf.linear_slot(module)
     if slot is None:
@@ -199,13 +202,33 @@ def load_hf_quantized_params(path: str, cfg: ModelConfig, quantization_config: d
                        "not have")
     in_dim, out_dim = dst.shape[-2:]
     weight = quantized_weight(scheme, tensors, in_dim, out_dim, module)
-    if expert is not None:  # experts: float leaves (module doc)
-      builder.put(key, _logical(weight), layer, expert, source=module)
+    if expert is not None:
+      experts.setdefault((key, layer), {})[expert] = weight
     else:
       kept.setdefault(key, {})[layer] = weight
       builder.filled_elsewhere(key, layer)
+  for (key, layer), by_expert in experts.items():
+    _experts_of_layer(builder, kept, key, layer, by_expert, cfg.num_experts)
   params = builder.finish()
   return _assemble(params, kept, cfg)
+
+
+def _experts_of_layer(builder: _Builder, kept: dict, key: str, layer: int,
+                      by_expert: dict[int, QuantizedWeight], num_experts: int) -> None:
+  """One layer's expert projections: a quantized `[E, ...]` weight when every expert is
+  there with one layout and no act-order perm (the grouped matmul dequantizes them in
+  the step), else float leaves (exact in float32)."""
+  weights = [by_expert.get(e) for e in range(num_experts)]
+  together = None
+  if all(w is not None and w.perm is None for w in weights):
+    together = stack_blocks(weights)
+  if together is not None:
+    kept.setdefault(key, {})[layer] = together
+    for e in range(num_experts):
+      builder.filled_elsewhere(key, layer, e)
+    return
+  for e, w in by_expert.items():
+    builder.put(key, _logical(w), layer, e, source=f"layer {layer} expert {e}")
 
 
 def _logical(w: QuantizedWeight) -> np.ndarray:

@@ -81,9 +81,11 @@ EXPERT_KEYS = {"gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down
 def _check_exact(params, refs):
   for name, ref in refs.items():
     parts = name.split(".")
-    if ".experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight: float leaves
-      got = params["layers"][EXPERT_KEYS[parts[6]]][int(parts[2]), int(parts[5])]
-      np.testing.assert_array_equal(got.T, ref, err_msg=name)
+    if ".experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+      leaf = params["layers"][EXPERT_KEYS[parts[6]]][int(parts[2])]
+      expert = int(parts[5])
+      got = _logical_rows(leaf[expert]) if is_quantized(leaf) else leaf[expert].T
+      np.testing.assert_array_equal(got, ref, err_msg=name)
       continue
     if name == "lm_head.weight":
       qw = params["lm_head"]
@@ -122,15 +124,20 @@ def test_gptq_quantized_lm_head_and_qwen2_bias(tmp_path):
   _check_exact(loaded.params, refs)
 
 
-def test_moe_experts_load_as_exact_float(tmp_path):
-  """qwen3_moe with GPTQ experts: attention stays int4, experts are dequantized exactly."""
-  qdir, _, refs = _quantized_dir(tmp_path, gptq_format(act_order=True),
+@pytest.mark.parametrize("act_order", [False, True])
+def test_moe_experts(act_order, tmp_path):
+  """qwen3_moe with GPTQ experts: kept as [L, E, ...] int4 weights, or, with act-order
+  perms (no grouped-matmul path), dequantized exactly to float leaves."""
+  qdir, _, refs = _quantized_dir(tmp_path, gptq_format(act_order=act_order),
                                  model=tiny_model("qwen3_moe", vocab_size=264,
                                                   moe_intermediate_size=64))
   assert any(".experts." in n for n in refs)
   loaded = load_checkpoint(qdir)
-  assert loaded.params["layers"]["wq"].kind == "int4"
-  assert not is_quantized(loaded.params["layers"]["we_gate"])
+  layers = loaded.params["layers"]
+  assert layers["wq"].kind == "int4"
+  assert is_quantized(layers["we_gate"]) != act_order
+  if not act_order:
+    assert layers["we_gate"].q.shape[:2] == (loaded.config.num_layers, 4)  # [L, E, ...]
   _check_exact(loaded.params, refs)
 
 
@@ -152,7 +159,8 @@ def _engine_config():
 @pytest.mark.parametrize("name,family", [("gptq4-v1-actorder-g32", "qwen2"),
                                          ("awq-g32", "llama"), ("fp8-block32", "llama"),
                                          ("ct-fp8-channel", "llama"),
-                                         ("gptq8-v2-asym-g32", "llama")])
+                                         ("gptq8-v2-asym-g32", "llama"),
+                                         ("awq-g32", "qwen3_moe")])  # quantized experts
 def test_engine_matches_transformers_on_dequantized_weights(name, family, tmp_path):
   qdir, ref_model, _ = _quantized_dir(tmp_path, FORMATS[name][0], family=family)
   engine = build_engine(qdir, _engine_config())  # no quantization= option
