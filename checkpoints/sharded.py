@@ -64,5 +64,10 @@ def restore_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh) -> Params:
 def restore_sharded(path: str, mesh: jax.sharding.Mesh, dtype: Any = None) -> LoadedModel:
   """Restores a `save_orbax` / `save_sharded` directory straight onto `mesh`."""
   with open(os.path.join(path, MARKER_FILE), encoding="utf-8") as f:
-    cfg = config_from_dict(json.load(f)["config"])
+    meta = json.load(f)
+  if meta.get("quantization"):
+    raise ValueError(f"{path} holds quantized weights: restore it with load_orbax (on the "
+                     "host) and let the runner place it; its codes and scales are sliced per "
+                     "device like float weights (docs/quantization.md)")
+  cfg = config_from_dict(meta["config"])
   return load_orbax(path, dtype=dtype, shardings=restore_shardings(cfg, mesh))

@@ -68,6 +68,9 @@ def test_orbax_round_trip_quantized(method, tmp_path):
         assert x.dtype == y.dtype
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
   assert str(back.params["final_norm"].dtype) == "bfloat16"
+  from checkpoints.sharded import restore_sharded
+  with pytest.raises(ValueError, match="quantized weights"):
+    restore_sharded(str(tmp_path / "ckpt"), mesh=None)
 
 
 # GGUF types beyond Q8_0/Q4_0/Q4_1: gguf-py quantizes Q5_0/Q5_1; K-quants (no
