@@ -13,73 +13,19 @@ On CPU each kernel runs in Pallas interpret mode (see test_paged_kernels.py).
 
 import functools
 import zlib
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from test_paged_kernels import _FAST_COMPILE, BF16, F32, DecodeCase, RaggedCase, _check, _mode
 
 from kernels_pallas import BlockSizes, paged_decode_attention, ragged_paged_attention
 from kernels_pallas.paged_attention import reference, testing
 
-F32, BF16 = jnp.float32, jnp.bfloat16
 QUANTS = ["int8", "fp8"]
 _CODES = {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}  # as in test_paged_kernels.py
-
-
-def _mode(impl):
-  """interpret flag for ``impl`` on this backend, or a pytest skip."""
-  backend = jax.default_backend()
-  if backend == "cpu":
-    return True
-  if backend == impl:
-    return False
-  pytest.skip(f"{impl} kernel: compiled only on {impl}; interpreted only on CPU")
-
-
-def _check(out, ref, dtype):
-  out = np.asarray(out, np.float32)
-  assert np.isfinite(out).all(), "NaN/inf in kernel output: a poisoned value was read"
-  np.testing.assert_allclose(out, np.asarray(ref, np.float32), **testing.tolerance(dtype))
-
-
-class DecodeCase(NamedTuple):
-  page_size: int
-  kv_heads: int
-  group: int
-  head_dim: int
-  dtype: object
-  seq_lens: tuple
-  window: int | None = None
-  cap: float | None = None
-  pages_per_block: int = 1
-  num_splits: int = 0
-
-  def __str__(self):
-    return (f"ps{self.page_size}-k{self.kv_heads}g{self.group}-h{self.head_dim}"
-            f"-{jnp.dtype(self.dtype).name}-w{self.window}-c{self.cap}")
-
-
-class RaggedCase(NamedTuple):
-  page_size: int
-  kv_heads: int
-  group: int
-  head_dim: int
-  dtype: object
-  q_lens: tuple
-  kv_lens: tuple
-  num_tokens: int
-  window: int | None = None
-  cap: float | None = None
-  pages_per_block: int = 1
-  q_block: int = 8
-
-  def __str__(self):
-    return (f"ps{self.page_size}-k{self.kv_heads}g{self.group}-h{self.head_dim}"
-            f"-{jnp.dtype(self.dtype).name}-w{self.window}-c{self.cap}")
 
 
 def dequantize_np(pages, kv_quant):
