@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -30,6 +31,7 @@ import time
 import jax
 import numpy as np
 
+from kernels_cpu import matvec
 from serving import LLM, SamplingParams
 
 FORMATS = {
@@ -40,6 +42,8 @@ FORMATS = {
     "fp8": dict(dtype="float32", quantization="fp8", weight_dtype="float32"),
     # A GGUF's blocks as stored (the default model: Q4_1 layers, Q8_0 tied head).
     "gguf": dict(dtype="float32", quantization="gguf", weight_dtype="float32"),
+    # int8 without the native matvec (kernels_cpu), for the comparison.
+    "int8-xla": dict(dtype="float32", quantization="int8", weight_dtype="float32"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8",
                      weight_dtype="float32"),
     "bf16w": dict(dtype="float32", weight_dtype="bfloat16"),
@@ -47,6 +51,9 @@ FORMATS = {
 
 
 def build(fmt: str, args) -> tuple[LLM, float]:
+  # Programs are traced at warm-up, so the native kernels' switch holds per LLM.
+  os.environ["XLASERVE_NATIVE"] = "0" if fmt.endswith("-xla") else "1"
+  matvec.available.cache_clear()
   start = time.perf_counter()
   llm = LLM(args.model, **FORMATS[fmt], max_num_seqs=args.concurrency,
             max_model_len=args.prompt_len + args.output_len + 16,

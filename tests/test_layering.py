@@ -17,10 +17,10 @@ import os
 import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("configs", "kernels_pallas", "serving", "sharding", "checkpoints")
+PACKAGES = ("configs", "kernels_pallas", "kernels_cpu", "serving", "sharding", "checkpoints")
 LAYERS = (
     ("configs",),
-    ("kernels_pallas",),
+    ("kernels_pallas", "kernels_cpu"),
     ("serving.models",),
     ("sharding",),
     ("checkpoints",),

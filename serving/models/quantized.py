@@ -52,10 +52,13 @@ used by `xlaserve convert`). On a mesh their arrays split with the weight
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+import kernels_cpu
 
 KINDS = ("int8", "int4", "int5", "int6", "fp8")
 METHODS = ("int8", "int4", "fp8", "gguf")  # values of `quantization=` (gguf: blocks as stored)
@@ -175,6 +178,10 @@ class QuantizedWeight:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x [..., In] -> x @ w [..., Out] in x.dtype, accumulating in float32."""
+    if self._native(x):  # few rows of int8 groups on CPU: the FFI kernel (kernels_cpu)
+      rows = x.reshape(-1, x.shape[-1])
+      out = kernels_cpu.int8_matvec(rows, self.q, self.scale, self.offset)
+      return out.reshape(*x.shape[:-1], -1).astype(x.dtype)
     cdt = _compute_dtype(x.dtype)
     w = self.after(x)
     xs = x if self.perm is None else jnp.take(x, self.perm, axis=-1)
@@ -186,6 +193,18 @@ class QuantizedWeight:
       out = jnp.einsum("...i,oi->...o", xs.astype(cdt), w.dequantize(cdt),
                        preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
+
+
+  def _native(self, x: jax.Array) -> bool:
+    """Whether `matmul(x)` runs the native int8 kernel: CPU, int8 codes in groups of 32
+    (ours with a min, or Q8_0), one weight (not stacked), at most MAX_ROWS rows."""
+    if self.kind != "int8" or self.group_size != 32 or self.super_size or self.zero is not None:
+      return False
+    if self.perm is not None or jax.default_backend() != "cpu":
+      return False
+    rows = math.prod(x.shape[:-1])
+    return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset)
+            and kernels_cpu.available())
 
 
 def _compute_dtype(dtype):

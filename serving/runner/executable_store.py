@@ -56,18 +56,21 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+import kernels_cpu
+
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # bump when what a stored file holds changes
 # The code traced into the steps: the layers below the engine (the runner imports only
 # these and the two vocabulary modules).
-_TRACED_SOURCES = ("kernels_pallas", "serving/models", "sharding", "serving/runner",
-                   "serving/types.py", "serving/config.py")
+_TRACED_SOURCES = ("kernels_pallas", "kernels_cpu", "serving/models", "sharding",
+                   "serving/runner", "serving/types.py", "serving/config.py")
 
 
 @functools.cache
 def source_fingerprint() -> str:
-  """sha256 of the Python source traced into the steps (`_TRACED_SOURCES`)."""
+  """sha256 of the source traced into the steps (`_TRACED_SOURCES`: Python, and the
+  native kernels' C++)."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   paths = []
   for source in _TRACED_SOURCES:
@@ -75,7 +78,7 @@ def source_fingerprint() -> str:
     if os.path.isfile(full):
       paths.append(full)
     for dirpath, _, filenames in os.walk(full):
-      paths += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+      paths += [os.path.join(dirpath, f) for f in filenames if f.endswith((".py", ".cc"))]
   h = hashlib.sha256()
   for path in sorted(paths):
     h.update(os.path.relpath(path, root).encode())
@@ -86,8 +89,9 @@ def source_fingerprint() -> str:
 
 def _platform_fingerprint() -> str:
   devices = jax.devices()
+  # Programs call the native kernels only where they are available (kernels_cpu).
   return (f"jax={jax.__version__} jaxlib={jaxlib.__version__} backend={jax.default_backend()} "
-          f"devices={[d.device_kind for d in devices]}")
+          f"devices={[d.device_kind for d in devices]} native={kernels_cpu.available()}")
 
 
 def _aval_signature(tree: Any) -> str:

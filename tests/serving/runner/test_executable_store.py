@@ -169,7 +169,7 @@ def test_a_stored_program_for_other_devices_is_recompiled(tmp_path):
   assert "could not load stored executable" in proc.stderr and "not on one" in proc.stderr
 
 
-def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes):
+def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes, monkeypatch):
   import jax
 
   store = ExecutableStore(str(tmp_path))
@@ -180,6 +180,16 @@ def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes):
   assert store.key("g", "a", (x, y)) != base
   assert store.key("f", "a", (x, np.ones((8,), np.float32))) != base
   assert store.key("f", "a", (x, np.ones((4,), np.int32))) != base
+  # Programs traced with the native kernels (kernels_cpu) are not those traced without.
+  import kernels_cpu
+  if kernels_cpu.available():
+    kernels_cpu.matvec.available.cache_clear()
+    try:
+      monkeypatch.setenv("XLASERVE_NATIVE", "0")
+      assert store.key("f", "a", (x, y)) != base
+    finally:
+      monkeypatch.delenv("XLASERVE_NATIVE")
+      kernels_cpu.matvec.available.cache_clear()
 
   prog = StepProgram("f", jax.jit(_double), static="a", num_fixed=1, store=store)
   np.testing.assert_array_equal(prog(x, y), x * 2 + y)

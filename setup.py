@@ -1,0 +1,54 @@
+"""Builds the native CPU kernels (kernels_cpu/matvec.cc) during `pip install`.
+
+Everything else is declared in pyproject.toml. The kernels are an XLA FFI
+library compiled against jaxlib's FFI headers (a build requirement) with
+per-function target attributes, so it loads on any x86-64 CPU and checks the
+instructions it needs at run time. The extension is optional: where it does
+not compile (no C++17 compiler, not x86-64) the install still succeeds and
+the engine uses the XLA path (kernels_cpu.available() is False).
+"""
+
+import os
+import platform
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _ffi_include_dir() -> str:
+  import importlib.util  # noqa: PLC0415
+
+  spec = importlib.util.find_spec("jaxlib")
+  if spec is None or not spec.submodule_search_locations:
+    raise RuntimeError("jaxlib (for the XLA FFI headers) is not installed")
+  return os.path.join(spec.submodule_search_locations[0], "include")
+
+
+class BuildNative(build_ext):
+  """build_ext that finds the FFI headers and skips what cannot be built."""
+
+  def build_extensions(self):
+    try:
+      include = _ffi_include_dir()
+    except RuntimeError as e:
+      print(f"xlaserve: native CPU kernels not built ({e}); the XLA path will be used")
+      self.extensions = []
+      return
+    for ext in self.extensions:
+      ext.include_dirs.append(include)
+    super().build_extensions()
+
+  def get_ext_filename(self, fullname):
+    # A plain shared library loaded with ctypes, not a Python module: no ABI tag.
+    return os.path.join(*fullname.split(".")) + ".so"
+
+
+NATIVE = []
+if platform.machine().lower() in ("x86_64", "amd64"):
+  NATIVE.append(Extension(
+      "kernels_cpu._matvec", sources=["kernels_cpu/matvec.cc"], language="c++",
+      extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes",
+                          "-Wno-return-type"],
+      optional=True))
+
+setup(ext_modules=NATIVE, cmdclass={"build_ext": BuildNative})

@@ -1,0 +1,104 @@
+"""The native int8 matvec (kernels_cpu) against the XLA path it replaces.
+
+The XLA path (`QuantizedWeight.dequantize` + an f32 einsum) is the reference:
+the kernel must give the same values up to float32 summation order for every
+row count it takes, both code kinds (uint8 with a min, symmetric int8 / Q8_0)
+and group counts that are not multiples of its 16-group scale loads.
+`QuantizedWeight.matmul` must route exactly the supported cases to it and
+fall back to the XLA path otherwise, including when the library is off.
+"""
+
+import os
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_cpu
+from checkpoints import quantizers
+from kernels_cpu import matvec
+
+needs_native = pytest.mark.skipif(not kernels_cpu.available(),
+                                  reason="native kernels not built or CPU lacks AVX-512")
+
+
+def test_built_on_x86():
+  """pip install builds the library on x86-64 (the kernels are optional elsewhere; a
+  Bazel build compiles none)."""
+  if os.environ.get("TEST_SRCDIR"):
+    pytest.skip("Bazel does not build the native library (setup.py does)")
+  if platform.machine().lower() in ("x86_64", "amd64"):
+    assert matvec.library_path() is not None
+
+
+def _weight(out_dim, in_dim, asymmetric, seed=0):
+  w = (np.random.default_rng(seed).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
+  return jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=asymmetric))
+
+
+def _reference(x, qw):
+  return np.asarray(x, np.float32) @ np.asarray(qw.dequantize()).T
+
+
+@needs_native
+@pytest.mark.parametrize("asymmetric", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("out_dim,in_dim", [(96, 576), (37, 96), (130, 1536)])
+def test_matches_xla_path(asymmetric, rows, out_dim, in_dim):
+  qw = _weight(out_dim, in_dim, asymmetric)
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, in_dim)).astype(np.float32))
+  got = jax.jit(matvec.int8_matvec)(x, qw.q, qw.scale, qw.offset)
+  np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
+
+
+def _uses_native(fn, *args) -> bool:
+  return "xlaserve_int8_matvec" in str(jax.make_jaxpr(fn)(*args))
+
+
+@needs_native
+def test_matmul_routes_few_rows_to_the_kernel():
+  qw = _weight(64, 96, True)
+  few = jnp.ones((2, 4, 96), jnp.float32)  # 8 rows: the kernel, leading axes kept
+  many = jnp.ones((9, 96), jnp.float32)  # 9 rows: the XLA path
+  assert _uses_native(lambda w, x: w.matmul(x), qw, few)
+  assert not _uses_native(lambda w, x: w.matmul(x), qw, many)
+  out = jax.jit(lambda w, x: w.matmul(x))(qw, few)
+  assert out.shape == (2, 4, 64)
+  np.testing.assert_allclose(np.asarray(out).reshape(8, 64), _reference(few.reshape(8, 96), qw),
+                             rtol=1e-5, atol=1e-5)
+  # Not int8 groups of 32 (per channel, group 64, int4): the XLA path.
+  w = np.random.default_rng(1).standard_normal((128, 64)).astype(np.float32)
+  for other in (quantizers.quantize_int8(w, 0), quantizers.quantize_int8(w, 64),
+                quantizers.quantize_weight(w, "int4", group_size=32)):
+    assert not _uses_native(lambda w, x: w.matmul(x), jax.tree.map(jnp.asarray, other),
+                            jnp.ones((1, 128), jnp.float32))
+
+
+def test_fallback_when_off(monkeypatch):
+  """XLASERVE_NATIVE=0 (or no library): the XLA path, same values."""
+  qw = _weight(48, 96, True)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 96)).astype(np.float32))
+  matvec.available.cache_clear()
+  monkeypatch.setenv("XLASERVE_NATIVE", "0")
+  try:
+    assert not kernels_cpu.available()
+    assert not _uses_native(lambda w, x: w.matmul(x), qw, x)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda w, x: w.matmul(x))(qw, x)),
+                               _reference(x, qw), rtol=1e-5, atol=1e-5)
+  finally:
+    monkeypatch.delenv("XLASERVE_NATIVE")
+    matvec.available.cache_clear()
+
+
+def test_supports_rejects_what_the_kernel_cannot_take():
+  q = jnp.zeros((16, 64), jnp.uint8)
+  s = jnp.zeros((16, 2), jnp.float16)
+  assert matvec.supports(1, q, s, s)
+  assert not matvec.supports(9, q, s, s)  # too many rows
+  assert not matvec.supports(1, q, s, None)  # uint8 codes need their mins
+  assert not matvec.supports(1, q.astype(jnp.int8), s, s)  # int8 codes have none
+  assert not matvec.supports(1, jnp.zeros((16, 48), jnp.uint8), s, s)  # 48 % 32
+  assert not matvec.supports(1, q, s.astype(jnp.float32), s)  # float16 scales only
+  assert not matvec.supports(1, jnp.zeros((2, 16, 64), jnp.uint8), s, s)  # stacked
