@@ -197,10 +197,14 @@ class QuantizedWeight:
 
   def _native(self, x: jax.Array) -> bool:
     """Whether `matmul(x)` runs the native int8 kernel: CPU, int8 codes in groups of 32
-    (ours with a min, or Q8_0), one weight (not stacked), at most MAX_ROWS rows."""
+    (ours with a min, or Q8_0), one weight (not stacked), at most MAX_ROWS rows, and
+    not traced on a mesh (XLA cannot split a custom call: it would gather the weight)."""
     if self.kind != "int8" or self.group_size != 32 or self.super_size or self.zero is not None:
       return False
     if self.perm is not None or jax.default_backend() != "cpu":
+      return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and math.prod(mesh.shape.values()) > 1:
       return False
     rows = math.prod(x.shape[:-1])
     return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset)
