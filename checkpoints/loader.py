@@ -14,7 +14,7 @@ from checkpoints.layout import LoadedModel, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
 from checkpoints.tokenizer import Tokenizer
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import METHODS
+from serving.models.quantized import METHODS, is_quantized
 
 
 def resolve_model_path(model: str) -> str:
@@ -125,7 +125,7 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
     weights = [kept(n) if types.get(n) in keep else stacked[key][i]
                for i, n in enumerate(names)]
     together = (quantize.stack_blocks(weights)
-                if all(isinstance(w, quantize.quant.QuantizedWeight) for w in weights) else None)
+                if all(is_quantized(w) for w in weights) else None)
     if together is not None:
       stacked[key] = together
     else:

@@ -121,20 +121,18 @@ extern "C" int xlaserve_native_isa() {
   return ok ? 1 : 0;
 }
 
+// Both handlers take x, codes, scales and an offset operand, and return [B, O].
+inline auto Binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 // Unsigned codes with a min (xlaserve's int8 groups); the offset operand is the mins.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<false>, Binding());
 
 // Signed codes (GGUF Q8_0); the offset operand is unused (pass the scales again).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<true>, Binding());
