@@ -1,4 +1,4 @@
-"""Builds the native CPU kernels (kernels_cpu/matvec.cc) during `pip install`.
+"""Builds the native CPU kernels (kernels_cpu/*.cc) during `pip install`.
 
 Everything else is declared in pyproject.toml. The kernels are an XLA FFI
 library compiled against jaxlib's FFI headers (a build requirement) with
@@ -46,7 +46,8 @@ class BuildNative(build_ext):
 NATIVE = []
 if platform.machine().lower() in ("x86_64", "amd64"):
   NATIVE.append(Extension(
-      "kernels_cpu._matvec", sources=["kernels_cpu/matvec.cc"], language="c++",
+      "kernels_cpu._native", sources=["kernels_cpu/matvec.cc", "kernels_cpu/attention.cc"],
+      language="c++",
       extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes",
                           "-Wno-return-type"],
       optional=True))

@@ -1,8 +1,14 @@
-// int8 weight x float activation products for few rows, as XLA FFI custom calls (CPU).
+// Quantized weight x float activation products for few rows, as XLA FFI custom
+// calls (CPU).
 //
-// y[B, O] = x[B, I] @ W^T, W stored [O, I] as one-byte codes in groups of 32
-// inputs with a float16 scale (and, for unsigned codes, a float16 min) per
-// group: W = code * scale (+ min). XLA:CPU computes this by writing a float32
+// y[B, O] = x[B, I] @ W^T, W stored [O, I] in groups of 32 inputs with a
+// float16 scale per group, W = code * scale + min, in four code formats:
+//   U8:   one-byte unsigned codes and a float16 min per group (xlaserve int8);
+//   S8:   one-byte signed codes, no min (GGUF Q8_0);
+//   Q4_1: 16 bytes per group, byte j holding input j in its low nibble and
+//         input j + 16 in its high nibble, and a float16 min (GGUF Q4_1);
+//   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
+// XLA:CPU computes this by writing a float32
 // copy of W and reading it back in a dot; here each group of codes is
 // converted in registers and multiplied into the rows, so W is read once, as
 // bytes. Numerics: float32 products and sums, the same values as the XLA path
@@ -28,19 +34,41 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kMaxRows = 8;
 
-template <bool kSigned>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline __m512 Codes16(__m128i c) {
-  return _mm512_cvtepi32_ps(kSigned ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c));
+enum Format { kU8, kS8, kQ4_1, kQ4_0 };
+
+constexpr bool HasMin(Format f) { return f == kU8 || f == kQ4_1; }
+constexpr int64_t GroupBytes(Format f) { return f == kQ4_1 || f == kQ4_0 ? kGroup / 2 : kGroup; }
+
+// The 32 codes of a group as two float32 vectors (inputs 0-15, 16-31).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void Codes(
+    const uint8_t* q, __m512* lo, __m512* hi) {
+  if constexpr (kFmt == kU8 || kFmt == kS8) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m128i c0 = _mm256_castsi256_si128(c), c1 = _mm256_extracti128_si256(c, 1);
+    if constexpr (kFmt == kS8) {
+      *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0));
+      *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1));
+    } else {
+      *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0));
+      *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1));
+    }
+  } else {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
 }
 
 // Output rows [o0, o1) for B <= kMaxRows activation rows.
-template <bool kSigned>
+template <Format kFmt>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Rows(
     const float* x, int rows, int64_t in, const uint8_t* codes, const uint16_t* scale,
     const uint16_t* offset, float* out, int64_t out_dim, int64_t o0, int64_t o1) {
   const int64_t groups = in / kGroup;
+  const int64_t group_bytes = GroupBytes(kFmt);
   for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* q = codes + o * in;
+    const uint8_t* q = codes + o * groups * group_bytes;
     const uint16_t* s_row = scale + o * groups;
     const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
     __m512 acc[kMaxRows];
@@ -49,17 +77,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Rows(
       const int64_t n = std::min<int64_t>(16, groups - g0);
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
       const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0));
-      const __m512 mv = m_row == nullptr
-                            ? _mm512_setzero_ps()
-                            : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0));
+      __m512 mv = _mm512_setzero_ps();
+      if constexpr (HasMin(kFmt)) {
+        mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0));
+      } else if constexpr (kFmt == kQ4_0) {
+        mv = _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
+      }
       for (int64_t k = 0; k < n; ++k) {
         const int64_t g = g0 + k;
         const __m512i lane = _mm512_set1_epi32(static_cast<int>(k));
         const __m512 s = _mm512_permutexvar_ps(lane, sv);
         const __m512 m = _mm512_permutexvar_ps(lane, mv);
-        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroup));
-        const __m512 w_lo = _mm512_fmadd_ps(Codes16<kSigned>(_mm256_castsi256_si128(c)), s, m);
-        const __m512 w_hi = _mm512_fmadd_ps(Codes16<kSigned>(_mm256_extracti128_si256(c, 1)), s, m);
+        __m512 c_lo, c_hi;
+        Codes<kFmt>(q + g * group_bytes, &c_lo, &c_hi);
+        const __m512 w_lo = _mm512_fmadd_ps(c_lo, s, m);
+        const __m512 w_hi = _mm512_fmadd_ps(c_hi, s, m);
         for (int b = 0; b < rows; ++b) {
           const float* xb = x + b * in + g * kGroup;
           acc[b] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb), acc[b]);
@@ -72,39 +104,42 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Rows(
 }
 
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buffer<ffi::F16>& scale,
-                       int64_t& rows, int64_t& in, int64_t& out_dim) {
+                       int64_t group_bytes, int64_t& rows, int64_t& in, int64_t& out_dim) {
   auto xd = x.dimensions();
   auto cd = codes.dimensions();
   auto sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2) {
-    return ffi::Error::InvalidArgument("int8 matvec: x, codes and scale must be 2-D");
+    return ffi::Error::InvalidArgument("quantized matvec: x, codes and scale must be 2-D");
   }
   rows = xd[0];
   in = xd[1];
   out_dim = cd[0];
-  if (rows < 1 || rows > kMaxRows || cd[1] != in || in % kGroup || sd[0] != out_dim ||
-      sd[1] != in / kGroup) {
-    return ffi::Error::InvalidArgument("int8 matvec: shapes do not match [B<=8, I] x [O, I] "
-                                       "with [O, I/32] scales");
+  if (rows < 1 || rows > kMaxRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
+      sd[0] != out_dim || sd[1] != in / kGroup) {
+    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=8, I] x "
+                                       "[O, I/32 groups] with [O, I/32] scales");
   }
   return ffi::Error::Success();
 }
 
-template <bool kSigned>
+template <Format kFmt>
 ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::Buffer<ffi::F16> scale,
                       ffi::Buffer<ffi::F16> offset, ffi::ResultBuffer<ffi::F32> out) {
   int64_t rows = 0, in = 0, out_dim = 0;
-  if (ffi::Error err = CheckShapes(x, codes, scale, rows, in, out_dim); err.failure()) return err;
+  if (ffi::Error err = CheckShapes(x, codes, scale, GroupBytes(kFmt), rows, in, out_dim);
+      err.failure()) {
+    return err;
+  }
   const uint16_t* m = nullptr;
-  if (!kSigned) {
+  if constexpr (HasMin(kFmt)) {
     auto od = offset.dimensions();
     auto sd = scale.dimensions();
     if (od.size() != 2 || od[0] != sd[0] || od[1] != sd[1]) {
-      return ffi::Error::InvalidArgument("int8 matvec: offset must have the scale's shape");
+      return ffi::Error::InvalidArgument("quantized matvec: offset must have the scale's shape");
     }
     m = reinterpret_cast<const uint16_t*>(offset.typed_data());
   }
-  Rows<kSigned>(x.typed_data(), static_cast<int>(rows), in,
+  Rows<kFmt>(x.typed_data(), static_cast<int>(rows), in,
                 reinterpret_cast<const uint8_t*>(codes.untyped_data()),
                 reinterpret_cast<const uint16_t*>(scale.typed_data()), m, out->typed_data(),
                 out_dim, 0, out_dim);
@@ -131,8 +166,9 @@ inline auto Binding() {
       .Ret<ffi::Buffer<ffi::F32>>();
 }
 
-// Unsigned codes with a min (xlaserve's int8 groups); the offset operand is the mins.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<false>, Binding());
-
-// Signed codes (GGUF Q8_0); the offset operand is unused (pass the scales again).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<true>, Binding());
+// Formats with a min (U8: xlaserve's int8 groups; Q4_1) take the mins as the offset
+// operand; the others (S8: GGUF Q8_0; Q4_0) ignore it (pass the scales again).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<kU8>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<kS8>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, MatvecImpl<kQ4_1>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, MatvecImpl<kQ4_0>, Binding());

@@ -178,9 +178,9 @@ class QuantizedWeight:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x [..., In] -> x @ w [..., Out] in x.dtype, accumulating in float32."""
-    if self._native(x):  # few rows of int8 groups on CPU: the FFI kernel (kernels_cpu)
+    if self._native(x):  # few rows of 32-input groups on CPU: the FFI kernel (kernels_cpu)
       rows = x.reshape(-1, x.shape[-1])
-      out = kernels_cpu.int8_matvec(rows, self.q, self.scale, self.offset)
+      out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits)
       return out.reshape(*x.shape[:-1], -1).astype(x.dtype)
     cdt = _compute_dtype(x.dtype)
     w = self.after(x)
@@ -196,18 +196,19 @@ class QuantizedWeight:
 
 
   def _native(self, x: jax.Array) -> bool:
-    """Whether `matmul(x)` runs the native int8 kernel: CPU, int8 codes in groups of 32
-    (ours with a min, or Q8_0), one weight (not stacked), at most MAX_ROWS rows, and
-    not traced on a mesh (XLA cannot split a custom call: it would gather the weight)."""
-    if self.kind != "int8" or self.group_size != 32 or self.super_size or self.zero is not None:
+    """Whether `matmul(x)` runs the native kernel: CPU, groups of 32 of int8 codes (ours
+    with a min, or Q8_0) or nibbles (Q4_1, Q4_0), one weight (not stacked), at most
+    MAX_ROWS rows, and not traced on a mesh (XLA cannot split a custom call: it would
+    gather the weight)."""
+    if self.kind not in ("int8", "int4") or self.group_size != 32 or self.super_size:
       return False
-    if self.perm is not None or jax.default_backend() != "cpu":
+    if self.zero is not None or self.perm is not None or jax.default_backend() != "cpu":
       return False
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and math.prod(mesh.shape.values()) > 1:
       return False
     rows = math.prod(x.shape[:-1])
-    return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset)
+    return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)
             and kernels_cpu.available())
 
 

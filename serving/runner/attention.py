@@ -3,7 +3,10 @@
 - `xla`: the pure-jnp paged attention below: a flash-style loop over blocks
   of pages that stops at the longest sequence, so cost follows the context
   in use, not `max_model_len`, and one program serves every context length.
-  It is the CPU path.
+  It is the CPU path. Decode and verification rows (a few queries per row)
+  take the native kernel instead where it is built and this CPU runs it
+  (`kernels_cpu.paged_attention`: keys read in place, no block copies), on
+  one device; prefill chunks keep the blocked XLA loop (batched dots).
 - `pallas`: `kernels_pallas` (Mosaic TPU on TPU, the GPU kernel on GPU). The
   kernels take the pool as stored: int8 / fp8 pages go in quantized
   (`kv_quant`) and are dequantized per block inside the kernel.
@@ -18,10 +21,12 @@ N query heads, K kv heads, G = N/K, H head dim, W block-table width.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
+import kernels_cpu
 from serving.runner.kv_cache import QUANTIZED_DTYPES, KVCache, from_storage
 
 _NEG = -1e30
@@ -225,9 +230,34 @@ def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, sc
   return out.reshape(t, n, h).astype(q.dtype)
 
 
+def native_supported(q_shape: tuple[int, ...], kv: KVCache) -> bool:
+  """Whether the XLA path runs queries `[B, T, N, H]` through the native CPU kernel:
+  built and runnable here, a pool dtype it reads, and no mesh (XLA cannot split a
+  custom call; it would gather the pool for it)."""
+  if jax.default_backend() != "cpu" or not kernels_cpu.available():
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and math.prod(mesh.shape.values()) > 1:
+    return False
+  return kernels_cpu.paged_attention.supports(q_shape, kv.k, kv.dtype)
+
+
+def native_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: float,
+                                 sliding_window: int | None = None,
+                                 soft_cap: float | None = None):
+  """`xla_multi_query_attention`'s contract through the native kernel -> (out, kv)."""
+  out = kernels_cpu.paged_attention.paged_attention(
+      q, kv.k, kv.v, block_tables, q_lens, kv_dtype=kv.dtype, scale=scale,
+      sliding_window=sliding_window, soft_cap=soft_cap)
+  return out.astype(q.dtype), kv
+
+
 def decode_attention(backend: str, q, kv: KVCache, block_tables, seq_lens, *,
                      block_tokens: int = 128, **kw):
   """Dispatches decode attention to the resolved backend; returns (out, kv)."""
+  if backend == "xla" and native_supported((q.shape[0], 1, *q.shape[1:]), kv):
+    out, kv = native_multi_query_attention(q[:, None], kv, block_tables, seq_lens[:, None], **kw)
+    return out[:, 0], kv
   if backend == "xla":
     return xla_decode_attention(q, kv, block_tables, seq_lens, block_tokens=block_tokens, **kw)
   import kernels_pallas
@@ -242,6 +272,8 @@ def verify_attention(backend: str, q, kv: KVCache, block_tables, q_lens, *,
   """A speculative step's attention: q [B, T, N, H], q_lens [B, T] (module letters);
   returns (out [B, T, N, H], kv). The XLA path reads each row's keys once for its T
   queries; the kernels run the B*T queries as decode rows over the row's table."""
+  if backend == "xla" and native_supported(q.shape, kv):
+    return native_multi_query_attention(q, kv, block_tables, q_lens, **kw)
   if backend == "xla":
     return xla_multi_query_attention(q, kv, block_tables, q_lens, block_tokens=block_tokens,
                                      **kw)

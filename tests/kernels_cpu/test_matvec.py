@@ -1,9 +1,10 @@
-"""The native int8 matvec (kernels_cpu) against the XLA path it replaces.
+"""The native quantized matvec (kernels_cpu) against the XLA path it replaces.
 
 The XLA path (`QuantizedWeight.dequantize` + an f32 einsum) is the reference:
 the kernel must give the same values up to float32 summation order for every
-row count it takes, both code kinds (uint8 with a min, symmetric int8 / Q8_0)
-and group counts that are not multiples of its 16-group scale loads.
+row count it takes, every code format (uint8 with a min, symmetric int8 /
+Q8_0, nibbles with a min / Q4_1 and without / Q4_0) and group counts that are
+not multiples of its 16-group scale loads.
 `QuantizedWeight.matmul` must route exactly the supported cases to it and
 fall back to the XLA path otherwise, including when the library is off.
 """
@@ -53,8 +54,22 @@ def test_matches_xla_path(asymmetric, rows, out_dim, in_dim):
   np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+@pytest.mark.parametrize("asymmetric", [True, False])  # Q4_1, Q4_0
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out_dim,in_dim", [(96, 576), (37, 96), (130, 1536)])
+def test_nibbles_match_xla_path(asymmetric, rows, out_dim, in_dim):
+  w = (np.random.default_rng(out_dim).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
+  qw = jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32, asymmetric=asymmetric))
+  assert (qw.offset is not None) == asymmetric
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, in_dim)).astype(np.float32))
+  assert _uses_native(lambda w, x: w.matmul(x), qw, x)
+  got = jax.jit(lambda w, x: w.matmul(x))(qw, x)
+  np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
+
+
 def _uses_native(fn, *args) -> bool:
-  return "xlaserve_int8_matvec" in str(jax.make_jaxpr(fn)(*args))
+  return "_matvec" in str(jax.make_jaxpr(fn)(*args))
 
 
 @needs_native
@@ -68,10 +83,10 @@ def test_matmul_routes_few_rows_to_the_kernel():
   assert out.shape == (2, 4, 64)
   np.testing.assert_allclose(np.asarray(out).reshape(8, 64), _reference(few.reshape(8, 96), qw),
                              rtol=1e-5, atol=1e-5)
-  # Not int8 groups of 32 (per channel, group 64, int4): the XLA path.
+  # Not groups of 32 of int8 codes or nibbles (per channel, group 64, fp8): the XLA path.
   w = np.random.default_rng(1).standard_normal((128, 64)).astype(np.float32)
   for other in (quantizers.quantize_int8(w, 0), quantizers.quantize_int8(w, 64),
-                quantizers.quantize_weight(w, "int4", group_size=32)):
+                quantizers.quantize_int4(w, 64), quantizers.quantize_fp8(w)):
     assert not _uses_native(lambda w, x: w.matmul(x), jax.tree.map(jnp.asarray, other),
                             jnp.ones((1, 128), jnp.float32))
 
@@ -102,3 +117,7 @@ def test_supports_rejects_what_the_kernel_cannot_take():
   assert not matvec.supports(1, jnp.zeros((16, 48), jnp.uint8), s, s)  # 48 % 32
   assert not matvec.supports(1, q, s.astype(jnp.float32), s)  # float16 scales only
   assert not matvec.supports(1, jnp.zeros((2, 16, 64), jnp.uint8), s, s)  # stacked
+  assert matvec.supports(1, jnp.zeros((16, 32), jnp.uint8), s, s, bits=4)  # Q4_1
+  assert matvec.supports(1, jnp.zeros((16, 32), jnp.uint8), s, None, bits=4)  # Q4_0
+  assert not matvec.supports(1, q, s, s, bits=4)  # 64 bytes of nibbles are 128 inputs
+  assert not matvec.supports(1, q, s, s, bits=5)

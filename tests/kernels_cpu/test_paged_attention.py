@@ -1,0 +1,137 @@
+"""The native paged attention (kernels_cpu) against a dense jnp reference and the XLA path.
+
+The reference gathers each row's keys from its block table and runs a plain
+masked softmax; the kernel must match it for every pool kind it reads
+(float32, bfloat16 as uint16, int8 rows with a scale), one and several
+queries per row, rows that see no key, a sliding window and a soft cap, and
+block tables whose unused entries point anywhere in the pool. The serving
+dispatch (`serving.runner.attention`) must route decode and verification
+through it and agree with its own XLA loop.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_cpu
+from kernels_cpu import paged_attention as native
+from serving.runner import attention
+from serving.runner.kv_cache import KVCache, from_storage, quantize_rows
+
+needs_native = pytest.mark.skipif(not kernels_cpu.available(),
+                                  reason="native kernels not built or CPU lacks AVX-512")
+
+PAGES, PS, K, H, N, W = 24, 4, 2, 32, 6, 6
+
+
+def _pool(kind: str, seed: int) -> tuple[jax.Array, jax.Array]:
+  rng = np.random.default_rng(seed)
+  k, v = (rng.standard_normal((PAGES, PS, K, H)).astype(np.float32) for _ in range(2))
+  if kind == "bfloat16":
+    def store(x):
+      return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.bfloat16), jnp.uint16)
+  elif kind == "int8":
+    def store(x):
+      return quantize_rows(jnp.asarray(x), "int8")
+  else:
+    store = jnp.asarray
+  return store(k), store(v)
+
+
+def _reference(q, k_pages, v_pages, tables, q_lens, kind, scale, window=None, soft_cap=None):
+  """Dense: gather [B, W*ps, K, H], mask, softmax; float32 throughout."""
+  kv = KVCache(k=k_pages, v=v_pages, num_pages=PAGES, dtype=kind)
+  k = from_storage(k_pages[tables], kv).astype(jnp.float32).reshape(tables.shape[0], -1, K, H)
+  v = from_storage(v_pages[tables], kv).astype(jnp.float32).reshape(tables.shape[0], -1, K, H)
+  b, t, n, _ = q.shape
+  qg = q.reshape(b, t, K, n // K, H)
+  s = jnp.einsum("btkgh,bskh->btkgs", qg, k, precision="highest") * scale
+  if soft_cap:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  pos = jnp.arange(k.shape[1])
+  valid = pos[None, None, :] < q_lens[:, :, None]  # [B, T, S]
+  if window:
+    valid &= pos[None, None, :] >= q_lens[:, :, None] - window
+  valid = valid[:, :, None, None, :]
+  p = jax.nn.softmax(jnp.where(valid, s, -1e30), axis=-1)
+  p = jnp.where(valid, p, 0.0)
+  out = jnp.einsum("btkgs,bskh->btkgh", p, v, precision="highest")
+  return out.reshape(b, t, n, H)
+
+
+def _case(b, t, seed):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, N, H)).astype(np.float32))
+  tables = jnp.asarray(rng.integers(0, PAGES, (b, W)).astype(np.int32))
+  q_lens = rng.integers(0, W * PS + 1, (b, t)).astype(np.int32)
+  q_lens[0, 0] = 0  # a row that sees nothing
+  q_lens[-1, -1] = W * PS  # one that sees every key
+  return q, tables, jnp.asarray(q_lens)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("b,t", [(1, 1), (5, 1), (3, 4)])
+def test_matches_reference(kind, b, t):
+  k_pages, v_pages = _pool(kind, seed=b * 10 + t)
+  q, tables, q_lens = _case(b, t, seed=b + t)
+  got = jax.jit(lambda *a: native.paged_attention(*a, kv_dtype=kind, scale=0.2))(
+      q, k_pages, v_pages, tables, q_lens)
+  want = _reference(q, k_pages, v_pages, tables, q_lens, kind, 0.2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+  if b * t > 1:
+    assert not np.asarray(got)[0, 0].any()  # no keys: zeros, as the XLA path
+
+
+@needs_native
+@pytest.mark.parametrize("window,soft_cap", [(5, None), (None, 3.0), (7, 2.0)])
+def test_window_and_soft_cap(window, soft_cap):
+  k_pages, v_pages = _pool("float32", seed=3)
+  q, tables, q_lens = _case(4, 2, seed=4)
+  got = native.paged_attention(q, k_pages, v_pages, tables, q_lens, kv_dtype="float32",
+                               scale=0.3, sliding_window=window, soft_cap=soft_cap)
+  want = _reference(q, k_pages, v_pages, tables, q_lens, "float32", 0.3, window, soft_cap)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_page_outside_the_pool_is_refused():
+  """A corrupt block table fails the call instead of reading outside the pool."""
+  k_pages, v_pages = _pool("float32", seed=5)
+  q, tables, q_lens = _case(2, 1, seed=6)
+  with pytest.raises(Exception, match="outside the pool"):
+    np.asarray(native.paged_attention(q, k_pages, v_pages, tables.at[1, 2].set(PAGES), q_lens,
+                                      kv_dtype="float32", scale=0.1))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_serving_dispatch_agrees_with_xla_loop(kind):
+  """decode_attention / verify_attention take the kernel, and match the XLA loop."""
+  k_pages, v_pages = _pool(kind, seed=7)
+  kv = KVCache(k=k_pages, v=v_pages, num_pages=PAGES, dtype=kind)
+  q, tables, q_lens = _case(3, 3, seed=8)
+  fn = jax.jit(lambda q, kv, tb, ql: attention.verify_attention("xla", q, kv, tb, ql, scale=0.2,
+                                                                block_tokens=8)[0])
+  assert "xlaserve_paged_attention" in str(jax.make_jaxpr(fn)(q, kv, tables, q_lens))
+  got = fn(q, kv, tables, q_lens)
+  want, _ = attention.xla_multi_query_attention(q, kv, tables, q_lens, scale=0.2, block_tokens=8)
+  tol = 2e-2 if kind == "bfloat16" else 2e-5  # the XLA loop's dots run in bfloat16 there
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+  seq_lens = q_lens[:, 0]
+  got, _ = attention.decode_attention("xla", q[:, 0], kv, tables, seq_lens, scale=0.2)
+  want, _ = attention.xla_decode_attention(q[:, 0], kv, tables, seq_lens, scale=0.2,
+                                           block_tokens=8)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+
+
+def test_supports():
+  kv = jnp.zeros((4, 4, 2, 32), jnp.float32)
+  assert native.supports((1, 1, 6, 32), kv, "float32")
+  assert not native.supports((1, 1, 6, 32), kv, "bfloat16")  # stored dtype differs
+  assert not native.supports((1, 1, 6, 32), kv, "fp8")  # no fp8 pages
+  assert not native.supports((1, 64, 6, 32), kv, "float32")  # a prefill chunk
+  assert not native.supports((1, 1, 5, 32), kv, "float32")  # heads not a multiple of K
+  assert not native.supports((1, 1, 6, 24), jnp.zeros((4, 4, 2, 24)), "float32")  # H % 16
+  assert native.supports((2, 1, 6, 32), jnp.zeros((4, 4, 2, 36), jnp.uint8), "int8")
