@@ -176,6 +176,12 @@ class EngineConfig:
       return self.prefill_buckets
     return pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
 
+  def prefill_chunk_rows(self, tokens: int) -> int:
+    """Chunks a prefill call of `tokens` (a bucket) holds: one per 16 tokens (its
+    padded logits rows then cost under 1/16 of the call), up to max_num_seqs, as a
+    decode batch bucket (whose sampler it shares)."""
+    return bucket_for(min(self.max_num_seqs, max(1, tokens // 16)), self.decode_batch_buckets)
+
   @property
   def decode_batch_buckets(self) -> tuple[int, ...]:
     """Row counts the decode slot batch is padded to."""

@@ -6,7 +6,9 @@
   It is the CPU path. Decode and verification rows (a few queries per row)
   take the native kernel instead where it is built and this CPU runs it
   (`kernels_cpu.paged_attention`: keys read in place, no block copies), on
-  one device; prefill chunks keep the blocked XLA loop (batched dots).
+  one device. A step's prefill chunks run in one call, packed back to back;
+  attention regroups their rows into per-chunk query blocks (`QueryBlocks`)
+  and runs the blocked loop per block (batched dots).
 - `pallas`: `kernels_pallas` (Mosaic TPU on TPU, the GPU kernel on GPU). The
   kernels take the pool as stored: int8 / fp8 pages go in quantized
   (`kv_quant`) and are dequantized per block inside the kernel.
@@ -190,14 +192,88 @@ def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale
   return out.astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
 
 
+PREFILL_QUERY_BLOCK = 64  # query rows per block of `xla_block_prefill_attention`
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QueryBlocks:
+  """Prefill chunks' query rows regrouped into blocks of Q rows of one chunk each.
+
+  Host-built (serving/runner/inputs.py) next to the packed layout the matmuls
+  use, so the XLA path can attend chunk by chunk without a [T, chunks, keys]
+  mask: block j holds queries of chunk `chunk[j]` only.
+  """
+
+  rows: jax.Array  # [QB, Q] int32 packed row of each block query (padding: 0)
+  q_lens: jax.Array  # [QB, Q] int32 keys each query sees: its position + 1 (padding: 0)
+  chunk: jax.Array  # [QB] int32 the block-table row (chunk) of each block
+  count: jax.Array  # [] int32 blocks in use (the first `count`; the rest are padding)
+  unblock: jax.Array  # [T] int32 each packed row's index in the flat [QB * Q] output
+
+
+def xla_block_prefill_attention(q, kv: KVCache, block_tables, blocks: QueryBlocks, *,
+                                scale: float, sliding_window: int | None = None,
+                                soft_cap: float | None = None, block_tokens: int = 128):
+  """Causal attention of several prefill chunks in one call (flash-style, XLA).
+
+  q [T, N, H] packed rows; block_tables [C, W] (layer-offset), one per chunk;
+  `blocks` regroups the rows by chunk. A loop over the blocks in use, each
+  looping over its own chunk's key blocks up to its last query, so the cost
+  is the chunks' own (causal) work, whatever the bucket and chunk count.
+  Padding rows produce values to ignore.
+  """
+  t, n, h = q.shape
+  nb, qlen = blocks.rows.shape
+  ps, nk = kv.k.shape[1], kv.k.shape[2]
+  g = n // nk
+  bp = _block_pages(block_tables.shape[1], ps, block_tokens)
+  span = bp * ps
+  # [QB, Q, N, H] -> [QB, K, G*Q, H]; query lens in the same (G, Q) order
+  qg = jnp.transpose(q[blocks.rows].reshape(nb, qlen, nk, g, h), (0, 2, 3, 1, 4))
+  qg = qg.reshape(nb, nk, g * qlen, h).astype(kv.compute_dtype)
+  q_lens = jnp.tile(blocks.q_lens, (1, g))  # [QB, G*Q]
+
+  def one_block(j, carry):
+    kc, vc, out = carry
+    table = block_tables[blocks.chunk[j]]  # [W]
+    lens, qj = q_lens[j], qg[j]  # [G*Q], [K, G*Q, H]
+
+    def body(i, carry):
+      kc, vc, carry = carry[0], carry[1], carry[2:]
+      tbl = jax.lax.dynamic_slice_in_dim(table, i * bp, bp)  # [bp]
+      k = jnp.swapaxes(_gather_pages(kc, tbl, kv), 0, 1)  # [K, S, H]
+      v = jnp.swapaxes(_gather_pages(vc, tbl, kv), 0, 1)
+      s = jnp.einsum("kqh,ksh->kqs", qj, k, preferred_element_type=jnp.float32) * scale
+      s = _softcap(s, soft_cap)
+      pos = i * span + jnp.arange(span)  # [S]
+      valid = pos[None, :] < lens[:, None]  # [G*Q, S]
+      if sliding_window is not None:
+        valid &= pos[None, :] > lens[:, None] - 1 - sliding_window
+      v = jnp.where(jnp.any(valid, axis=0)[None, :, None], v, 0)  # unseen keys may be NaN
+      return kc, vc, *_online_softmax_update(carry, s, v, valid[None])
+
+    init = (kc, vc, jnp.full((nk, g * qlen), _NEG, jnp.float32),
+            jnp.zeros((nk, g * qlen), jnp.float32), jnp.zeros((nk, g * qlen, h), jnp.float32))
+    kc, vc, _, l, acc = jax.lax.fori_loop(0, (jnp.max(lens) + span - 1) // span, body, init)
+    o = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G*Q, H] -> [Q, N, H]
+    o = jnp.transpose(o.reshape(nk, g, qlen, h), (2, 0, 1, 3)).reshape(qlen, n, h)
+    return kc, vc, jax.lax.dynamic_update_index_in_dim(out, o.astype(out.dtype), j, 0)
+
+  # The cache rides in the loop carries so XLA updates it in place afterwards.
+  out = jnp.zeros((nb, qlen, n, h), q.dtype)
+  kc, vc, out = jax.lax.fori_loop(0, blocks.count, one_block, (kv.k, kv.v, out))
+  return out.reshape(nb * qlen, n, h)[blocks.unblock], dataclasses.replace(kv, k=kc, v=vc)
+
+
 def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, scale: float,
                          sliding_window: int | None = None, soft_cap: float | None = None):
   """Causal attention of B sequences' new queries over their pages.
 
   q [T, N, H] (sequence b owns rows cu_q_lens[b]:cu_q_lens[b+1]); block_tables
   [B, W] (layer-offset); kv_lens [B] keys per sequence including the new
-  queries. Cost is O(T * B * W * page_size): the engine sends one sequence
-  per prefill call (B = 1), where it is plain causal attention.
+  queries. Cost is O(T * B * W * page_size): a reference for small cases; the
+  engine's chunks take `xla_block_prefill_attention`.
   """
   t, n, h = q.shape
   nseq = block_tables.shape[0]
@@ -284,13 +360,17 @@ def verify_attention(backend: str, q, kv: KVCache, block_tables, q_lens, *,
 
 
 def ragged_attention(backend: str, q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *,
-                     block_tokens: int = 128, **kw):
+                     blocks: QueryBlocks | None = None, block_tokens: int = 128, **kw):
   """Dispatches prefill (ragged) attention to the resolved backend; returns (out, kv).
 
-  The XLA path has a blocked fast path for one sequence (what the engine
-  sends) and the general gather formulation for several.
+  Sequence b owns rows cu_q_lens[b]:cu_q_lens[b+1] of q. The XLA path runs
+  the engine's batched chunks through their `blocks`; without them it takes
+  the blocked loop for one sequence, or the general gather formulation.
   """
   if backend == "xla":
+    if blocks is not None:
+      return xla_block_prefill_attention(q, kv, block_tables, blocks,
+                                         block_tokens=block_tokens, **kw)
     if block_tables.shape[0] == 1:
       q_start = kv_lens[0] - (cu_q_lens[1] - cu_q_lens[0])
       return xla_prefill_attention(q, kv, block_tables[0], q_start, kv_lens[0],

@@ -35,15 +35,13 @@ from serving.models.model_config import ModelConfig
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.kv_cache import KVCache, create_kv_cache
 from serving.runner.sampling.reductions import argmax
-from serving.runner.steps import PrefillInput, VerifyInput, attend_fn
+from serving.runner.steps import PrefillInput, VerifyInput, attend_fn, prefill_meta
 
 
 def draft_prefill_step(params, kv: KVCache, inp: PrefillInput, *, cfg: ModelConfig, backend: str,
                        act_dtype, block_tokens: int) -> KVCache:
-  """Writes the draft's K/V of one prefill chunk (the target's `PrefillInput`)."""
-  meta = dict(kv_index=inp.kv_index, block_tables=inp.block_table,
-              cu_q_lens=jnp.stack([0, inp.num_tokens]).astype(jnp.int32), kv_lens=inp.kv_len)
-  attend = attend_fn(backend, cfg, kv.num_pages, "prefill", meta, block_tokens)
+  """Writes the draft's K/V of a step's prefill chunks (the target's `PrefillInput`)."""
+  attend = attend_fn(backend, cfg, kv.num_pages, "prefill", prefill_meta(inp), block_tokens)
   _, kv = llama.forward(params, cfg, inp.tokens, inp.positions, kv, attend, act_dtype=act_dtype,
                         experts_fn=sharding.expert_parallel(cfg))
   return kv

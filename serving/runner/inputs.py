@@ -1,14 +1,16 @@
 """A `StepPlan` -> the steps' fixed-shape numpy inputs.
 
-Every array is padded to a bucket from `EngineConfig` (prefill tokens, decode
-rows, block-table width), so the set of shapes the device sees is fixed at
-warm-up. Everything is read from the plan when `build_step_inputs` runs, so
+Every array is padded to a bucket from `EngineConfig` (prefill tokens and
+chunk rows, decode rows, block-table width), so the set of shapes the device
+sees is fixed at warm-up. Everything is read from the plan when `build_step_inputs` runs, so
 the scheduler may move on to the next step afterwards.
 
 Sampling is seeded per request: the output token at index i of a request
 with seed s draws from `fold_in(key(s), i)`, whatever batch or row it lands
 in. A chunk ending at position `end` samples output index
-`end - len(prompt)`; a decode row at input position p samples `p + 1 - len(prompt)`.
+`end - len(prompt)`; a decode row at input position p samples
+`p + 1 - len(prompt)`. A step's prefill chunks are packed into one call (more
+only when they overflow the largest bucket).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from serving.config import EngineConfig, bucket_for
+from serving.runner import attention
 from serving.runner.sampling import SamplingTensors
 from serving.runner.steps import DecodeInput, PrefillInput, VerifyInput
 from serving.types import DecodeRow, LoraAdapter, PrefillChunk, Sequence, StepError, StepPlan
@@ -26,14 +29,15 @@ from serving.types import DecodeRow, LoraAdapter, PrefillChunk, Sequence, StepEr
 
 @dataclasses.dataclass
 class StepInputs:
-  """The device calls of one step: a prefill per chunk, then one decode batch.
+  """The device calls of one step: prefill calls (usually one), then one decode batch.
 
-  `prefill_ids[i]` is the request sampled by `prefills[i]` (None for a chunk
-  that samples nothing); `decode_ids` the requests of the decode rows.
+  `prefill_ids[i]` names the requests `prefills[i]` samples, in sampler-row
+  order (empty for a call whose chunks all stop mid-prompt); `decode_ids` the
+  requests of the decode rows.
   """
 
   prefills: list[PrefillInput]
-  prefill_ids: list[str | None]
+  prefill_ids: list[list[str]]
   decode: DecodeInput | None
   decode_ids: list[str]
   lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
@@ -52,11 +56,12 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
   A sequence whose values cannot be turned into arrays (a request that slipped
   past validation) raises `StepError` naming it, before anything is dispatched.
   """
-  prefills = []
-  for chunk in plan.prefills:
-    with _blame([chunk.seq]):
-      prefills.append(build_prefill_input(chunk, config))
-  ids = [c.seq.request_id if c.sample else None for c in plan.prefills]
+  prefills, ids = [], []
+  for group in pack_prefill_chunks(plan.prefills, config):
+    with _blame([c.seq for c in group]):
+      inp, sampled = build_prefill_input(group, config)
+    prefills.append(inp)
+    ids.append(sampled)
   decode = verify = drafts = None
   if plan.decodes:
     with _blame([r.seq for r in plan.decodes]):
@@ -103,27 +108,86 @@ def kv_index(seq: Sequence, positions: np.ndarray, page_size: int) -> np.ndarray
   return pages[positions // page_size] * page_size + positions % page_size
 
 
-def build_prefill_input(chunk: PrefillChunk, config: EngineConfig) -> PrefillInput:
-  seq, n = chunk.seq, chunk.end - chunk.start
-  t = bucket_for(n, config.prefill_token_buckets)
-  tokens = np.zeros((t,), np.int32)
-  tokens[:n] = seq.token_ids()[chunk.start:chunk.end]
-  positions = np.zeros((t,), np.int32)
-  positions[:n] = np.arange(chunk.start, chunk.end)
-  index = np.zeros((t,), np.int32)
-  index[:n] = kv_index(seq, positions[:n], config.page_size)
+def pack_prefill_chunks(chunks: list[PrefillChunk],
+                        config: EngineConfig) -> list[list[PrefillChunk]]:
+  """The step's chunks grouped into prefill calls: as many as fit the largest token
+  bucket and its chunk rows (the scheduler's budget makes that one call)."""
+  top = config.prefill_token_buckets[-1]
+  groups: list[list[PrefillChunk]] = []
+  tokens = 0
+  for chunk in chunks:
+    n = chunk.end - chunk.start
+    if not groups or tokens + n > top or len(groups[-1]) >= config.prefill_chunk_rows(top):
+      groups.append([])
+      tokens = 0
+    groups[-1].append(chunk)
+    tokens += n
+  return groups
+
+
+def prefill_bucket(sizes: list[int], config: EngineConfig) -> int:
+  """The smallest token bucket holding chunks of `sizes` tokens (and their count)."""
+  for t in config.prefill_token_buckets:
+    if sum(sizes) <= t and len(sizes) <= config.prefill_chunk_rows(t):
+      return t
+  raise ValueError(f"{len(sizes)} prefill chunks of {sum(sizes)} tokens exceed the largest "
+                   f"bucket {config.prefill_token_buckets[-1]}")
+
+
+def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
+                        bucket: int | None = None) -> tuple[PrefillInput, list[str]]:
+  """One prefill call of `chunks` (none: a padding-only call of `bucket` tokens) and
+  the requests it samples, in sampler-row order (steps.PrefillInput)."""
+  t = bucket or prefill_bucket([c.end - c.start for c in chunks], config)
+  c_rows, q = config.prefill_chunk_rows(t), attention.PREFILL_QUERY_BLOCK
+  nb, ps, dummy = -(-t // q) + c_rows, config.page_size, config.max_num_seqs
+  tokens, positions, index = (np.zeros((t,), np.int32) for _ in range(3))
   is_output = np.zeros((t,), bool)
-  is_output[:n] = positions[:n] >= len(seq.prompt_ids)
-  used = -(-chunk.end // config.page_size)
-  table = np.zeros((1, config.block_table_width), np.int32)
-  table[0, :used] = seq.pages[:used]
-  output_index = chunk.end - len(seq.prompt_ids) if chunk.sample else 0
-  return PrefillInput(
+  token_slots, lora_rows = np.full((t,), dummy, np.int32), np.full((t,), -1, np.int32)
+  cu, kv_lens = np.zeros((c_rows + 1,), np.int32), np.zeros((c_rows,), np.int32)
+  tables = np.zeros((c_rows, config.block_table_width), np.int32)
+  slots, reset = np.full((c_rows,), dummy, np.int32), np.zeros((c_rows,), bool)
+  rows, q_lens = np.zeros((nb, q), np.int32), np.zeros((nb, q), np.int32)
+  block_chunk, unblock = np.zeros((nb,), np.int32), np.zeros((t,), np.int32)
+  row = blk = 0
+  for i, chunk in enumerate(chunks):
+    seq, n = chunk.seq, chunk.end - chunk.start
+    pos = np.arange(chunk.start, chunk.end, dtype=np.int32)
+    span = slice(row, row + n)
+    tokens[span] = seq.token_ids()[chunk.start:chunk.end]
+    positions[span] = pos
+    index[span] = kv_index(seq, pos, ps)
+    is_output[span] = pos >= len(seq.prompt_ids)
+    token_slots[span], lora_rows[span] = seq.decode_slot, _lora_slot(seq)
+    used = -(-chunk.end // ps)
+    tables[i, :used] = seq.pages[:used]
+    kv_lens[i], slots[i], reset[i] = chunk.end, seq.decode_slot, chunk.start == 0
+    for b0 in range(0, n, q):  # the chunk's query blocks
+      m = min(q, n - b0)
+      rows[blk, :m] = row + b0 + np.arange(m)
+      q_lens[blk, :m] = pos[b0:b0 + m] + 1
+      block_chunk[blk] = i
+      unblock[row + b0:row + b0 + m] = blk * q + np.arange(m)
+      blk += 1
+    row += n
+    cu[i + 1:] = row
+  sampled = [(i, c) for i, c in enumerate(chunks) if c.sample]
+  sample_rows = np.zeros((c_rows,), np.int32)
+  sample_slots = np.full((c_rows,), dummy, np.int32)
+  for j, (i, chunk) in enumerate(sampled):
+    sample_rows[j], sample_slots[j] = cu[i + 1] - 1, chunk.seq.decode_slot
+  seqs = [c.seq for _, c in sampled]
+  inp = PrefillInput(
       tokens=tokens, positions=positions, kv_index=index, is_output=is_output,
-      num_tokens=np.int32(n), block_table=table, kv_len=np.array([chunk.end], np.int32),
-      decode_slot=np.int32(seq.decode_slot), reset=np.bool_(chunk.start == 0),
-      lora_slot=np.int32(_lora_slot(seq)),
-      sampling=SamplingTensors.build([seq.params], [seq.seed], [output_index], 1))
+      token_slots=token_slots, lora_rows=lora_rows, cu_q_lens=cu, kv_lens=kv_lens,
+      block_tables=tables, decode_slots=slots, reset=reset,
+      blocks=attention.QueryBlocks(rows=rows, q_lens=q_lens, chunk=block_chunk,
+                                   count=np.int32(blk), unblock=unblock),
+      sample_rows=sample_rows, sample_slots=sample_slots,
+      sampling=SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
+                                     [c.end - len(c.seq.prompt_ids) for _, c in sampled],
+                                     c_rows))
+  return inp, [s.request_id for s in seqs]
 
 
 def build_decode_input(rows: list[DecodeRow], config: EngineConfig) -> DecodeInput:

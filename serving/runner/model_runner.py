@@ -43,7 +43,7 @@ from serving.models.quantized import is_quantized, params_nbytes, weight_formats
 from serving.runner import attention, lora_state, sampling
 from serving.runner.draft_model import DraftModel, check_vocabulary
 from serving.runner.executable_store import ExecutableStore, StepProgram
-from serving.runner.inputs import StepInputs, build_step_inputs
+from serving.runner.inputs import StepInputs, build_prefill_input, build_step_inputs
 from serving.runner.kv_cache import create_kv_cache, kv_bytes_per_token
 from serving.runner.steps import (
   DecodeInput,
@@ -375,12 +375,12 @@ class ModelRunner:
     # A step with constrained rows samples after `sample()` brings their masks.
     defer = bool(inputs.constrained)
     calls, logprobs = [], {}
-    for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
+    for inp, ids in zip(inputs.prefills, inputs.prefill_ids, strict=True):
       logits = self.run_prefill(inp)
-      if rid is not None:
-        calls.append(self._sampler_call([rid], logits, inp.decode_slot[None], inp.sampling,
+      if ids:
+        calls.append(self._sampler_call(list(ids), logits, inp.sample_slots, inp.sampling,
                                         defer))
-        logprobs[rid] = int(inp.sampling.num_logprobs[0])
+        logprobs.update({rid: int(inp.sampling.num_logprobs[i]) for i, rid in enumerate(ids)})
     num_drafts = {}
     if inputs.verify is not None:
       inp = inputs.verify
@@ -417,7 +417,7 @@ class ModelRunner:
     return mask
 
   def run_prefill(self, inp: PrefillInput) -> jax.Array:
-    """Runs a chunk (and the draft model's); returns the logits [1, V] after its last token."""
+    """Runs a prefill call (and the draft model's); returns the sampler rows' logits [C, V]."""
     self.state, logits = self._prefill(self.params, self.lora, self.state, inp)
     if self.draft is not None:
       self.draft.prefill(inp)
@@ -447,8 +447,8 @@ class ModelRunner:
   def warm_up(self) -> int:
     """Compiles (or loads) every bucket's program; returns the count.
 
-    Programs: one prefill per token bucket, one decode and one sampler per
-    batch bucket (+ the single-row sampler prefill uses). With an executable
+    Programs: one prefill per token bucket (a step's chunks in one call), one
+    decode and one sampler per batch bucket (prefill calls share the samplers). With an executable
     store they are loaded in parallel threads and compiled only when missing,
     without running anything; without one, each is run once on dummy inputs.
     """
@@ -512,7 +512,7 @@ class ModelRunner:
       return self.run_verify(args[3], args[4], []).out.tokens
     inp = args[-1]
     if step is self._prefill:
-      logits, slots = self.run_prefill(inp), inp.decode_slot[None]
+      logits, slots = self.run_prefill(inp), inp.sample_slots
     else:
       logits, slots = self.run_decode(inp), inp.decode_slots
     self.state, out = self._sample(self.state, logits, slots, inp.sampling,
@@ -520,14 +520,8 @@ class ModelRunner:
     return out.tokens
 
   def dummy_prefill(self, t: int) -> PrefillInput:
-    """A padding-only chunk of T tokens: writes into page 0 and the dummy slot."""
-    ec = self.engine_cfg
-    z, w = np.zeros((t,), np.int32), ec.block_table_width
-    return PrefillInput(tokens=z, positions=z, kv_index=z, is_output=np.zeros(t, bool),
-                        num_tokens=np.int32(1), block_table=np.zeros((1, w), np.int32),
-                        kv_len=np.ones((1,), np.int32), decode_slot=np.int32(ec.max_num_seqs),
-                        reset=np.bool_(True), lora_slot=np.int32(-1),
-                        sampling=sampling.SamplingTensors.build([], [], [], 1))
+    """A padding-only prefill call of T tokens: writes into page 0 and the dummy slot."""
+    return build_prefill_input([], self.engine_cfg, bucket=t)[0]
 
   def dummy_verify(self, b: int) -> VerifyInput:
     """A padding-only speculative batch of B rows."""

@@ -68,8 +68,8 @@ class LeaderRunner:
     inputs = build_step_inputs(plan, self.runner.engine_cfg)
     defer = bool(inputs.constrained)
     prefills = []
-    for inp, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True):
-      _broadcast_header(PREFILL, inp.tokens.shape[0], rid is not None, defer)
+    for inp, ids in zip(inputs.prefills, inputs.prefill_ids, strict=True):
+      _broadcast_header(PREFILL, inp.tokens.shape[0], bool(ids), defer)
       prefills.append(multihost_utils.broadcast_one_to_all(inp))
     decode = None
     if inputs.decode is not None:
@@ -109,7 +109,7 @@ def follower_loop(runner: ModelRunner) -> int:
       return calls
     if op == PREFILL:
       inp = multihost_utils.broadcast_one_to_all(runner.dummy_prefill(size))
-      handle = runner.run(StepInputs(prefills=[inp], prefill_ids=["" if sample else None],
+      handle = runner.run(StepInputs(prefills=[inp], prefill_ids=[[""] if sample else []],
                                      decode=None, decode_ids=[], constrained=constrained))
       waiting.extend(c for c in handle.calls if c.out is None)
     elif op == DECODE:

@@ -1,13 +1,14 @@
 """The jitted steps as pure functions: device state in, device state out.
 
-`prefill_step` runs one sequence's chunk and returns the logits after its
-last row; `decode_step` runs one token per decode slot; `sample_step`
-samples from logits and records the tokens in the per-slot state. The
-runner (model_runner.py) jits each once per bucket and donates the state.
+`prefill_step` runs a step's prefill chunks in one call and returns the
+logits after the last row of each chunk that samples; `decode_step` runs one
+token per decode slot; `sample_step` samples from logits and records the
+tokens in the per-slot state. The runner (model_runner.py) jits each once per
+bucket and donates the state.
 
-Letters: T prefill tokens (a bucket), B decode rows (a bucket), W block-table
-width, R decode slots (max_num_seqs; row R is the dummy slot padding writes
-to), V vocabulary, D model dim.
+Letters: T prefill tokens (a bucket), C prefill chunks (padded), B decode
+rows (a bucket), W block-table width, R decode slots (max_num_seqs; row R is
+the dummy slot padding writes to), V vocabulary, D model dim.
 """
 
 from __future__ import annotations
@@ -39,19 +40,28 @@ class DeviceState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PrefillInput:
-  """One sequence's prefill chunk, padded to a token bucket T and width W."""
+  """A step's prefill chunks in one call: C chunk rows (padded), their tokens packed
+  back to back in T rows (a bucket), padding after.
+
+  Sampler rows: the chunks that sample come first (`sample_rows`, `sample_slots`,
+  `sampling`); the other rows are padding that writes to the dummy slot.
+  """
 
   tokens: np.ndarray  # [T] int32
   positions: np.ndarray  # [T] int32
   kv_index: np.ndarray  # [T] int32 KV index page*page_size+offset; padding -> page 0
   is_output: np.ndarray  # [T] bool: token was generated (recompute after preemption)
-  num_tokens: np.ndarray  # [] int32 valid rows
-  block_table: np.ndarray  # [1, W] int32
-  kv_len: np.ndarray  # [1] int32 tokens in the cache after this chunk
-  decode_slot: np.ndarray  # [] int32 the sequence's row of per-request state
-  reset: np.ndarray  # [] bool: first chunk, clear the slot's penalty state
-  lora_slot: np.ndarray  # [] int32 the sequence's LoRA slot (-1: none)
-  sampling: sampling.SamplingTensors  # [1]
+  token_slots: np.ndarray  # [T] int32 decode slot of each token's sequence (padding: dummy)
+  lora_rows: np.ndarray  # [T] int32 each token's LoRA slot (-1: none, and padding)
+  cu_q_lens: np.ndarray  # [C+1] int32 chunk c owns rows cu_q_lens[c]:cu_q_lens[c+1]
+  kv_lens: np.ndarray  # [C] int32 tokens in the cache after each chunk (0: padding)
+  block_tables: np.ndarray  # [C, W] int32
+  decode_slots: np.ndarray  # [C] int32 each chunk's row of per-request state (padding: dummy)
+  reset: np.ndarray  # [C] bool: first chunk of its sequence, clear the slot's penalty state
+  blocks: attention.QueryBlocks  # the rows regrouped per chunk (the XLA attention path)
+  sample_rows: np.ndarray  # [C] int32 packed row whose logits each sampler row takes
+  sample_slots: np.ndarray  # [C] int32 decode slot each sampler row writes (padding: dummy)
+  sampling: sampling.SamplingTensors  # [C]
 
 
 @jax.tree_util.register_dataclass
@@ -107,8 +117,9 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
       out, kv = attention.verify_attention(backend, q.reshape(*q_lens.shape, *q.shape[1:]), kv,
                                            tables, q_lens, **kw)
       return out.reshape(q.shape), kv
+    blocks = meta.get("blocks") if backend == "xla" else None
     return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
-                                      meta["kv_lens"], **kw)
+                                      meta["kv_lens"], blocks=blocks, **kw)
 
   # Under a mesh, kernels run per head shard (no gather of the KV cache);
   # the XLA path lets jit partition it.
@@ -120,32 +131,33 @@ def lora_batch(lora, rows: jax.Array) -> LoraBatch | None:
   return None if lora is None else LoraBatch(weights=lora, rows=rows)
 
 
+def prefill_meta(inp: PrefillInput) -> dict:
+  """The attention callback's view of a prefill call (attend_fn)."""
+  return dict(kv_index=inp.kv_index, block_tables=inp.block_tables, cu_q_lens=inp.cu_q_lens,
+              kv_lens=inp.kv_lens, blocks=inp.blocks)
+
+
 def prefill_step(params, lora, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
                  backend: str, act_dtype, block_tokens: int) -> tuple[DeviceState, jax.Array]:
-  """Pure prefill of one chunk -> (state, logits [1, V] after its last valid row).
+  """Pure prefill of a step's chunks -> (state, logits [C, V] of the sampler rows).
 
   `lora`: the runner's LoRA slots (lora_state.py), or None when LoRA is off.
   """
-  t = inp.tokens.shape[0]
-  meta = dict(kv_index=inp.kv_index, block_tables=inp.block_table,
-              cu_q_lens=jnp.stack([0, inp.num_tokens]).astype(jnp.int32), kv_lens=inp.kv_len)
-  attend = attend_fn(backend, cfg, state.kv.num_pages, "prefill", meta, block_tokens)
-  rows = jnp.full((t,), inp.lora_slot, jnp.int32)
+  attend = attend_fn(backend, cfg, state.kv.num_pages, "prefill", prefill_meta(inp),
+                     block_tokens)
   hidden, kv = llama.forward(params, cfg, inp.tokens, inp.positions, state.kv, attend,
                              act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg),
-                             lora=lora_batch(lora, rows))
-  last = jax.lax.dynamic_slice_in_dim(hidden, inp.num_tokens - 1, 1)  # [1, D]
-  logits = llama.logits(params, cfg, last)
-  # Penalty state of the slot: cleared on the first chunk, then fed by this chunk.
-  valid = jnp.arange(t) < inp.num_tokens
-  pm = jnp.where(inp.reset, False, state.prompt_mask[inp.decode_slot])
-  oc = jnp.where(inp.reset, 0, state.output_counts[inp.decode_slot])
-  pm = pm.at[inp.tokens].max(valid & ~inp.is_output)
-  oc = oc.at[inp.tokens].add((valid & inp.is_output).astype(jnp.int32))
-  state = dataclasses.replace(
-      state, kv=kv, prompt_mask=state.prompt_mask.at[inp.decode_slot].set(pm),
-      output_counts=state.output_counts.at[inp.decode_slot].set(oc))
-  return state, logits
+                             lora=lora_batch(lora, inp.lora_rows))
+  logits = llama.logits(params, cfg, hidden[inp.sample_rows])
+  # Penalty state of the chunks' slots: cleared on a first chunk, then fed by the tokens.
+  valid = jnp.arange(inp.tokens.shape[0]) < inp.cu_q_lens[-1]
+  slots = inp.decode_slots
+  pm = state.prompt_mask.at[slots].set(state.prompt_mask[slots] & ~inp.reset[:, None])
+  oc = state.output_counts.at[slots].set(jnp.where(inp.reset[:, None], 0,
+                                                   state.output_counts[slots]))
+  pm = pm.at[inp.token_slots, inp.tokens].max(valid & ~inp.is_output)
+  oc = oc.at[inp.token_slots, inp.tokens].add((valid & inp.is_output).astype(jnp.int32))
+  return dataclasses.replace(state, kv=kv, prompt_mask=pm, output_counts=oc), logits
 
 
 def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: ModelConfig,

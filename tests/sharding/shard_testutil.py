@@ -110,8 +110,10 @@ class Driver:
 
   def generate(self, prompts: list[list[int]], max_tokens: int):
     """-> (tokens per prompt, prefill logits [n, V], decode logits [steps, n, V])."""
+    from serving.runner.inputs import build_prefill_input
     from serving.runner.sampling import SamplingTensors
-    from serving.runner.steps import DecodeInput, PrefillInput
+    from serving.runner.steps import DecodeInput
+    from serving.types import PrefillChunk, SamplingParams, Sequence
 
     ec = self.runner.engine_cfg
     ps, width, t = ec.page_size, ec.block_table_width, ec.prefill_token_buckets[-1]
@@ -121,16 +123,11 @@ class Driver:
     tables[:, :PAGES_PER_SEQ] = pages
     first = []
     for i, prompt in enumerate(prompts):
-      n, pos = len(prompt), np.arange(t, dtype=np.int32)
-      tokens = np.zeros(t, np.int32)
-      tokens[:n] = prompt
-      slots = np.where(pos < n, pages[i][pos // ps] * ps + pos % ps, 0).astype(np.int32)
-      inp = PrefillInput(tokens=tokens, positions=np.where(pos < n, pos, 0).astype(np.int32),
-                         kv_index=slots, is_output=np.zeros(t, bool),
-                         num_tokens=np.int32(n), block_table=tables[i:i + 1],
-                         kv_len=np.array([n], np.int32), decode_slot=np.int32(i),
-                         reset=np.bool_(True), lora_slot=np.int32(-1),
-                         sampling=SamplingTensors.build([], [], [], 1))
+      seq = Sequence(request_id=str(i), prompt_ids=list(prompt),
+                     params=SamplingParams(temperature=0.0), pages=list(pages[i]),
+                     decode_slot=i)
+      inp, _ = build_prefill_input([PrefillChunk(seq, 0, len(prompt), sample=True)], ec,
+                                   bucket=t)
       first.append(self._step("prefill", inp)[0])
     out = [[int(np.argmax(lg))] for lg in first]
     b = ec.decode_batch_buckets[-1]

@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serving.config import EngineConfig
 from serving.runner import attention
+from serving.runner.inputs import build_prefill_input
 from serving.runner.kv_cache import KVCache
+from serving.types import PrefillChunk, SamplingParams, Sequence
 
 
 def dense_causal(q, k, v, q_pos, scale, window=None):
@@ -94,6 +97,36 @@ def test_ragged_general_matches_dense():
   for s, (n, ql) in enumerate(zip(kv_lens, q_lens, strict=True)):
     rows = slice(cu[s], cu[s + 1])
     ref = dense_causal(q[rows], *dense[s], n - ql + np.arange(ql), h ** -0.5)
+    np.testing.assert_allclose(np.asarray(out[rows]), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_batched_prefill_matches_dense(window):
+  """A step's chunks in one call (the engine's path): packed rows, per-chunk query
+  blocks (one chunk spans two), chunks starting mid-sequence, NaN everywhere else."""
+  rng = np.random.default_rng(3)
+  config = EngineConfig(page_size=4, max_model_len=128, attention_block_tokens=8,
+                        max_num_batched_tokens=128, max_num_seqs=8)
+  nk, g, h = 2, 2, 8
+  kv_lens, q_lens = [6, 13, 70, 4, 1], [2, 5, 70, 4, 1]
+  cache, tables, dense = make_cache(rng, kv_lens, 4, nk, h, 40, config.block_table_width)
+  chunks = []
+  for i, (n, ql) in enumerate(zip(kv_lens, q_lens, strict=True)):
+    seq = Sequence(request_id=str(i), prompt_ids=list(range(n)), params=SamplingParams(),
+                   pages=[int(p) for p in tables[i] if p], decode_slot=i)
+    chunks.append(PrefillChunk(seq, n - ql, n, sample=i % 2 == 0))
+  inp, sampled = build_prefill_input(chunks, config)
+  assert inp.tokens.shape == (128,) and inp.block_tables.shape[0] == 8  # 5 chunks: bucket 128
+  assert sampled == ["0", "2", "4"]
+  q = rng.standard_normal((128, nk * g, h)).astype(np.float32)
+  out, _ = attention.ragged_attention(
+      "xla", jnp.asarray(q), cache, jnp.asarray(inp.block_tables), jnp.asarray(inp.cu_q_lens),
+      jnp.asarray(inp.kv_lens), blocks=jax.tree.map(jnp.asarray, inp.blocks),
+      scale=h ** -0.5, sliding_window=window, block_tokens=8)
+  cu = inp.cu_q_lens
+  for s, (n, ql) in enumerate(zip(kv_lens, q_lens, strict=True)):
+    rows = slice(cu[s], cu[s + 1])
+    ref = dense_causal(q[rows], *dense[s], n - ql + np.arange(ql), h ** -0.5, window)
     np.testing.assert_allclose(np.asarray(out[rows]), ref, rtol=2e-5, atol=2e-5)
 
 
