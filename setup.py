@@ -47,6 +47,7 @@ NATIVE = []
 if platform.machine().lower() in ("x86_64", "amd64"):
   NATIVE.append(Extension(
       "kernels_cpu._native", sources=["kernels_cpu/matvec.cc", "kernels_cpu/attention.cc"],
+      depends=["kernels_cpu/parallel.h"],
       language="c++",
       extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes",
                           "-Wno-return-type"],

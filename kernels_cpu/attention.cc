@@ -9,7 +9,8 @@
 // gathers each block of keys into a copy laid out for its dots; here each
 // key is read once, where it lies, and folded into a running (online)
 // softmax per query head. Numerics: float32 scores, sums and outputs, as the
-// XLA path with float32 pages.
+// XLA path with float32 pages. Query rows are split over XLA's intra-op threads
+// (parallel.h).
 //
 // Pool storage (the last dimension of `k_pages` / `v_pages`):
 //   kind 0: float32 [H];
@@ -24,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -123,25 +125,29 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
 }
 
 template <int kKind>
-void Attend(const Dims& d, const float* q, const uint8_t* k_pages, const uint8_t* v_pages,
-            const int32_t* tables, const int32_t* q_lens, float scale, int64_t window,
-            float soft_cap, float* out) {
+void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
+            const uint8_t* v_pages, const int32_t* tables, const int32_t* q_lens, float scale,
+            int64_t window, float soft_cap, float* out) {
   const int64_t group = d.heads / d.kv_heads;
-  std::vector<float> acc(group * d.head_dim), qs(group * d.head_dim), m(group), l(group);
   const int64_t max_keys = d.table_width * d.page_size;
-  for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t t = 0; t < d.queries; ++t) {
-      const int64_t row = b * d.queries + t;
-      const int64_t q_len = std::clamp<int64_t>(q_lens[row], 0, max_keys);
-      AttendQuery<kKind>(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
-                         tables + b * d.table_width, q_len, scale, window, soft_cap,
-                         out + row * d.heads * d.head_dim, acc.data(), m.data(), l.data(),
-                         qs.data());
-    }
-  }
+  // One query row per work item, over the caller and XLA's intra-op threads.
+  xlaserve::ParallelFor(pool, d.batch * d.queries, [=, &d](int64_t row) {
+    thread_local std::vector<float> acc, qs, m, l;
+    acc.resize(group * d.head_dim);
+    qs.resize(group * d.head_dim);
+    m.resize(group);
+    l.resize(group);
+    const int64_t b = row / d.queries;
+    const int64_t q_len = std::clamp<int64_t>(q_lens[row], 0, max_keys);
+    AttendQuery<kKind>(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
+                       tables + b * d.table_width, q_len, scale, window, soft_cap,
+                       out + row * d.heads * d.head_dim, acc.data(), m.data(), l.data(),
+                       qs.data());
+  });
 }
 
-ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> q_lens, ffi::ResultBuffer<ffi::F32> out,
                               float scale, int64_t window, float soft_cap, int64_t kind) {
@@ -183,13 +189,13 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
     }
   }
   if (kind == 0) {
-    Attend<0>(d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
+    Attend<0>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
               out->typed_data());
   } else if (kind == 1) {
-    Attend<1>(d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
+    Attend<1>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
               out->typed_data());
   } else {
-    Attend<2>(d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
+    Attend<2>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
               out->typed_data());
   }
   return ffi::Error::Success();
@@ -199,6 +205,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -1,5 +1,5 @@
-// Quantized weight x float activation products for few rows, as XLA FFI custom
-// calls (CPU).
+// Quantized weight x float activation products for up to 32 rows, as XLA FFI
+// custom calls (CPU), split by output columns over XLA's intra-op threads.
 //
 // y[B, O] = x[B, I] @ W^T, W stored [O, I] in groups of 32 inputs with a
 // float16 scale per group, W = code * scale + min, in four code formats:
@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,7 +33,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kGroup = 32;
-constexpr int kMaxRows = 8;
+constexpr int kMaxRows = 32;
+constexpr int kTileRows = 8;  // activation rows per pass (their register accumulators)
 
 enum Format { kU8, kS8, kQ4_1, kQ4_0 };
 
@@ -60,46 +62,58 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void Codes(
   }
 }
 
-// Output rows [o0, o1) for B <= kMaxRows activation rows.
+// Output columns [o0, o1) for activation rows [r0, r0 + rows), rows <= kTileRows.
 template <Format kFmt>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Rows(
-    const float* x, int rows, int64_t in, const uint8_t* codes, const uint16_t* scale,
-    const uint16_t* offset, float* out, int64_t out_dim, int64_t o0, int64_t o1) {
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Tile(
+    const float* x, int r0, int rows, int64_t in, const uint8_t* q, const uint16_t* s_row,
+    const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
+  const int64_t groups = in / kGroup;
+  const int64_t group_bytes = GroupBytes(kFmt);
+  __m512 acc[kTileRows];
+  for (int b = 0; b < rows; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0));
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (HasMin(kFmt)) {
+      mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0));
+    } else if constexpr (kFmt == kQ4_0) {
+      mv = _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t g = g0 + k;
+      const __m512i lane = _mm512_set1_epi32(static_cast<int>(k));
+      const __m512 s = _mm512_permutexvar_ps(lane, sv);
+      const __m512 m = _mm512_permutexvar_ps(lane, mv);
+      __m512 c_lo, c_hi;
+      Codes<kFmt>(q + g * group_bytes, &c_lo, &c_hi);
+      const __m512 w_lo = _mm512_fmadd_ps(c_lo, s, m);
+      const __m512 w_hi = _mm512_fmadd_ps(c_hi, s, m);
+      for (int b = 0; b < rows; ++b) {
+        const float* xb = x + (r0 + b) * in + g * kGroup;
+        acc[b] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb), acc[b]);
+        acc[b] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + 16), acc[b]);
+      }
+    }
+  }
+  for (int b = 0; b < rows; ++b) out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(acc[b]);
+}
+
+// Output columns [o0, o1) for all `rows` activation rows: each column's codes are
+// read from memory once and converted once per tile of kTileRows rows (L1 hits).
+template <Format kFmt>
+void Columns(const float* x, int rows, int64_t in, const uint8_t* codes, const uint16_t* scale,
+             const uint16_t* offset, float* out, int64_t out_dim, int64_t o0, int64_t o1) {
   const int64_t groups = in / kGroup;
   const int64_t group_bytes = GroupBytes(kFmt);
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* q = codes + o * groups * group_bytes;
-    const uint16_t* s_row = scale + o * groups;
     const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
-    __m512 acc[kMaxRows];
-    for (int b = 0; b < rows; ++b) acc[b] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const int64_t n = std::min<int64_t>(16, groups - g0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0));
-      __m512 mv = _mm512_setzero_ps();
-      if constexpr (HasMin(kFmt)) {
-        mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0));
-      } else if constexpr (kFmt == kQ4_0) {
-        mv = _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
-      }
-      for (int64_t k = 0; k < n; ++k) {
-        const int64_t g = g0 + k;
-        const __m512i lane = _mm512_set1_epi32(static_cast<int>(k));
-        const __m512 s = _mm512_permutexvar_ps(lane, sv);
-        const __m512 m = _mm512_permutexvar_ps(lane, mv);
-        __m512 c_lo, c_hi;
-        Codes<kFmt>(q + g * group_bytes, &c_lo, &c_hi);
-        const __m512 w_lo = _mm512_fmadd_ps(c_lo, s, m);
-        const __m512 w_hi = _mm512_fmadd_ps(c_hi, s, m);
-        for (int b = 0; b < rows; ++b) {
-          const float* xb = x + b * in + g * kGroup;
-          acc[b] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb), acc[b]);
-          acc[b] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + 16), acc[b]);
-        }
-      }
+    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      Tile<kFmt>(x, r0, std::min(kTileRows, rows - r0), in, q, scale + o * groups, m_row, out,
+                 out_dim, o);
     }
-    for (int b = 0; b < rows; ++b) out[b * out_dim + o] = _mm512_reduce_add_ps(acc[b]);
   }
 }
 
@@ -116,15 +130,16 @@ ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buf
   out_dim = cd[0];
   if (rows < 1 || rows > kMaxRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
       sd[0] != out_dim || sd[1] != in / kGroup) {
-    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=8, I] x "
+    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=32, I] x "
                                        "[O, I/32 groups] with [O, I/32] scales");
   }
   return ffi::Error::Success();
 }
 
 template <Format kFmt>
-ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::Buffer<ffi::F16> scale,
-                      ffi::Buffer<ffi::F16> offset, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                      ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                      ffi::ResultBuffer<ffi::F32> out) {
   int64_t rows = 0, in = 0, out_dim = 0;
   if (ffi::Error err = CheckShapes(x, codes, scale, GroupBytes(kFmt), rows, in, out_dim);
       err.failure()) {
@@ -139,10 +154,17 @@ ffi::Error MatvecImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::Buffer
     }
     m = reinterpret_cast<const uint16_t*>(offset.typed_data());
   }
-  Rows<kFmt>(x.typed_data(), static_cast<int>(rows), in,
-                reinterpret_cast<const uint8_t*>(codes.untyped_data()),
-                reinterpret_cast<const uint16_t*>(scale.typed_data()), m, out->typed_data(),
-                out_dim, 0, out_dim);
+  const float* xs = x.typed_data();
+  const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
+  const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  float* y = out->typed_data();
+  // Column ranges over the caller and XLA's intra-op threads (parallel.h): a few
+  // per thread, so a thread that starts late still finds work.
+  const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
+  xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+    Columns<kFmt>(xs, static_cast<int>(rows), in, q, s, m, y, out_dim, out_dim * i / parts,
+                  out_dim * (i + 1) / parts);
+  });
   return ffi::Error::Success();
 }
 
@@ -156,9 +178,10 @@ extern "C" int xlaserve_native_isa() {
   return ok ? 1 : 0;
 }
 
-// Both handlers take x, codes, scales and an offset operand, and return [B, O].
+// Every handler takes x, codes, scales and an offset operand, and returns [B, O].
 inline auto Binding() {
   return ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::F16>>()

@@ -45,7 +45,7 @@ def _reference(x, qw):
 
 @needs_native
 @pytest.mark.parametrize("asymmetric", [True, False])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 32])  # tiles of 8 rows, a partial one
 @pytest.mark.parametrize("out_dim,in_dim", [(96, 576), (37, 96), (130, 1536)])
 def test_matches_xla_path(asymmetric, rows, out_dim, in_dim):
   qw = _weight(out_dim, in_dim, asymmetric)
@@ -56,7 +56,7 @@ def test_matches_xla_path(asymmetric, rows, out_dim, in_dim):
 
 @needs_native
 @pytest.mark.parametrize("asymmetric", [True, False])  # Q4_1, Q4_0
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
 @pytest.mark.parametrize("out_dim,in_dim", [(96, 576), (37, 96), (130, 1536)])
 def test_nibbles_match_xla_path(asymmetric, rows, out_dim, in_dim):
   w = (np.random.default_rng(out_dim).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
@@ -75,13 +75,13 @@ def _uses_native(fn, *args) -> bool:
 @needs_native
 def test_matmul_routes_few_rows_to_the_kernel():
   qw = _weight(64, 96, True)
-  few = jnp.ones((2, 4, 96), jnp.float32)  # 8 rows: the kernel, leading axes kept
-  many = jnp.ones((9, 96), jnp.float32)  # 9 rows: the XLA path
+  few = jnp.ones((4, 8, 96), jnp.float32)  # 32 rows: the kernel, leading axes kept
+  many = jnp.ones((33, 96), jnp.float32)  # 33 rows: the XLA path
   assert _uses_native(lambda w, x: w.matmul(x), qw, few)
   assert not _uses_native(lambda w, x: w.matmul(x), qw, many)
   out = jax.jit(lambda w, x: w.matmul(x))(qw, few)
-  assert out.shape == (2, 4, 64)
-  np.testing.assert_allclose(np.asarray(out).reshape(8, 64), _reference(few.reshape(8, 96), qw),
+  assert out.shape == (4, 8, 64)
+  np.testing.assert_allclose(np.asarray(out).reshape(32, 64), _reference(few.reshape(32, 96), qw),
                              rtol=1e-5, atol=1e-5)
   # Not groups of 32 of int8 codes or nibbles (per channel, group 64, fp8): the XLA path.
   w = np.random.default_rng(1).standard_normal((128, 64)).astype(np.float32)
@@ -111,7 +111,8 @@ def test_supports_rejects_what_the_kernel_cannot_take():
   q = jnp.zeros((16, 64), jnp.uint8)
   s = jnp.zeros((16, 2), jnp.float16)
   assert matvec.supports(1, q, s, s)
-  assert not matvec.supports(9, q, s, s)  # too many rows
+  assert matvec.supports(matvec.MAX_ROWS, q, s, s)
+  assert not matvec.supports(matvec.MAX_ROWS + 1, q, s, s)  # too many rows
   assert not matvec.supports(1, q, s, None)  # uint8 codes need their mins
   assert not matvec.supports(1, q.astype(jnp.int8), s, s)  # int8 codes have none
   assert not matvec.supports(1, jnp.zeros((16, 48), jnp.uint8), s, s)  # 48 % 32
