@@ -11,7 +11,9 @@ start (docs/performance.md). `StepProgram` wraps one jitted step instead:
   (`jax.experimental.serialize_executable`), or lowered, compiled and saved
   there;
 - calls go straight to the compiled executable, with the jitted function's
-  donation.
+  donation;
+- a warm start may load some executables in the background
+  (`load_in_background`): a call that needs one still loading waits for it.
 
 A stored executable is found by a key that fixes everything the program
 depends on: the step's name and static options, the avals (shape, dtype,
@@ -42,6 +44,7 @@ write (`_trusted`); it never reads checkpoints or anything a request names.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -156,6 +159,9 @@ class ExecutableStore:
   def _path(self, name: str, key: str) -> str:
     return os.path.join(self.directory, f"{name}-{key}.jaxexe")
 
+  def has(self, name: str, key: str) -> bool:
+    return os.path.exists(self._path(name, key))
+
   def load(self, name: str, key: str) -> jax.stages.Compiled | None:
     path = self._path(name, key)
     if not os.path.exists(path):
@@ -208,16 +214,36 @@ class StepProgram:
     self.name, self.jitted, self.static = name, jitted, static
     self.num_fixed, self.store = num_fixed, store
     self._compiled: dict[tuple, jax.stages.Compiled] = {}
+    self._loading: dict[tuple, concurrent.futures.Future] = {}  # background loads
     self._lock = threading.Lock()  # try_load runs in several threads at warm-up
     self.loaded = self.compiled = 0  # executables taken from the store / compiled here
 
   def __call__(self, *args):
     if self.store is None:
       return self.jitted(*args)
-    exe = self._compiled.get(_shape_key(args[self.num_fixed:]))
+    shape_key = _shape_key(args[self.num_fixed:])
+    exe = self._compiled.get(shape_key)
     if exe is None:
-      exe = self.prepare(*args)
+      loading = self._loading.get(shape_key)
+      if loading is not None:  # still loading in the background: wait, do not compile
+        loading.result()
+      exe = self._compiled.get(shape_key) or self.prepare(*args)
     return exe(*args)
+
+  def is_stored(self, *args) -> bool:
+    """Whether the executable for `args` is held or has a file in the store."""
+    return (_shape_key(args[self.num_fixed:]) in self._compiled
+            or self.store.has(self.name, self.store.key(self.name, self.static, args)))
+
+  def load_in_background(self, pool: concurrent.futures.Executor, *args) -> None:
+    """Starts loading the executable for `args` from the store on `pool`; a call that
+    needs it first waits for the load (and compiles only if the file fails to load)."""
+    self._loading[_shape_key(args[self.num_fixed:])] = pool.submit(self.try_load, *args)
+
+  def wait_loaded(self) -> int:
+    """Waits for this step's background loads; returns how many it started."""
+    concurrent.futures.wait(list(self._loading.values()))
+    return len(self._loading)
 
   def try_load(self, *args) -> bool:
     """Loads the executable for `args` from the store if it is there; never compiles.

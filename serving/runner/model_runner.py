@@ -448,9 +448,13 @@ class ModelRunner:
     """Compiles (or loads) every bucket's program; returns the count.
 
     Programs: one prefill per token bucket (a step's chunks in one call), one
-    decode and one sampler per batch bucket (prefill calls share the samplers). With an executable
-    store they are loaded in parallel threads and compiled only when missing,
-    without running anything; without one, each is run once on dummy inputs.
+    decode and one sampler per batch bucket (prefill calls share the samplers).
+    With an executable store they are loaded in parallel threads and compiled
+    only when missing, without running anything; without one, each is run once
+    on dummy inputs. When the store holds them all (a warm start), the first
+    bucket of each step is loaded before this returns and the others in
+    background threads: a step that needs one still loading waits for it, and
+    nothing compiles.
     """
     start = time.perf_counter()
     if self.lora is not None:  # compiles the slot write; slot 0 stays zero
@@ -460,8 +464,21 @@ class ModelRunner:
       self._unconstrained(b)
     for b in self.engine_cfg.verify_batch_buckets:
       self._unconstrained(b, self.engine_cfg.num_speculative_tokens + 1)
-    if self._store is not None:
-      with concurrent.futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+    background = 0
+    if self._store is not None and all(step.is_stored(*args) for step, args in programs):
+      # Warm start: the first program of each step now, the rest in the background.
+      first = {id(step): i for i, (step, _) in reversed(list(enumerate(programs)))}
+      now = [p for i, p in enumerate(programs) if first[id(p[0])] == i]
+      later = [p for i, p in enumerate(programs) if first[id(p[0])] != i]
+      with concurrent.futures.ThreadPoolExecutor(_load_threads()) as pool:
+        list(pool.map(lambda p: p[0].prepare(*p[1]), now))
+      loader = concurrent.futures.ThreadPoolExecutor(_load_threads(), "load-executables")
+      for step, args in later:
+        step.load_in_background(loader, *args)
+      loader.shutdown(wait=False)  # runs what was submitted, then its threads exit
+      background = len(later)
+    elif self._store is not None:
+      with concurrent.futures.ThreadPoolExecutor(_load_threads()) as pool:
         list(pool.map(lambda p: p[0].try_load(*p[1]), programs))
       for step, args in programs:
         step.prepare(*args)
@@ -471,11 +488,11 @@ class ModelRunner:
           jax.block_until_ready(self._run_dummy(step, args))
     steps = (self._prefill, self._decode, self._sample)
     spec = (self._verify, self._verify_sample) + (self.draft.steps if self.draft else ())
-    n = sum(s.num_programs() for s in steps + spec)
-    log.info("compiled %d programs (%d prefill, %d decode, %d sampler, %d speculative; %d loaded "
-             "from the executable store) in %.1fs", n, *(s.num_programs() for s in steps),
-             sum(s.num_programs() for s in spec), sum(s.loaded for s in steps + spec),
-             time.perf_counter() - start)
+    n = len(programs) if self._store is not None else sum(
+        s.num_programs() for s in steps + spec)
+    log.info("%d programs (%d compiled, %d loaded from the executable store, %d loading in "
+             "the background) in %.1fs", n, sum(s.compiled for s in steps + spec),
+             sum(s.loaded for s in steps + spec), background, time.perf_counter() - start)
     return n
 
   def _bucket_programs(self) -> list[tuple[StepProgram, tuple]]:
@@ -555,6 +572,12 @@ class ModelRunner:
                 f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"):
       log.info(msg)
       print(msg, file=sys.stderr, flush=True)
+
+
+def _load_threads() -> int:
+  """Threads that load stored executables (XLA deserializes them with the GIL released;
+  more threads than cores only contend)."""
+  return max(1, min(4, os.cpu_count() or 1))
 
 
 def _enable_jax_compilation_cache(config: EngineConfig) -> None:
