@@ -18,7 +18,7 @@
 // attributes, so the library loads on any x86-64 CPU; `xlaserve_native_isa()`
 // says at run time whether this CPU has what the kernels use (AVX-512 F/BW/VL,
 // F16C, FMA). Python (kernels_cpu/matvec.py) falls back to the XLA path
-// otherwise. Docs: docs/performance.md, "Native int8 matvec".
+// otherwise. Docs: docs/performance.md, "Native CPU kernels".
 
 #include <immintrin.h>
 
