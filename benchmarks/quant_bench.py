@@ -1,9 +1,9 @@
 """Weight / KV quantization benchmark through `serving.LLM` (the standard workload).
 
 For each format (default f32, bf16, int8, int4; also fp8, gguf, int8+kv8,
-bf16w) one `LLM` is built in this process — its load + warm-up time is
-reported separately as "start-up"
-(compile time; the persistent compilation cache makes reruns cheaper) — and
+bf16w, gguf+bf16, gguf+bf16+q8, gguf+q8) one `LLM` is built in this process —
+its load + warm-up time is reported separately as "start-up" (compile time;
+the persistent compilation cache makes reruns cheaper) — and
 then the formats are measured round-robin, `--reps` rounds, so every figure
 is taken side by side with its comparison on the same noisy machine:
 
@@ -47,6 +47,15 @@ FORMATS = {
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8",
                      weight_dtype="float32"),
     "bf16w": dict(dtype="float32", weight_dtype="bfloat16"),
+    # The GGUF's blocks for small decode batches (native kernel) and a bf16 copy for
+    # prefill and larger batches (quantized_dense_copy).
+    "gguf+bf16": dict(dtype="float32", quantization="gguf", weight_dtype="bfloat16",
+                      quantized_dense_copy=True),
+    # The same, the Q4 blocks multiplying int8-rounded activations (int8_activations).
+    "gguf+bf16+q8": dict(dtype="float32", quantization="gguf", weight_dtype="bfloat16",
+                         quantized_dense_copy=True, int8_activations=True),
+    "gguf+q8": dict(dtype="float32", quantization="gguf", weight_dtype="float32",
+                    int8_activations=True),
 }
 
 

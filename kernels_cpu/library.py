@@ -23,6 +23,8 @@ TARGETS = {
     "xlaserve_int8_matvec_s8": "XlaserveMatvecS8",
     "xlaserve_q4_1_matvec": "XlaserveMatvecQ4_1",
     "xlaserve_q4_0_matvec": "XlaserveMatvecQ4_0",
+    "xlaserve_q4_1_matvec_q8": "XlaserveMatvecQ4_1Q8",
+    "xlaserve_q4_0_matvec_q8": "XlaserveMatvecQ4_0Q8",
     "xlaserve_paged_attention": "XlaservePagedAttention",
 }
 
@@ -51,3 +53,10 @@ def available() -> bool:
   except (OSError, AttributeError, ValueError):
     return False
   return True
+
+
+@functools.cache
+def vnni() -> bool:
+  """True when `available()` and this CPU has AVX-512 VNNI (the int8-activation matvec)."""
+  path = library_path()
+  return available() and bool(ctypes.CDLL(path).xlaserve_native_vnni())

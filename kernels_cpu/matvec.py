@@ -8,6 +8,11 @@ nibbles (bits=4, GGUF's Q4 order; Q4_1 with a min, Q4_0 as `scale * (code -
 8)`). It
 is only valid where `available()` (kernels_cpu/library.py) is True; callers
 check that when tracing and otherwise use the XLA path.
+
+`int8_activations=True` (nibbles only, an even number of groups, `vnni()`):
+the activations are rounded per group of 32 to int8 and multiplied with VNNI
+integer dot products, llama.cpp's Q4 x Q8 scheme: about half the instructions
+per weight, and the activations' 8-bit rounding in the result.
 """
 
 from __future__ import annotations
@@ -15,16 +20,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_cpu.library import available, library_path
+from kernels_cpu.library import available, library_path, vnni
 
 MAX_ROWS = 32  # activation rows the kernel takes (in tiles of 8 register accumulators)
 GROUP = 32
 # (code bits, has a min) -> FFI target
 _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_matvec_s8",
-            (4, True): "xlaserve_q4_1_matvec", (4, False): "xlaserve_q4_0_matvec"}
+            (4, True): "xlaserve_q4_1_matvec", (4, False): "xlaserve_q4_0_matvec",
+            (4, True, "q8"): "xlaserve_q4_1_matvec_q8", (4, False, "q8"): "xlaserve_q4_0_matvec_q8"}
 
 __all__ = ["MAX_ROWS", "available", "int8_matvec", "library_path", "quantized_matvec",
-           "supports"]
+           "supports", "supports_int8_activations", "vnni"]
 
 
 def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
@@ -44,13 +50,23 @@ def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | 
   return codes.dtype == jnp.int8 and offset is None
 
 
+def supports_int8_activations(rows: int, codes: jax.Array, scale: jax.Array,
+                              offset: jax.Array | None, bits: int = 8) -> bool:
+  """Whether `quantized_matvec(..., int8_activations=True)` takes these operands (and the
+  CPU has VNNI)."""
+  return (bits == 4 and supports(rows, codes, scale, offset, bits)
+          and scale.shape[1] % 2 == 0 and vnni())
+
+
 def quantized_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array,
-                     offset: jax.Array | None = None, bits: int = 8) -> jax.Array:
+                     offset: jax.Array | None = None, bits: int = 8,
+                     int8_activations: bool = False) -> jax.Array:
   """x [B, I] float32 -> [B, O] float32 (see module doc); needs `available()` and
-  `supports(...)`. bits=4: nibble codes [O, I/2] (GGUF Q4_1 with `offset`, else Q4_0)."""
+  `supports(...)` (`supports_int8_activations` with int8_activations). bits=4: nibble
+  codes [O, I/2] (GGUF Q4_1 with `offset`, else Q4_0)."""
   rows, out_dim = x.shape[0], codes.shape[0]
-  call = jax.ffi.ffi_call(_TARGETS[bits, offset is not None],
-                          jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
+  key = (bits, offset is not None, "q8") if int8_activations else (bits, offset is not None)
+  call = jax.ffi.ffi_call(_TARGETS[key], jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
   return call(x.astype(jnp.float32), codes, scale, scale if offset is None else offset)
 
 

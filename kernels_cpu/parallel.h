@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -38,10 +39,21 @@ struct ParallelWork {
   }
 };
 
+// Threads a call may use, the caller included: XLASERVE_NATIVE_THREADS when set (a
+// tuning knob), else the caller plus every pool thread.
+inline int64_t ThreadLimit(xla::ffi::ThreadPool& pool) {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("XLASERVE_NATIVE_THREADS");
+    return env == nullptr ? int64_t{0} : std::max<int64_t>(1, std::atoll(env));
+  }();
+  const int64_t all = pool.num_threads() + 1;
+  return limit > 0 ? std::min(limit, all) : all;
+}
+
 inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count,
                         std::function<void(int64_t)> fn) {
   if (count <= 0) return;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
+  const int64_t helpers = std::min<int64_t>(ThreadLimit(pool) - 1, count - 1);
   if (helpers <= 0) {
     for (int64_t i = 0; i < count; ++i) fn(i);
     return;

@@ -43,6 +43,13 @@ flags.DEFINE_enum("weight_dtype", None, config_lib.DTYPES,
 flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
 flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8", "gguf"],
                   "Weight quantization (gguf: a GGUF file's blocks as stored).")
+flags.DEFINE_bool("quantized_dense_copy", None,
+                  "With --quantization on CPU: also keep a --weight_dtype copy of the weights; "
+                  "small decode batches read the codes (native kernel), prefill and large "
+                  "batches the copy.")
+flags.DEFINE_bool("int8_activations", None,
+                  "With nibble (Q4) weights on CPU: round activations to int8 per group of 32 "
+                  "in the native kernel (llama.cpp's scheme; faster, less exact).")
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")
@@ -73,7 +80,7 @@ flags.DEFINE_integer("speculative_max_batch", None, "Speculate only while at mos
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
-                "tp", "ep", "dp",
+                "quantized_dense_copy", "int8_activations", "tp", "ep", "dp",
                 "prefill_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",

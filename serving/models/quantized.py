@@ -37,6 +37,12 @@ whole model. Per-channel kinds scale the dot's output instead of the weight.
 On CPU the dequantized operand is float32 (XLA:CPU bf16 dots are slow, see
 docs/performance.md); elsewhere it is the activation dtype.
 
+With `quantized_dense_copy` (EngineConfig) a weight the native kernel reads
+also carries `full`, its dequantized copy in the weight dtype: decode batches
+of up to `NATIVE_ROWS_BESIDE_FULL` rows read the codes (the kernel is bound
+by their conversion, not by bytes, and beats XLA's dot there), prefill and
+larger batches take XLA's GEMM on the copy. Memory for speed at both ends.
+
 A tied embedding is quantized as the LM head: `logical [D, V]`, stored
 `[V, D]` — exactly the embedding table, so `lookup(ids)` returns embedding
 rows (`serving.models.llama.embed_tokens`).
@@ -57,8 +63,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels_cpu
+from serving.models.llama import dot_f32_accumulate
 
 KINDS = ("int8", "int4", "int5", "int6", "fp8")
 METHODS = ("int8", "int4", "fp8", "gguf")  # values of `quantization=` (gguf: blocks as stored)
@@ -70,7 +78,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 CODE_BITS = {"int4": 4, "int5": 5, "int6": 6}  # nibble-packed kinds
 HIGH_BITS = {"int5": 1, "int6": 2}  # bits above the low nibble, in `q_high`
 ROW_FIELDS = ("q", "scale", "offset", "zero", "q_high", "super_scale", "super_offset")
-FIELDS = (*ROW_FIELDS, "perm")
+FIELDS = (*ROW_FIELDS, "perm", "full")
+# With a `full` copy beside the codes, the native kernel takes batches up to this many
+# rows (where it beats XLA's dot); larger ones multiply the copy.
+NATIVE_ROWS_BESIDE_FULL = 8
 
 
 @jax.tree_util.register_dataclass
@@ -86,9 +97,15 @@ class QuantizedWeight:
   super_scale: Any = None  # f16 [..., O, I/S]: scale = scale codes * super_scale (K-quants)
   super_offset: Any = None  # f16 [..., O, I/S]: offset = offset codes * super_offset
   perm: Any = None  # int32 [..., I]: input j of the stored codes is input perm[j] (act-order)
+  # [..., O, I] the dequantized weight in a dense dtype, kept beside the codes
+  # (`with_full_copies`): prefill and large batches multiply it, small ones the codes.
+  full: Any = None
   kind: str = dataclasses.field(default="int8", metadata=dict(static=True))
   group_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: per channel
   super_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # S, K-quants
+  # Nibble weights on CPU: the native kernel rounds the activations to int8 per group
+  # of 32 and uses integer dot products (`with_int8_activations`).
+  int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -180,8 +197,13 @@ class QuantizedWeight:
     """x [..., In] -> x @ w [..., Out] in x.dtype, accumulating in float32."""
     if self._native(x):  # few rows of 32-input groups on CPU: the FFI kernel (kernels_cpu)
       rows = x.reshape(-1, x.shape[-1])
-      out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits)
+      q8 = self.int8_activations and kernels_cpu.matvec.supports_int8_activations(
+          rows.shape[0], self.q, self.scale, self.offset, self.bits)
+      out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits,
+                                         int8_activations=q8)
       return out.reshape(*x.shape[:-1], -1).astype(x.dtype)
+    if self.full is not None:
+      return dot_f32_accumulate("...i,oi->...o", x, self.full).astype(x.dtype)
     cdt = _compute_dtype(x.dtype)
     w = self.after(x)
     xs = x if self.perm is None else jnp.take(x, self.perm, axis=-1)
@@ -200,16 +222,48 @@ class QuantizedWeight:
     with a min, or Q8_0) or nibbles (Q4_1, Q4_0), one weight (not stacked), at most
     MAX_ROWS rows, and not traced on a mesh (XLA cannot split a custom call: it would
     gather the weight)."""
-    if self.kind not in ("int8", "int4") or self.group_size != 32 or self.super_size:
-      return False
-    if self.zero is not None or self.perm is not None or jax.default_backend() != "cpu":
+    if not native_format(self) or jax.default_backend() != "cpu":
       return False
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and math.prod(mesh.shape.values()) > 1:
       return False
     rows = math.prod(x.shape[:-1])
+    if self.full is not None and rows > NATIVE_ROWS_BESIDE_FULL:
+      return False
     return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)
             and kernels_cpu.available())
+
+
+def native_format(w: QuantizedWeight) -> bool:
+  """Codes the native matvec reads: int8 codes or nibbles in groups of 32, no zero point,
+  permutation or super-blocks."""
+  return (w.kind in ("int8", "int4") and w.group_size == 32 and not w.super_size
+          and w.zero is None and w.perm is None)
+
+
+def with_int8_activations(params: Any) -> Any:
+  """Params whose nibble weights in a `native_format` multiply int8-rounded activations in
+  the native kernel (llama.cpp's Q4 x Q8 scheme: about half the instructions per weight;
+  the activations' 8-bit rounding shows in the result, ~0.5% of its range)."""
+  def mark(w):
+    if not is_quantized(w) or not native_format(w) or w.kind != "int4":
+      return w
+    return dataclasses.replace(w, int8_activations=True)
+
+  return jax.tree.map(mark, params, is_leaf=is_quantized)
+
+
+def with_full_copies(params: Any, dtype) -> Any:
+  """Params whose quantized weights in a `native_format` carry a dequantized `full` copy
+  as `dtype` (on the host, before the weights go to the device): batch-1 decode reads the
+  codes through the native kernel, prefill and large batches take XLA's dot of the copy.
+  Costs the copy's memory; other weights are unchanged."""
+  def add(w):
+    if not is_quantized(w) or not native_format(w):
+      return w
+    return dataclasses.replace(w, full=np.asarray(jnp.asarray(w.dequantize(jnp.float32), dtype)))
+
+  return jax.tree.map(add, params, is_leaf=is_quantized)
 
 
 def _compute_dtype(dtype):
@@ -278,6 +332,9 @@ def weight_formats(params: Any, float_dtype: str) -> str:
   leaves = jax.tree.leaves(params, is_leaf=is_quantized)
   kinds = sorted({_format(w) for w in leaves if is_quantized(w)})
   floats = f"{float_dtype}" if not kinds else f"other weights {float_dtype}"
+  copies = sorted({str(w.full.dtype) for w in leaves if is_quantized(w) and w.full is not None})
+  if copies:
+    floats += f"; {'/'.join(copies)} copies for prefill and large batches"
   return "; ".join([" + ".join(kinds), floats] if kinds else [floats])
 
 

@@ -39,7 +39,13 @@ from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
 from serving.models import llama
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import is_quantized, params_nbytes, weight_formats
+from serving.models.quantized import (
+  is_quantized,
+  params_nbytes,
+  weight_formats,
+  with_full_copies,
+  with_int8_activations,
+)
 from serving.runner import attention, lora_state, sampling
 from serving.runner.draft_model import DraftModel, check_vocabulary
 from serving.runner.executable_store import ExecutableStore, StepProgram
@@ -188,6 +194,10 @@ class ModelRunner:
     dtype = jnp.dtype(self.dtype_name)
     if engine_cfg.quantization:  # on the host, before anything reaches the device
       params = quantize_params(params, engine_cfg.quantization)
+    if engine_cfg.quantized_dense_copy:
+      params = with_full_copies(params, jnp.dtype(self.weight_dtype_name))
+    if engine_cfg.int8_activations:
+      params = with_int8_activations(params)
     unroll = engine_cfg.unroll_layers
     if unroll if unroll is not None else platform == "cpu":
       params = llama.unstack_layers(params)

@@ -9,6 +9,7 @@ not multiples of its 16-group scale loads.
 fall back to the XLA path otherwise, including when the library is off.
 """
 
+import dataclasses
 import os
 import platform
 
@@ -122,3 +123,57 @@ def test_supports_rejects_what_the_kernel_cannot_take():
   assert matvec.supports(1, jnp.zeros((16, 32), jnp.uint8), s, None, bits=4)  # Q4_0
   assert not matvec.supports(1, q, s, s, bits=4)  # 64 bytes of nibbles are 128 inputs
   assert not matvec.supports(1, q, s, s, bits=5)
+
+
+@needs_native
+def test_dense_copy_takes_prefill_and_large_batches():
+  """`quantized_dense_copy`: small batches read the codes (the kernel), larger ones
+  multiply the dequantized copy; a format the kernel does not read gets no copy."""
+  from serving.config import EngineConfig
+  from serving.models import quantized as quant
+
+  w = (np.random.default_rng(4).standard_normal((96, 64)) * 0.05).astype(np.float32)
+  qw = jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32))
+  both = jax.tree.map(jnp.asarray, quant.with_full_copies({"w": qw}, jnp.float32)["w"])
+  np.testing.assert_array_equal(np.asarray(both.full), np.asarray(qw.dequantize()))
+  matmul = lambda w, x: w.matmul(x)  # noqa: E731
+  few = jnp.asarray(np.random.default_rng(5).standard_normal(
+      (quant.NATIVE_ROWS_BESIDE_FULL, 96)).astype(np.float32))
+  many = jnp.concatenate([few, few[:1]])
+  assert _uses_native(matmul, both, few) and not _uses_native(matmul, both, many)
+  for x in (few, many):
+    np.testing.assert_allclose(np.asarray(jax.jit(matmul)(both, x)), _reference(x, qw),
+                               rtol=1e-5, atol=1e-5)
+  per_channel = quantizers.quantize_int8(w, 0)
+  assert quant.with_full_copies({"w": per_channel}, jnp.float32)["w"].full is None
+  with pytest.raises(ValueError, match="quantized_dense_copy"):
+    EngineConfig(quantized_dense_copy=True)
+
+
+def _int8_rounded(x: np.ndarray) -> np.ndarray:
+  """x [B, I] rounded per group of 32 to int8 with scale max|x| / 127 (llama.cpp's Q8)."""
+  g = x.reshape(x.shape[0], -1, 32).astype(np.float64)
+  d = np.abs(g).max(-1, keepdims=True) / 127
+  return (np.clip(np.rint(np.divide(g, d, out=np.zeros_like(g), where=d > 0)), -127, 127)
+          * d).reshape(x.shape)
+
+
+@pytest.mark.skipif(not kernels_cpu.library.vnni(), reason="no native kernels or no VNNI")
+@pytest.mark.parametrize("asymmetric", [True, False])  # Q4_1, Q4_0
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_int8_activations_match_rounded_reference(asymmetric, rows):
+  """The VNNI kernel is exactly `rounded(x) @ W` (up to float32 sums); its distance from
+  the exact product is the activations' rounding, under 2% of the output range."""
+  w = (np.random.default_rng(6).standard_normal((576, 96)) * 0.05).astype(np.float32)
+  qw = jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32, asymmetric=asymmetric))
+  x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+  x[0, :32] = 0.0  # an all-zero group (scale 0)
+  got = np.asarray(matvec.quantized_matvec(jnp.asarray(x), qw.q, qw.scale, qw.offset, 4,
+                                           int8_activations=True))
+  exact = _reference(x, qw)
+  span = np.abs(exact).max()
+  np.testing.assert_allclose(got, _reference(_int8_rounded(x), qw), atol=2e-5 * span)
+  assert np.abs(got - exact).max() < 0.02 * span
+  marked = dataclasses.replace(qw, int8_activations=True)
+  assert "_q8" in str(jax.make_jaxpr(lambda w, x: w.matmul(x))(marked, jnp.asarray(x)))
+  assert "_q8" not in str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))

@@ -38,3 +38,21 @@ def test_convert_int4_then_serve_with_int8_kv(tiny_dir, tmp_path, capsys):
   assert len(out_q.token_ids) == 8
   ref = LLM(str(tiny_dir), **ENGINE).generate(["hello world"], greedy)[0]
   assert out_q.token_ids[:2] == ref.token_ids[:2]
+
+
+def test_dense_copy_and_int8_activations_serve(tiny_dir, capsys):
+  """`quantized_dense_copy`: prefill and batches over 8 rows multiply the copy (float32
+  here, so the same values), small batches the codes: the same greedy tokens as plain
+  int4. `int8_activations` marks the nibble weights for the VNNI kernel."""
+  greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+  prompts = ["hello world", "the quick brown fox jumps"]
+  plain = LLM(str(tiny_dir), quantization="int4", **ENGINE).generate(prompts, greedy)
+  both = LLM(str(tiny_dir), quantization="int4", quantized_dense_copy=True,
+             weight_dtype="float32", **ENGINE)
+  assert "float32 copies for prefill and large batches" in capsys.readouterr().err
+  wq = both.engine.runner.params["layers"][0]["wq"]
+  assert wq.full is not None and wq.full.shape == wq.q.shape[:-1] + (wq.in_features,)
+  assert [o.token_ids for o in both.generate(prompts, greedy)] == [o.token_ids for o in plain]
+  q8 = LLM(str(tiny_dir), quantization="int4", int8_activations=True, **ENGINE)
+  assert q8.engine.runner.params["layers"][0]["wq"].int8_activations
+  assert all(len(o.token_ids) == 8 for o in q8.generate(prompts, greedy))
