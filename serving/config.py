@@ -76,7 +76,8 @@ class EngineConfig:
   kv_cache_dtype: str = "auto"
   quantization: str | None = None
   # Keep a dequantized (weight_dtype) copy of the quantized weights the native CPU kernel
-  # reads: small decode batches read the codes, prefill and large batches the copy.
+  # reads: small decode batches read the codes, prefill and large batches the copy (one
+  # device only; without such weights, or on a mesh, it changes nothing).
   quantized_dense_copy: bool = False
   # Nibble (Q4) weights in the native CPU kernel: round the activations to int8 per group
   # of 32 and multiply with integer dot products (llama.cpp's scheme; faster, less exact).
@@ -137,10 +138,6 @@ class EngineConfig:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")
     self._check_speculative()
-    if self.quantized_dense_copy and (not self.quantization or self.tp * self.ep * self.dp > 1):
-      raise ValueError("quantized_dense_copy needs quantization and one device (tp=ep=dp=1)")
-    if self.int8_activations and not self.quantization:
-      raise ValueError("int8_activations needs quantization (nibble weights)")
     if self.prefill_buckets is not None:
       object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
       if self.prefill_buckets[-1] > self.max_num_batched_tokens:

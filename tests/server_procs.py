@@ -30,16 +30,20 @@ REPO = os.path.dirname(TESTS)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Engine options for tests on the default model: small, quick to compile; float32
-# weights (the preset stores them as bfloat16) so outputs match transformers exactly.
+# weights, not the preset's GGUF blocks with a bfloat16 copy, so outputs match
+# transformers exactly.
 DEFAULT_MODEL_TEST_CONFIG = dict(max_num_seqs=8, max_model_len=256, num_pages=96,
                                  max_num_batched_tokens=64, unroll_layers=False,
-                                 dtype="float32", weight_dtype="float32")
+                                 dtype="float32", weight_dtype="float32", quantization=None)
 
 
 def engine_flags(config: dict | None = None) -> list[str]:
   """An engine config (default: DEFAULT_MODEL_TEST_CONFIG) as launcher flags."""
   config = DEFAULT_MODEL_TEST_CONFIG if config is None else config
-  return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]
+  def value(v):
+    return "none" if v is None else str(v).lower() if isinstance(v, bool) else v
+
+  return [f"--{k}={value(v)}" for k, v in config.items()]
 
 
 def free_port() -> int:

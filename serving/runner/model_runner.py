@@ -194,7 +194,7 @@ class ModelRunner:
     dtype = jnp.dtype(self.dtype_name)
     if engine_cfg.quantization:  # on the host, before anything reaches the device
       params = quantize_params(params, engine_cfg.quantization)
-    if engine_cfg.quantized_dense_copy:
+    if engine_cfg.quantized_dense_copy and placement is None:  # a mesh splits no copy
       params = with_full_copies(params, jnp.dtype(self.weight_dtype_name))
     if engine_cfg.int8_activations:
       params = with_int8_activations(params)

@@ -129,7 +129,6 @@ def test_supports_rejects_what_the_kernel_cannot_take():
 def test_dense_copy_takes_prefill_and_large_batches():
   """`quantized_dense_copy`: small batches read the codes (the kernel), larger ones
   multiply the dequantized copy; a format the kernel does not read gets no copy."""
-  from serving.config import EngineConfig
   from serving.models import quantized as quant
 
   w = (np.random.default_rng(4).standard_normal((96, 64)) * 0.05).astype(np.float32)
@@ -146,8 +145,6 @@ def test_dense_copy_takes_prefill_and_large_batches():
                                rtol=1e-5, atol=1e-5)
   per_channel = quantizers.quantize_int8(w, 0)
   assert quant.with_full_copies({"w": per_channel}, jnp.float32)["w"].full is None
-  with pytest.raises(ValueError, match="quantized_dense_copy"):
-    EngineConfig(quantized_dense_copy=True)
 
 
 def _int8_rounded(x: np.ndarray) -> np.ndarray:

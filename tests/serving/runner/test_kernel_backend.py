@@ -23,7 +23,7 @@ def test_kernel_path_matches_xla_path(default_llm):
   params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
   kernel_llm = LLM("smollm2-135m-instruct", max_num_seqs=2, max_model_len=128, num_pages=24,
                    max_num_batched_tokens=32, unroll_layers=False, dtype="float32",
-                   weight_dtype="float32",
+                   weight_dtype="float32", quantization=None,
                    attention_backend="pallas_interpret")
   assert kernel_llm.engine.runner.backend == "pallas_interpret"
   kernel_out = [o.token_ids for o in kernel_llm.generate(PROMPTS, params)]
