@@ -85,9 +85,10 @@ def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
                      source=os.path.abspath(path))
 
 
-def load_gguf(path: str, dtype: Any = np.float32) -> LoadedModel:
-  """A GGUF file: metadata config, dequantized params, embedded tokenizer."""
-  reader = gguf_io.read_gguf(path)
+def load_gguf(path: str, dtype: Any = np.float32, reader: Any = None) -> LoadedModel:
+  """A GGUF file: metadata config, dequantized params, embedded tokenizer (`reader`: the
+  file already opened with `gguf_io.read_gguf`)."""
+  reader = reader if reader is not None else gguf_io.read_gguf(path)
   config = ModelConfig.from_hf_config(gguf_io.gguf_hf_config(reader))
   params = gguf_io.load_gguf_params(reader, config, dtype)
   tokenizer = Tokenizer.from_gguf_metadata(reader, extra_eos_ids=config.eos_token_ids)
@@ -110,8 +111,8 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   Q6_K across layers) are returned as a list of per-layer dicts, which the
   forward runs unrolled.
   """
-  loaded = load_gguf(path)
   reader = gguf_io.read_gguf(path)
+  loaded = load_gguf(path, reader=reader)
   cfg, params = loaded.config, loaded.params
   keep = quantize.KEEP_TYPES[method]
   types = {t.name: t.tensor_type for t in reader.tensors}

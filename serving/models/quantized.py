@@ -261,9 +261,29 @@ def with_full_copies(params: Any, dtype) -> Any:
   def add(w):
     if not is_quantized(w) or not native_format(w):
       return w
-    return dataclasses.replace(w, full=np.asarray(jnp.asarray(w.dequantize(jnp.float32), dtype)))
+    return dataclasses.replace(w, full=_dequantized_on_host(w, dtype))
 
   return jax.tree.map(add, params, is_leaf=is_quantized)
+
+
+def _dequantized_on_host(w: QuantizedWeight, dtype) -> np.ndarray:
+  """`w.dequantize()` of a `native_format` weight in numpy, as `dtype` `[..., Out, In]`
+  (no device dispatch or compile per shape: start-up)."""
+  q = np.asarray(w.q)
+  lead = q.shape[:-1]
+  if w.kind == "int4":  # byte j of a group: input j (low nibble) and j + 16 (high)
+    b = q.reshape(*lead, -1, 16)
+    codes = np.concatenate([b & 0x0F, b >> 4], axis=-1).astype(np.float32)
+  else:
+    codes = q.reshape(*lead, -1, 32).astype(np.float32)
+  scale = np.asarray(w.scale, np.float32)[..., None]
+  if w.offset is not None:
+    vals = codes * scale + np.asarray(w.offset, np.float32)[..., None]
+  elif w.kind == "int4":
+    vals = (codes - 8.0) * scale
+  else:
+    vals = codes * scale
+  return vals.reshape(*lead, -1).astype(dtype)
 
 
 def _compute_dtype(dtype):

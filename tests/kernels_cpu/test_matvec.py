@@ -134,7 +134,13 @@ def test_dense_copy_takes_prefill_and_large_batches():
   w = (np.random.default_rng(4).standard_normal((96, 64)) * 0.05).astype(np.float32)
   qw = jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32))
   both = jax.tree.map(jnp.asarray, quant.with_full_copies({"w": qw}, jnp.float32)["w"])
-  np.testing.assert_array_equal(np.asarray(both.full), np.asarray(qw.dequantize()))
+  np.testing.assert_allclose(np.asarray(both.full), np.asarray(qw.dequantize()), rtol=1e-6,
+                             atol=1e-7)
+  for fmt in (quantizers.quantize_int4(w, 32, asymmetric=False),  # Q4_0, Q8_0, int8 + min
+              quantizers.quantize_int8(w, 32, asymmetric=False), quantizers.quantize_int8(w, 32)):
+    copy = quant.with_full_copies({"w": fmt}, jnp.float32)["w"].full
+    np.testing.assert_allclose(copy, np.asarray(jax.tree.map(jnp.asarray, fmt).dequantize()),
+                               rtol=1e-6, atol=1e-7)
   matmul = lambda w, x: w.matmul(x)  # noqa: E731
   few = jnp.asarray(np.random.default_rng(5).standard_normal(
       (quant.NATIVE_ROWS_BESIDE_FULL, 96)).astype(np.float32))
