@@ -138,16 +138,15 @@ ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buf
   return ffi::Error::Success();
 }
 
+// CheckShapes, then the offset operand of a format with a min (its pointer in `m`).
 template <Format kFmt>
-ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                      ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
-                      ffi::ResultBuffer<ffi::F32> out) {
-  int64_t rows = 0, in = 0, out_dim = 0;
+ffi::Error CheckOperands(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes,
+                         ffi::Buffer<ffi::F16>& scale, ffi::Buffer<ffi::F16>& offset,
+                         int64_t& rows, int64_t& in, int64_t& out_dim, const uint16_t*& m) {
   if (ffi::Error err = CheckShapes(x, codes, scale, GroupBytes(kFmt), rows, in, out_dim);
       err.failure()) {
     return err;
   }
-  const uint16_t* m = nullptr;
   if constexpr (HasMin(kFmt)) {
     auto od = offset.dimensions();
     auto sd = scale.dimensions();
@@ -155,6 +154,19 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       return ffi::Error::InvalidArgument("quantized matvec: offset must have the scale's shape");
     }
     m = reinterpret_cast<const uint16_t*>(offset.typed_data());
+  }
+  return ffi::Error::Success();
+}
+
+template <Format kFmt>
+ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                      ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  int64_t rows = 0, in = 0, out_dim = 0;
+  const uint16_t* m = nullptr;
+  if (ffi::Error err = CheckOperands<kFmt>(x, codes, scale, offset, rows, in, out_dim, m);
+      err.failure()) {
+    return err;
   }
   const float* xs = x.typed_data();
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
@@ -268,22 +280,14 @@ ffi::Error MatvecQ8Impl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
                         ffi::ResultBuffer<ffi::F32> out) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
   int64_t rows = 0, in = 0, out_dim = 0;
-  if (ffi::Error err = CheckShapes(x, codes, scale, GroupBytes(kFmt), rows, in, out_dim);
+  const uint16_t* m = nullptr;
+  if (ffi::Error err = CheckOperands<kFmt>(x, codes, scale, offset, rows, in, out_dim, m);
       err.failure()) {
     return err;
   }
   const int64_t groups = in / kGroup;
   if (groups % 2) {
     return ffi::Error::InvalidArgument("quantized matvec (int8 activations): odd group count");
-  }
-  const uint16_t* m = nullptr;
-  if constexpr (HasMin(kFmt)) {
-    auto od = offset.dimensions();
-    auto sd = scale.dimensions();
-    if (od.size() != 2 || od[0] != sd[0] || od[1] != sd[1]) {
-      return ffi::Error::InvalidArgument("quantized matvec: offset must have the scale's shape");
-    }
-    m = reinterpret_cast<const uint16_t*>(offset.typed_data());
   }
   auto r = std::make_shared<Q8Rows>();
   QuantizeRows(x.typed_data(), static_cast<int>(rows), in, *r);
