@@ -277,13 +277,12 @@ def _dequantized_on_host(w: QuantizedWeight, dtype) -> np.ndarray:
   else:
     codes = q.reshape(*lead, -1, 32).astype(np.float32)
   scale = np.asarray(w.scale, np.float32)[..., None]
+  if w.kind == "int4" and w.offset is None:
+    codes -= 8.0
+  codes *= scale  # in place: one float32 temporary per weight
   if w.offset is not None:
-    vals = codes * scale + np.asarray(w.offset, np.float32)[..., None]
-  elif w.kind == "int4":
-    vals = (codes - 8.0) * scale
-  else:
-    vals = codes * scale
-  return vals.reshape(*lead, -1).astype(dtype)
+    codes += np.asarray(w.offset, np.float32)[..., None]
+  return codes.reshape(*lead, -1).astype(dtype)
 
 
 def _compute_dtype(dtype):
