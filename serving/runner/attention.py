@@ -150,6 +150,40 @@ def xla_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: fl
   return out.astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
 
 
+def _attend_table(q, lens, table, kc, vc, kv: KVCache, *, scale: float, block_pages: int,
+                  sliding_window: int | None, soft_cap: float | None):
+  """Queries of one sequence over its pages (flash-style): q [Q, N, H]; lens [Q] keys
+  each query sees (its position + 1; 0: none); table [W] (layer-offset). Loops over
+  key blocks up to max(lens) -> (kc, vc, out [Q, N, H] float32). The pools ride in
+  the loop carry so that XLA updates them in place afterwards."""
+  nq, n, h = q.shape
+  ps, nk = kv.k.shape[1], kv.k.shape[2]
+  g, span = n // nk, block_pages * ps
+  # [Q, N, H] -> [K, G*Q, H]; lens in the same (G, Q) order
+  qg = jnp.transpose(q.reshape(nq, nk, g, h), (1, 2, 0, 3)).reshape(nk, g * nq, h)
+  qg, lens = qg.astype(kv.compute_dtype), jnp.tile(lens, g)
+
+  def body(i, carry):
+    kc, vc, carry = carry[0], carry[1], carry[2:]
+    tbl = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages)
+    k = jnp.swapaxes(_gather_pages(kc, tbl, kv), 0, 1)  # [K, S, H]
+    v = jnp.swapaxes(_gather_pages(vc, tbl, kv), 0, 1)
+    s = jnp.einsum("kqh,ksh->kqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = _softcap(s, soft_cap)
+    pos = i * span + jnp.arange(span)  # [S]
+    valid = pos[None, :] < lens[:, None]  # [G*Q, S]
+    if sliding_window is not None:
+      valid &= pos[None, :] > lens[:, None] - 1 - sliding_window
+    v = jnp.where(jnp.any(valid, axis=0)[None, :, None], v, 0)  # unseen keys may be NaN
+    return kc, vc, *_online_softmax_update(carry, s, v, valid[None])
+
+  init = (kc, vc, jnp.full((nk, g * nq), _NEG, jnp.float32),
+          jnp.zeros((nk, g * nq), jnp.float32), jnp.zeros((nk, g * nq, h), jnp.float32))
+  kc, vc, _, l, acc = jax.lax.fori_loop(0, (jnp.max(lens) + span - 1) // span, body, init)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G*Q, H] -> [Q, N, H]
+  return kc, vc, jnp.transpose(out.reshape(nk, g, nq, h), (2, 0, 1, 3)).reshape(nq, n, h)
+
+
 def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale: float,
                           sliding_window: int | None = None, soft_cap: float | None = None,
                           block_tokens: int = 128):
@@ -159,36 +193,10 @@ def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale
   kv_len [] keys in the cache after the chunk. Loops over key blocks up to
   kv_len only. Padding rows (positions >= kv_len) produce values to ignore.
   """
-  t, n, h = q.shape
-  ps, nk = kv.k.shape[1], kv.k.shape[2]
-  g = n // nk
-  bp = _block_pages(block_table.shape[0], ps, block_tokens)
-  # [T, N, H] -> [K, G*T, H]
-  qg = jnp.transpose(q.reshape(t, nk, g, h), (1, 2, 0, 3)).reshape(nk, g * t, h)
-  qg = qg.astype(kv.compute_dtype)
-  q_pos = jnp.tile(q_start + jnp.arange(t), g)  # [G*T]
-  n_blocks = (kv_len + bp * ps - 1) // (bp * ps)
-
-  def body(i, carry):
-    kc, vc, carry = carry[0], carry[1], carry[2:]
-    table = jax.lax.dynamic_slice_in_dim(block_table, i * bp, bp)  # [bp]
-    k = jnp.swapaxes(_gather_pages(kc, table, kv), 0, 1)  # [K, S, H]
-    v = jnp.swapaxes(_gather_pages(vc, table, kv), 0, 1)
-    s = jnp.einsum("kqh,ksh->kqs", qg, k, preferred_element_type=jnp.float32) * scale
-    s = _softcap(s, soft_cap)
-    pos = i * bp * ps + jnp.arange(bp * ps)  # [S]
-    valid = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_len)
-    if sliding_window is not None:
-      valid &= pos[None, :] > q_pos[:, None] - sliding_window
-    v = jnp.where((pos < kv_len)[None, :, None], v, 0)  # pages past kv_len may hold NaN
-    return kc, vc, *_online_softmax_update(carry, s, v, valid[None])
-
-  init = (kv.k, kv.v, jnp.full((nk, g * t), _NEG, jnp.float32),
-          jnp.zeros((nk, g * t), jnp.float32), jnp.zeros((nk, g * t, h), jnp.float32))
-  kc, vc, _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-  out = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G*T, H]
-  # [K, G*T, H] -> [T, N, H]
-  out = jnp.transpose(out.reshape(nk, g, t, h), (2, 0, 1, 3)).reshape(t, n, h)
+  lens = jnp.minimum(q_start + jnp.arange(q.shape[0]) + 1, kv_len)
+  bp = _block_pages(block_table.shape[0], kv.k.shape[1], block_tokens)
+  kc, vc, out = _attend_table(q, lens, block_table, kv.k, kv.v, kv, scale=scale,
+                              block_pages=bp, sliding_window=sliding_window, soft_cap=soft_cap)
   return out.astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
 
 
@@ -223,44 +231,18 @@ def xla_block_prefill_attention(q, kv: KVCache, block_tables, blocks: QueryBlock
   is the chunks' own (causal) work, whatever the bucket and chunk count.
   Padding rows produce values to ignore.
   """
-  t, n, h = q.shape
+  n, h = q.shape[1:]
   nb, qlen = blocks.rows.shape
-  ps, nk = kv.k.shape[1], kv.k.shape[2]
-  g = n // nk
-  bp = _block_pages(block_tables.shape[1], ps, block_tokens)
-  span = bp * ps
-  # [QB, Q, N, H] -> [QB, K, G*Q, H]; query lens in the same (G, Q) order
-  qg = jnp.transpose(q[blocks.rows].reshape(nb, qlen, nk, g, h), (0, 2, 3, 1, 4))
-  qg = qg.reshape(nb, nk, g * qlen, h).astype(kv.compute_dtype)
-  q_lens = jnp.tile(blocks.q_lens, (1, g))  # [QB, G*Q]
+  bp = _block_pages(block_tables.shape[1], kv.k.shape[1], block_tokens)
+  q_blocks = q[blocks.rows]  # [QB, Q, N, H]
 
   def one_block(j, carry):
     kc, vc, out = carry
-    table = block_tables[blocks.chunk[j]]  # [W]
-    lens, qj = q_lens[j], qg[j]  # [G*Q], [K, G*Q, H]
-
-    def body(i, carry):
-      kc, vc, carry = carry[0], carry[1], carry[2:]
-      tbl = jax.lax.dynamic_slice_in_dim(table, i * bp, bp)  # [bp]
-      k = jnp.swapaxes(_gather_pages(kc, tbl, kv), 0, 1)  # [K, S, H]
-      v = jnp.swapaxes(_gather_pages(vc, tbl, kv), 0, 1)
-      s = jnp.einsum("kqh,ksh->kqs", qj, k, preferred_element_type=jnp.float32) * scale
-      s = _softcap(s, soft_cap)
-      pos = i * span + jnp.arange(span)  # [S]
-      valid = pos[None, :] < lens[:, None]  # [G*Q, S]
-      if sliding_window is not None:
-        valid &= pos[None, :] > lens[:, None] - 1 - sliding_window
-      v = jnp.where(jnp.any(valid, axis=0)[None, :, None], v, 0)  # unseen keys may be NaN
-      return kc, vc, *_online_softmax_update(carry, s, v, valid[None])
-
-    init = (kc, vc, jnp.full((nk, g * qlen), _NEG, jnp.float32),
-            jnp.zeros((nk, g * qlen), jnp.float32), jnp.zeros((nk, g * qlen, h), jnp.float32))
-    kc, vc, _, l, acc = jax.lax.fori_loop(0, (jnp.max(lens) + span - 1) // span, body, init)
-    o = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G*Q, H] -> [Q, N, H]
-    o = jnp.transpose(o.reshape(nk, g, qlen, h), (2, 0, 1, 3)).reshape(qlen, n, h)
+    kc, vc, o = _attend_table(q_blocks[j], blocks.q_lens[j], block_tables[blocks.chunk[j]],
+                              kc, vc, kv, scale=scale, block_pages=bp,
+                              sliding_window=sliding_window, soft_cap=soft_cap)
     return kc, vc, jax.lax.dynamic_update_index_in_dim(out, o.astype(out.dtype), j, 0)
 
-  # The cache rides in the loop carries so XLA updates it in place afterwards.
   out = jnp.zeros((nb, qlen, n, h), q.dtype)
   kc, vc, out = jax.lax.fori_loop(0, blocks.count, one_block, (kv.k, kv.v, out))
   return out.reshape(nb * qlen, n, h)[blocks.unblock], dataclasses.replace(kv, k=kc, v=vc)
