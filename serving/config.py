@@ -28,6 +28,15 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
   return tuple(sorted(set(out)))
 
 
+def capped_buckets(buckets, cap: int) -> tuple[int, ...]:
+  """Chosen buckets below `cap`, sorted, with `cap` itself always the last (a preset's
+  list stays valid when a smaller or larger cap is asked for)."""
+  chosen = tuple(int(b) for b in buckets)
+  if any(b < 1 for b in chosen):
+    raise ValueError(f"buckets {chosen} must all be at least 1")
+  return tuple(sorted({b for b in chosen if b < cap} | {cap}))
+
+
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
   """Smallest bucket >= n; raises if n exceeds the largest."""
   for b in buckets:
@@ -85,7 +94,11 @@ class EngineConfig:
   tp: int = 1
   ep: int = 1
   dp: int = 1
+  # Shapes compiled: each bucket is one program (each loaded XLA:CPU program holds
+  # 10-75 MB of host memory, docs/performance.md), so presets may pick fewer. Entries
+  # above the cap are dropped and the cap itself is always the last bucket.
   prefill_buckets: tuple[int, ...] | None = None  # None: powers of two from 16
+  decode_buckets: tuple[int, ...] | None = None  # None: powers of two from 1
   attention_block_tokens: int = 128  # keys per step of the XLA attention loop
   unroll_layers: bool | None = None  # None: unrolled on CPU, scanned on TPU/GPU
   compilation_cache: bool = True
@@ -139,10 +152,11 @@ class EngineConfig:
                        f"{self.attention_block_tokens}")
     self._check_speculative()
     if self.prefill_buckets is not None:
-      object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
-      if self.prefill_buckets[-1] > self.max_num_batched_tokens:
-        raise ValueError(f"prefill bucket {self.prefill_buckets[-1]} exceeds "
-                         f"max_num_batched_tokens={self.max_num_batched_tokens}")
+      object.__setattr__(self, "prefill_buckets",
+                         capped_buckets(self.prefill_buckets, self.max_num_batched_tokens))
+    if self.decode_buckets is not None:
+      object.__setattr__(self, "decode_buckets",
+                         capped_buckets(self.decode_buckets, self.max_num_seqs))
 
   def _check_speculative(self) -> None:
     if self.speculative_method not in SPECULATIVE_METHODS:
@@ -192,6 +206,8 @@ class EngineConfig:
   @property
   def decode_batch_buckets(self) -> tuple[int, ...]:
     """Row counts the decode slot batch is padded to."""
+    if self.decode_buckets:
+      return self.decode_buckets
     return pow2_buckets(1, self.max_num_seqs)
 
   @property

@@ -54,6 +54,7 @@ flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")
 flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
+flags.DEFINE_list("decode_buckets", None, "Decode batch buckets (default: powers of two).")
 flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
 flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
 flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
@@ -81,7 +82,7 @@ ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "quantized_dense_copy", "int8_activations", "tp", "ep", "dp",
-                "prefill_buckets", "attention_block_tokens", "compilation_cache",
+                "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",
                 "speculative_model", "prompt_lookup_min", "prompt_lookup_max",
@@ -170,8 +171,9 @@ def engine_config_from_flags() -> EngineConfig:
   values = config_lib.merge_engine_options(presets.engine_defaults(FLAGS.model), given)
   if "quantization" in values and values["quantization"] == "none":
     values["quantization"] = None
-  if values.get("prefill_buckets") is not None:
-    values["prefill_buckets"] = tuple(int(b) for b in values["prefill_buckets"])
+  for name in ("prefill_buckets", "decode_buckets"):
+    if values.get(name) is not None:
+      values[name] = tuple(int(b) for b in values[name])
   modules = lora_modules_from_flags()
   if modules and not values.get("max_loras"):
     values["max_loras"] = config_lib.default_max_loras(len(modules))
