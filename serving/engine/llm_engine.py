@@ -114,6 +114,11 @@ class LLMEngine:
     self.dead: str | None = None  # why the engine cannot serve, once it cannot
     self.prompt_tokens_total = 0
 
+  @property
+  def num_slots(self) -> int:
+    """Requests decoded at once (`max_num_seqs`)."""
+    return self.config.max_num_seqs
+
   # ---- requests (any thread) ----
 
   def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -124,7 +129,7 @@ class LLMEngine:
     A `params.structured_outputs` constraint is compiled here (cached when the
     front end checked it already: `check_structured_outputs`).
     """
-    ids = self._prompt_ids(prompt)
+    ids = self.prompt_ids(prompt)
     self._validate(ids, params)
     adapter = self.get_lora(lora) if lora is not None else None
     grammar = None
@@ -214,7 +219,8 @@ class LLMEngine:
       self._aborts.append(request_id)
     self._wake.set()
 
-  def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+  def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    """The prompt as token ids (text is tokenized); ValueError if it is empty."""
     if isinstance(prompt, str):
       if not prompt:
         raise ValueError("prompt must not be empty")

@@ -123,7 +123,7 @@ class AsyncEngine:
     """Most requests admitted at once (decode slots + queue), None if unbounded."""
     if self.max_queued_requests is None:
       return None
-    return self.engine.config.max_num_seqs + self.max_queued_requests
+    return self.engine.num_slots + self.max_queued_requests
 
   @property
   def num_inflight(self) -> int:

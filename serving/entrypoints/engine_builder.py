@@ -18,8 +18,9 @@ in lock-step: process 0 gets the engine, the others follow its steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from checkpoints.layout import LoadedModel
 from checkpoints.lora import load_lora_adapter
 from serving.config import EngineConfig
 from serving.engine import LLMEngine, Runner
+from serving.engine.replicas import ReplicatedEngine
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
 from serving.runner.model_runner import ModelRunner
@@ -49,21 +51,60 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
 
 def build_engine(model: str | LoadedModel, config: EngineConfig, *,
                  wrap_runner: Callable[[ModelRunner], Runner] | None = None,
-                 lora_modules: Mapping[str, str] | None = None) -> LLMEngine:
+                 lora_modules: Mapping[str, str] | None = None) -> LLMEngine | ReplicatedEngine:
   """A single-controller engine over all the devices `config` asks for.
 
   `wrap_runner` puts another `Runner` around the model's (the benchmark's step
   timer, the tests' fault injection). `lora_modules`: adapter name -> PEFT
   directory, registered before the engine is returned (needs `max_loras`).
+  With `dp` > 1: `dp` engine replicas, each on its own `tp * ep` devices, behind
+  one router (serving/engine/replicas.py); the checkpoint is read once.
   """
   loaded = load_model(model, config)
-  runner = ModelRunner(loaded.params, loaded.config, config, draft=load_draft(loaded, config))
-  engine = LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
-                     tokenizer=loaded.tokenizer, config=config,
-                     model_name=_model_name(model, loaded),
-                     lora_loader=lora_loader(loaded.config, config))
+  draft = load_draft(loaded, config)
+  if config.dp > 1:
+    engine = build_replicas(loaded, config, _model_name(model, loaded), draft, wrap_runner)
+  else:
+    runner = ModelRunner(loaded.params, loaded.config, config, draft=draft)
+    engine = LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
+                       tokenizer=loaded.tokenizer, config=config,
+                       model_name=_model_name(model, loaded),
+                       lora_loader=lora_loader(loaded.config, config))
   register_loras(engine, lora_modules)
   return engine
+
+
+def replica_devices(config: EngineConfig, devices: Sequence[Any] | None = None
+                    ) -> list[list[Any]]:
+  """The device group of each of the `dp` replicas: consecutive `tp * ep` devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  per = config.tp * config.ep
+  if config.dp * per > len(devices):
+    raise ValueError(f"dp={config.dp} replicas of tp*ep={per} devices need {config.dp * per} "
+                     f"devices but only {len(devices)} are visible ({devices[0].platform}; on "
+                     f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                     f"{config.dp * per})")
+  return [devices[i * per:(i + 1) * per] for i in range(config.dp)]
+
+
+def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
+                   draft: tuple[dict, ModelConfig] | None,
+                   wrap_runner: Callable[[ModelRunner], Runner] | None) -> ReplicatedEngine:
+  """`dp` whole engines, one per device group, each with dp=1 and its own mesh."""
+  if jax.process_count() > 1:
+    raise ValueError("dp replicas run in one process; with several processes start one "
+                     "server per host and balance across them")
+  replica_cfg = dataclasses.replace(config, dp=1)
+  engines = []
+  for i, devices in enumerate(replica_devices(config)):
+    mesh = sharding.make_mesh(sharding.ParallelConfig.of(replica_cfg), devices)
+    runner = ModelRunner(loaded.params, loaded.config, replica_cfg, mesh=mesh, draft=draft)
+    engines.append(LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
+                             tokenizer=loaded.tokenizer, config=replica_cfg,
+                             model_name=model_name,
+                             lora_loader=lora_loader(loaded.config, replica_cfg)))
+    log.info("replica %d of %d on %s", i, config.dp, ", ".join(str(d) for d in devices))
+  return ReplicatedEngine(engines, config=config)
 
 
 def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelConfig] | None:
@@ -98,7 +139,8 @@ def lora_loader(model_cfg: ModelConfig, config: EngineConfig
   return load
 
 
-def register_loras(engine: LLMEngine, lora_modules: Mapping[str, str] | None) -> None:
+def register_loras(engine: LLMEngine | ReplicatedEngine,
+                   lora_modules: Mapping[str, str] | None) -> None:
   """Reads and registers each adapter; any failure raises (a server must not start
   without an adapter it was told to serve)."""
   if lora_modules and not engine.config.max_loras:

@@ -33,6 +33,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# Why the async front end refuses a request before the engine (request_rejected_total).
+REJECT_REASONS = ("unavailable", "draining", "queue_full")
+
 # (metric name without prefix, EngineStats field, help) read at scrape time.
 _GAUGES = (
     ("num_requests_running", "num_running", "Requests in the decode batch."),
@@ -54,30 +57,41 @@ _COUNTERS = (
 
 
 class EngineStatsCollector(Collector):
-  """Reads `stats_fn()` (an `EngineStats`) on every scrape."""
+  """Reads `stats_fn()` (an `EngineStats`) on every scrape; with `replica_stats_fn`
+  (data parallel replicas, serving/engine/replicas.py) one series per replica,
+  labelled `replica`, instead."""
 
-  def __init__(self, stats_fn: Callable[[], Any], labels: dict[str, str]):
+  def __init__(self, stats_fn: Callable[[], Any], labels: dict[str, str],
+               replica_stats_fn: Callable[[], list[Any]] | None = None):
     self._stats_fn = stats_fn
     self._labels = labels
+    self._replica_stats_fn = replica_stats_fn
 
   def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    stats = self._stats_fn()
     names, values = list(self._labels), list(self._labels.values())
+    if self._replica_stats_fn is None:
+      rows = [(values, self._stats_fn())]
+    else:
+      names = [*names, "replica"]
+      rows = [([*values, str(i)], s) for i, s in enumerate(self._replica_stats_fn())]
     for name, field, doc in _GAUGES:
       family = GaugeMetricFamily(PREFIX + name, doc, labels=names)
-      family.add_metric(values, float(getattr(stats, field)))
+      for row, stats in rows:
+        family.add_metric(row, float(getattr(stats, field)))
       yield family
     for name, field, doc in _COUNTERS:
       family = CounterMetricFamily(PREFIX + name, doc, labels=names)
-      family.add_metric(values, float(getattr(stats, field)))
+      for row, stats in rows:
+        family.add_metric(row, float(getattr(stats, field)))
       yield family
     family = GaugeMetricFamily(PREFIX + "lora_requests_running",
                                "Running requests per LoRA adapter (adapters in use only).",
                                labels=[*names, "lora_name"])
-    for adapter, count in sorted(stats.lora_running.items()):
-      family.add_metric([*values, adapter], float(count))
+    for row, stats in rows:
+      for adapter, count in sorted(stats.lora_running.items()):
+        family.add_metric([*row, adapter], float(count))
     yield family
-    yield from _spec_decode_families(stats.spec_decode, names, values)
+    yield from _spec_decode_families([(row, stats.spec_decode) for row, stats in rows], names)
 
 
 # (metric name without prefix, SpecDecodeCounters field, help): vLLM's spec_decode names.
@@ -89,29 +103,34 @@ _SPEC_COUNTERS = (
 )
 
 
-def _spec_decode_families(counters, names: list[str], values: list[str]):
+def _spec_decode_families(rows: list[tuple[list[str], Any]], names: list[str]):
   for name, field, doc in _SPEC_COUNTERS:
     family = CounterMetricFamily(PREFIX + name, doc, labels=names)
-    family.add_metric(values, float(getattr(counters, field)))
+    for values, counters in rows:
+      family.add_metric(values, float(getattr(counters, field)))
     yield family
   family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
                                "Draft tokens accepted at each position of a row's drafts "
                                "(0: the first draft).", labels=[*names, "position"])
-  for pos, count in enumerate(counters.accepted_per_pos):
-    family.add_metric([*values, str(pos)], float(count))
+  for values, counters in rows:
+    for pos, count in enumerate(counters.accepted_per_pos):
+      family.add_metric([*values, str(pos)], float(count))
   yield family
 
 
 class Metrics:
   """All metrics of one server process, in their own registry."""
 
-  def __init__(self, stats_fn: Callable[[], Any] | None = None, model_name: str = ""):
+  def __init__(self, stats_fn: Callable[[], Any] | None = None, model_name: str = "",
+               replica_stats_fn: Callable[[], list[Any]] | None = None):
+    """`replica_stats_fn`: each data parallel replica's `EngineStats` (engine metrics then
+    have one series per replica, labelled `replica`)."""
     self.registry = CollectorRegistry(auto_describe=True)
     labels = {"model_name": model_name}
     label_names = list(labels)
     self._labels = labels
     if stats_fn is not None:
-      self.registry.register(EngineStatsCollector(stats_fn, labels))
+      self.registry.register(EngineStatsCollector(stats_fn, labels, replica_stats_fn))
     kw = {"registry": self.registry, "labelnames": label_names}
     self.request_success = Counter(
         PREFIX + "request_success_total", "Finished requests by finish reason.",
@@ -135,6 +154,8 @@ class Metrics:
       hist.labels(**labels)
     for reason in ("stop", "length", "abort", "error"):
       self.request_success.labels(**labels, finish_reason=reason)
+    for reason in REJECT_REASONS:
+      self.request_rejected.labels(**labels, reason=reason)
 
   def timer(self) -> RequestTimer:
     return RequestTimer(self)

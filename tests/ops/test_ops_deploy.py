@@ -180,3 +180,44 @@ def test_dockerfile_lints_clean():
   out = subprocess.run([hadolint, os.path.join(DEPLOY, "Dockerfile")], capture_output=True,
                        text=True, timeout=60)
   assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_grafana_dashboard_queries_what_the_server_exports():
+  """deploy/grafana: every metric a panel or variable queries is on a server's /metrics
+  (two dp replicas over fake engines, after one request), and the ones filtered by
+  `replica` carry that label."""
+  import dataclasses
+  import json
+  import re
+
+  import httpx
+  from frontend_fake import InProcessServer, fake_engine
+  from prometheus_client.parser import text_string_to_metric_families
+
+  from serving.config import EngineConfig
+  from serving.engine.replicas import ReplicatedEngine
+
+  with open(os.path.join(DEPLOY, "grafana", "xlaserve-dashboard.json")) as f:
+    dash = json.load(f)
+  titles = " ".join(p["title"] for p in dash["panels"]).lower()
+  for topic in ("first token", "time per output token", "tokens per second", "kv cache",
+                "queue", "failure"):
+    assert topic in titles, topic
+  exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+  exprs += [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
+  config = EngineConfig(max_num_seqs=4, max_model_len=256, num_pages=64, dp=2,
+                        compilation_cache=False)
+  replicas = [fake_engine(dataclasses.replace(config, dp=1)) for _ in range(2)]
+  with InProcessServer(ReplicatedEngine(replicas, config=config)) as server:
+    r = httpx.post(server.http + "/v1/completions",
+                   json={"model": "fake", "prompt": "hello", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 200
+    text = httpx.get(server.http + "/metrics", timeout=10).text
+  labels = {}
+  for family in text_string_to_metric_families(text):
+    for sample in family.samples:
+      labels.setdefault(sample.name, set()).update(sample.labels)
+  queried = set(re.findall(r"\b(xlaserve_[a-z0-9_]+)", " ".join(exprs)))
+  assert len(queried) >= 10 and queried <= set(labels), queried - set(labels)
+  by_replica = {m for e in exprs for m in re.findall(r"(xlaserve_[a-z0-9_]+)\{[^}]*replica", e)}
+  assert by_replica and all("replica" in labels[m] for m in by_replica)

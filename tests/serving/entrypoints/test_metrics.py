@@ -29,6 +29,27 @@ def _samples(text: str) -> dict[str, float]:
   return out
 
 
+def test_replicas_get_one_series_each():
+  """dp replicas (serving/engine/replicas.py): every engine metric per replica, labelled."""
+  def stats(running, generated):
+    return EngineStats(num_running=running, num_waiting=0, kv_cache_usage=0.5, num_pages_total=8,
+                       num_pages_free=4, num_preemptions_total=0, prompt_tokens_total=10,
+                       generation_tokens_total=generated, prefix_cache_queries_total=0,
+                       prefix_cache_hits_total=0, prefill_tokens_computed_total=10,
+                       spec_decode=SpecDecodeCounters(accepted_per_pos=[1]))
+  parts = [stats(3, 30), stats(1, 12)]
+  m = Metrics(lambda: None, model_name="m", replica_stats_fn=lambda: parts)
+  by_replica = {}
+  for family in text_string_to_metric_families(m.render()[0].decode()):
+    for sample in family.samples:
+      if "replica" in sample.labels:
+        by_replica[(sample.name, sample.labels["replica"])] = sample.value
+  assert by_replica[("xlaserve_num_requests_running", "0")] == 3
+  assert by_replica[("xlaserve_num_requests_running", "1")] == 1
+  assert by_replica[("xlaserve_generation_tokens_total", "1")] == 12
+  assert by_replica[("xlaserve_spec_decode_num_accepted_tokens_per_pos_total", "0")] == 1
+
+
 def test_engine_stats_read_at_scrape_time():
   stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_pages_total=8,
                       num_pages_free=6, num_preemptions_total=1, prompt_tokens_total=40,
