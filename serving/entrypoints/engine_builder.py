@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -103,7 +104,12 @@ def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
                              tokenizer=loaded.tokenizer, config=replica_cfg,
                              model_name=model_name,
                              lora_loader=lora_loader(loaded.config, replica_cfg)))
-    log.info("replica %d of %d on %s", i, config.dp, ", ".join(str(d) for d in devices))
+    tokens = (runner.num_pages - 1) * config.page_size
+    msg = (f"replica {i} of {config.dp} on {', '.join(str(d) for d in devices)}: {tokens} KV "
+           f"tokens, max concurrency at max_model_len={config.max_model_len}: "
+           f"{tokens / config.max_model_len:.1f} requests")
+    log.info(msg)
+    print(msg, file=sys.stderr, flush=True)
   return ReplicatedEngine(engines, config=config)
 
 
