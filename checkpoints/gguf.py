@@ -189,9 +189,10 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
   return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_params(reader: Any, cfg: ModelConfig,
-                     dtype: Any = np.float32) -> Params:
-  """Dequantizes every tensor into the params tree (one tensor in flight)."""
+def load_gguf_params(reader: Any, cfg: ModelConfig, dtype: Any = np.float32,
+                     skip_tensors: frozenset[str] = frozenset()) -> Params:
+  """Dequantizes every tensor into the params tree (one tensor in flight); tensors named
+  in `skip_tensors` (their blocks are kept quantized by the caller) are left unwritten."""
   builder = ParamsBuilder(cfg, dtype)
   permute = field(reader, "general.architecture") == "llama"
   for t in reader.tensors:
@@ -199,6 +200,9 @@ def load_gguf_params(reader: Any, cfg: ModelConfig,
     if key is None:
       continue
     check_tensor_type(t)
+    if t.name in skip_tensors:
+      builder.skip(key, layer)
+      continue
     w = dequantize_tensor(t)
     if permute and key in ("wq", "bq", "wk", "bk"):
       w = unpermute_rows(w, cfg.num_heads if key in ("wq", "bq") else cfg.num_kv_heads)

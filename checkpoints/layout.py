@@ -93,6 +93,11 @@ class ParamsBuilder:
     else:
       self._todo.discard((key, layer, expert))
 
+  def skip(self, key: str, layer: int | None = None) -> None:
+    """Marks params[key][layer] (every expert) as served from elsewhere: left unwritten
+    (e.g. GGUF blocks kept quantized replace it), and not missing at `finish`."""
+    self._todo = {t for t in self._todo if not (t[0] == key and t[1] == layer)}
+
   def finish(self) -> Params:
     """The params; raises if any slot was never written."""
     if self._todo:

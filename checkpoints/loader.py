@@ -85,12 +85,14 @@ def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
                      source=os.path.abspath(path))
 
 
-def load_gguf(path: str, dtype: Any = np.float32, reader: Any = None) -> LoadedModel:
+def load_gguf(path: str, dtype: Any = np.float32, reader: Any = None,
+              skip_tensors: frozenset[str] = frozenset()) -> LoadedModel:
   """A GGUF file: metadata config, dequantized params, embedded tokenizer (`reader`: the
-  file already opened with `gguf_io.read_gguf`)."""
+  file already opened with `gguf_io.read_gguf`; `skip_tensors`: names left undecoded,
+  whose params the caller replaces)."""
   reader = reader if reader is not None else gguf_io.read_gguf(path)
   config = ModelConfig.from_hf_config(gguf_io.gguf_hf_config(reader))
-  params = gguf_io.load_gguf_params(reader, config, dtype)
+  params = gguf_io.load_gguf_params(reader, config, dtype, skip_tensors)
   tokenizer = Tokenizer.from_gguf_metadata(reader, extra_eos_ids=config.eos_token_ids)
   return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
                      source=os.path.abspath(path))
@@ -112,10 +114,15 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   forward runs unrolled.
   """
   reader = gguf_io.read_gguf(path)
-  loaded = load_gguf(path, reader=reader)
-  cfg, params = loaded.config, loaded.params
   keep = quantize.KEEP_TYPES[method]
+  # The head stays 8-bit under int8 and int4: only a Q8_0 table is kept there.
+  head_keep = keep if method == "gguf" else (
+      {gguf_io.Q.Q8_0} if method in ("int8", "int4") else set())
   types = {t.name: t.tensor_type for t in reader.tensors}
+  cfg = ModelConfig.from_hf_config(gguf_io.gguf_hf_config(reader))
+  kept_names = _kept_tensor_names(cfg, method, keep, head_keep, types)
+  loaded = load_gguf(path, reader=reader, skip_tensors=kept_names)  # the others dequantized
+  cfg, params = loaded.config, loaded.params
   kept = lambda name: quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, name))
   stacked = dict(params["layers"])
   per_layer: dict[str, list] = {}
@@ -137,12 +144,22 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   else:
     layers = stacked
   params = {**params, "layers": layers}
-  # The head stays 8-bit under int8 and int4: only a Q8_0 table is kept there.
-  head_keep = keep if method == "gguf" else (
-      {gguf_io.Q.Q8_0} if method in ("int8", "int4") else set())
+  for key in ("embed", "lm_head"):
+    name = gguf_io.gguf_tensor_name(key)
+    if key in params and name in kept_names:
+      params[key] = kept(name)
+  return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)
+
+
+def _kept_tensor_names(cfg: ModelConfig, method: str, keep: set, head_keep: set,
+                       types: dict[str, Any]) -> frozenset[str]:
+  """The GGUF tensors whose blocks `load_gguf_quantized` keeps (so never dequantized)."""
+  names = {n for key in quantize.kept_keys(cfg)
+           for n in (gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers))
+           if types.get(n) in keep}
   for key in ("embed", "lm_head"):
     name = gguf_io.gguf_tensor_name(key)
     is_head = key == "lm_head" or cfg.tie_word_embeddings  # an untied table is no matmul
-    if key in params and types.get(name) in head_keep and (is_head or method == "gguf"):
-      params[key] = kept(name)
-  return LoadedModel(config=cfg, params=params, tokenizer=loaded.tokenizer, source=loaded.source)
+    if types.get(name) in head_keep and (is_head or method == "gguf"):
+      names.add(name)
+  return frozenset(names)
