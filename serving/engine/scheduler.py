@@ -101,11 +101,9 @@ class Scheduler:
     # later requests go first.
     passed: list[Sequence] = []
     computing = {h for h in map(self._page_in_progress, self.running) if h is not None}
-    deferrable = 4 * self.config.max_num_seqs  # bounds the hashing a step spends on it
     while budget > 0 and self.waiting and self.free_slots and not self.waiting[0].pending:
       seq = self.waiting[0]
-      if (computing and len(passed) < deferrable
-          and self._next_uncached_page(seq) in computing) or not self._admit(seq):
+      if self._next_uncached_page(seq) in computing or not self._admit(seq):
         passed.append(self.waiting.popleft())
         continue
       end = min(seq.num_computed + budget, seq.num_known)
