@@ -100,31 +100,23 @@ class PageAllocator:
     """
     if not self.enable_prefix_caching:
       return [], []
-    hashes, _ = self.probe_prefix(tokens, salt)
-    pages = [self._page_of[h] for h in hashes]
-    for page in pages:
+    ps = self.page_size
+    max_pages = (len(tokens) - 1) // ps
+    pages, hashes, parent = [], [], salt
+    for i in range(max_pages):
+      h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+      page = self._page_of.get(h)
+      if page is None:
+        break
       if self._refs[page] == 0:
         del self._evictable[page]
       self._refs[page] += 1
-    self.stats.queries += len(tokens)
-    self.stats.hits += len(pages) * self.page_size
-    return pages, hashes
-
-  def probe_prefix(self, tokens: list[int], salt: bytes | None = None
-                   ) -> tuple[list[bytes], bytes | None]:
-    """What `match_prefix` would match, changing nothing: (the cached pages' hashes, the
-    hash of the full page after them, or None when no full page of `tokens` follows
-    within the limit of leaving one token to compute)."""
-    ps = self.page_size
-    max_pages = (len(tokens) - 1) // ps
-    hashes, parent = [], salt
-    for i in range(max_pages):
-      h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
-      if not self.enable_prefix_caching or h not in self._page_of:
-        return hashes, h
+      pages.append(page)
       hashes.append(h)
       parent = h
-    return hashes, None
+    self.stats.queries += len(tokens)
+    self.stats.hits += len(pages) * ps
+    return pages, hashes
 
   def commit(self, page: int, h: bytes) -> None:
     """Registers a full page under its prefix hash (no-op if that prefix is cached)."""

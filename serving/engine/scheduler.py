@@ -16,10 +16,7 @@ Lifecycle of a sequence:
   4. When pages run out, the most recently admitted running sequence is
      preempted (pages freed, back to the front of the queue) and later
      recomputed — requests are never failed for lack of memory.
-  5. A waiting request whose first uncached full page another running request
-     is computing (not yet published) waits for it, and later requests go
-     first: a burst sharing a new system prompt computes it once.
-  6. A request with a LoRA adapter is admitted only when its adapter holds
+  5. A request with a LoRA adapter is admitted only when its adapter holds
      (or can take) a runner slot (lora_slots.py); until then later requests
      pass it. The plan carries the slot loads the runner must do first. Its
      prefix hashes are rooted in the adapter (`Sequence.cache_salt`), so KV
@@ -97,13 +94,10 @@ class Scheduler:
       if self._ensure_pages_or_preempt(seq, end, protected):
         prefills.append(self._chunk(seq, end))
         budget -= end - prefills[-1].start
-    # Waiting for a LoRA slot, or for a page another prefill is computing right now:
-    # later requests go first.
-    passed: list[Sequence] = []
-    computing = {h for h in map(self._page_in_progress, self.running) if h is not None}
+    passed: list[Sequence] = []  # waiting for a LoRA slot: later requests go first
     while budget > 0 and self.waiting and self.free_slots and not self.waiting[0].pending:
       seq = self.waiting[0]
-      if self._next_uncached_page(seq) in computing or not self._admit(seq):
+      if not self._admit(seq):
         passed.append(self.waiting.popleft())
         continue
       end = min(seq.num_computed + budget, seq.num_known)
@@ -114,8 +108,6 @@ class Scheduler:
         break
       prefills.append(self._chunk(seq, end))
       budget -= end - prefills[-1].start
-      if (page := self._page_in_progress(seq)) is not None:
-        computing.add(page)
     self.waiting.extendleft(reversed(passed))
     self.prefill_tokens_computed += sum(c.end - c.start for c in prefills)
     loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
@@ -199,26 +191,6 @@ class Scheduler:
     self.waiting.popleft()
     self.running.append(seq)
     return True
-
-  def _next_uncached_page(self, seq: Sequence) -> bytes | None:
-    """Hash of the first full prompt page of a waiting sequence that admitting it now
-    would compute (None: none, or it does not use the prefix cache)."""
-    if _uses_penalties(seq.params) or not self.allocator.enable_prefix_caching:
-      return None
-    return self.allocator.probe_prefix(seq.token_ids(), seq.cache_salt)[1]
-
-  def _page_in_progress(self, seq: Sequence) -> bytes | None:
-    """Hash of a running sequence's first full page of known tokens not yet published
-    (None: it has none, or does not use the prefix cache). It is being written, or will
-    be, and is published once the writing step completes (`_commit_full_pages`), or the
-    sequence leaves. A waiting request whose next uncached page is this one waits for it
-    instead of computing it again (in-batch prefix sharing: a burst with one system
-    prompt computes it once)."""
-    ps, k = self.config.page_size, len(seq.page_hashes)
-    if _uses_penalties(seq.params) or (k + 1) * ps > seq.num_known:
-      return None
-    parent = seq.page_hashes[-1] if k else seq.cache_salt
-    return page_hash(parent, seq.token_ids()[k * ps:(k + 1) * ps])
 
   def _chunk(self, seq: Sequence, end: int) -> PrefillChunk:
     """Prefill of known tokens [num_computed, end); pages must be allocated."""

