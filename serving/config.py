@@ -94,6 +94,7 @@ class EngineConfig:
   tp: int = 1
   ep: int = 1
   dp: int = 1
+  pp: int = 1  # pipeline stages (sharding/pipeline.py)
   # Shapes compiled: each bucket is one program (each loaded XLA:CPU program holds
   # 10-75 MB of host memory, docs/performance.md), so presets may pick fewer. Entries
   # above the cap are dropped and the cap itself is always the last bucket.
@@ -119,7 +120,7 @@ class EngineConfig:
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens",
-                 "tp", "ep", "dp"):
+                 "tp", "ep", "dp", "pp"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
     if self.max_model_len % self.page_size:

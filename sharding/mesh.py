@@ -1,9 +1,12 @@
-"""The device mesh: three named axes built from a parallelism config.
+"""The device mesh: four named axes built from a parallelism config.
 
-Axes, outermost first: `dp` (replicas inside one slice), `ep` (MoE experts),
-`tp` (tensor parallel: attention heads, MLP columns, vocab). `tp` is the
-innermost axis so its collectives, issued every layer, run between
-neighbouring devices. Axis types are `Auto` (GSPMD propagation from the
+Axes, outermost first: `dp` (replicas inside one slice), `pp` (pipeline
+stages: consecutive layers and their KV pages, sharding/pipeline.py), `ep`
+(MoE experts), `tp` (tensor parallel: attention heads, MLP columns, vocab).
+`tp` is the innermost axis so its collectives, issued every layer, run
+between neighbouring devices; `pp` sits outside it because a stage passes
+only one activation per microbatch to the next (the axis for slow links:
+across hosts). Axis types are `Auto` (GSPMD propagation from the
 placed params and KV cache), not jax's newer `Explicit` default.
 """
 
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 
 import jax
 
-AXES = ("dp", "ep", "tp")
+AXES = ("dp", "pp", "ep", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,7 @@ class ParallelConfig:
   tp: int = 1
   ep: int = 1
   dp: int = 1
+  pp: int = 1
 
   def __post_init__(self):
     for name in AXES:
@@ -33,17 +37,19 @@ class ParallelConfig:
 
   @property
   def num_devices(self) -> int:
-    return self.tp * self.ep * self.dp
+    return self.tp * self.ep * self.dp * self.pp
 
   @classmethod
   def of(cls, config) -> ParallelConfig:
-    """From anything with `tp`, `ep`, `dp` attributes (EngineConfig, flags, a namespace)."""
-    return cls(tp=int(config.tp or 1), ep=int(config.ep or 1), dp=int(config.dp or 1))
+    """From anything with `tp`, `ep`, `dp` (and `pp`) attributes (EngineConfig, flags, a
+    namespace)."""
+    return cls(tp=int(config.tp or 1), ep=int(config.ep or 1), dp=int(config.dp or 1),
+               pp=int(getattr(config, "pp", 1) or 1))
 
 
 def make_mesh(parallel: ParallelConfig,
               devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """A `(dp, ep, tp)` mesh over `devices` (default: all global devices).
+  """A `(dp, pp, ep, tp)` mesh over `devices` (default: all global devices).
 
   One process may use a prefix of its devices; with several processes the
   mesh must span every device, so all of them run the steps in lock-step.
@@ -51,20 +57,21 @@ def make_mesh(parallel: ParallelConfig,
   devices = list(jax.devices() if devices is None else devices)
   n = parallel.num_devices
   if n > len(devices):
-    raise ValueError(f"tp*ep*dp = {parallel.tp}*{parallel.ep}*{parallel.dp} = {n} needs {n} "
+    raise ValueError(f"tp*ep*dp*pp = {parallel.tp}*{parallel.ep}*{parallel.dp}*{parallel.pp} = "
+                     f"{n} needs {n} "
                      f"devices but only {len(devices)} are visible "
                      f"({devices[0].platform}; on CPU set XLA_FLAGS="
                      f"--xla_force_host_platform_device_count={n} or jax_num_cpu_devices)")
   if n < len(devices) and jax.process_count() > 1:
-    raise ValueError(f"tp*ep*dp = {n} must equal the {len(devices)} devices of all "
+    raise ValueError(f"tp*ep*dp*pp = {n} must equal the {len(devices)} devices of all "
                      f"{jax.process_count()} processes: every process runs the same steps")
-  shape = (parallel.dp, parallel.ep, parallel.tp)
+  shape = (parallel.dp, parallel.pp, parallel.ep, parallel.tp)
   auto = (jax.sharding.AxisType.Auto,) * len(AXES)
   return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices[:n])
 
 
 def mesh_for(config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh | None:
-  """The mesh for an EngineConfig-like config, or None when tp*ep*dp == 1."""
+  """The mesh for an EngineConfig-like config, or None when tp*ep*dp*pp == 1."""
   parallel = ParallelConfig.of(config)
   return make_mesh(parallel, devices) if parallel.num_devices > 1 else None
 

@@ -3,7 +3,9 @@
 `Placement(mesh, model_cfg)` is what `ModelRunner` uses when it runs on more
 than one device:
   1. `adapt(params)` repeats KV heads when `tp` exceeds their count (see
-     rules.py); `placement.model_cfg` is the matching config.
+     rules.py) and, with `pp` stages, stacks the layers and pads them to a
+     multiple of `pp` (pipeline.py); `placement.model_cfg` is the matching
+     config.
   2. `place_params(params, dtype)` builds every leaf straight onto its
      `NamedSharding`: from host numpy each device receives only its slice
      (`jax.make_array_from_callback`, also across processes); jax arrays
@@ -29,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import QuantizedWeight, is_quantized
-from sharding import rules
+from sharding import pipeline, rules
 from sharding.mesh import axis_size
 
 Params = dict[str, Any]
@@ -44,6 +46,7 @@ class Placement:
     self.kv_replicas = rules.kv_head_replicas(model_cfg, axis_size(mesh, "tp"))
     self.model_cfg = rules.with_kv_replicas(model_cfg, self.kv_replicas)
     self.replicated = NamedSharding(mesh, P())
+    self.stages = pipeline.num_stages(mesh)
 
   def adapt(self, params: Params) -> Params:
     """Params matching `self.model_cfg` (KV heads repeated if needed).
@@ -54,7 +57,10 @@ class Placement:
     first = layers[0] if isinstance(layers, (list, tuple)) else layers
     if not all(isinstance(first[k], (np.ndarray, jax.Array)) for k in ("wk", "wv")):
       self.kv_replicas, self.model_cfg = 1, self.source_cfg
-    return rules.replicate_kv_heads(params, self.source_cfg, self.kv_replicas)[0]
+    params = rules.replicate_kv_heads(params, self.source_cfg, self.kv_replicas)[0]
+    if self.stages > 1:
+      params, self.model_cfg = pipeline.pad_layers(params, self.model_cfg, self.stages)
+    return params
 
   def param_shardings(self, params: Params) -> Params:
     return rules.param_shardings(params, self.model_cfg, self.mesh)

@@ -9,7 +9,9 @@ not divide (the dimension is then replicated: "shard what divides"), and
 Tensor parallelism is the Megatron layout: wq/wk/wv and w_gate/w_up are
 column-parallel (heads / mlp columns over `tp`), wo and w_down row-parallel
 (their outputs are partial sums, all-reduced over `tp`). MoE experts are
-split over `ep` and each expert's mlp columns over `tp`.
+split over `ep` and each expert's mlp columns over `tp`. Pipeline stages
+split the stacked layer axis and the page pool (layer-major) over `pp`
+(pipeline.py).
 
 KV heads: when `tp` exceeds the KV head count K (and is a multiple of it),
 each KV head is repeated `tp // K` times (`replicate_kv_heads`) so every
@@ -37,7 +39,7 @@ Rules = dict[str, str | None]
 
 # The one table: logical axis -> mesh axis (None: replicated).
 LOGICAL_AXIS_RULES: Rules = {
-    "layers": None,  # L, the stacked layer axis
+    "layers": "pp",  # L, the stacked layer axis: pipeline stages
     "embed": None,  # D, the residual stream
     "vocab": "tp",  # V, embedding rows and lm_head columns
     "heads": "tp",  # N*H, query heads
@@ -47,7 +49,7 @@ LOGICAL_AXIS_RULES: Rules = {
     "expert": "ep",  # E, MoE experts
     "expert_mlp": "tp",  # M, columns inside one expert
     "router_out": None,  # E as the router's output (tiny, replicated)
-    "cache_pages": None,  # L*P, the page pool
+    "cache_pages": "pp",  # L*P, the page pool (layer-major: a stage's layers' pages)
     "page": None,  # page_size
     "lora_slot": None,  # S, resident LoRA adapters
     "lora_rank": None,  # R, the slots' LoRA rank
@@ -90,6 +92,7 @@ def resolve_rules(cfg: ModelConfig, mesh) -> Rules:
       if any(c % size for c in counts):
         rules[name] = None
 
+  keep_if(("layers", "cache_pages"), cfg.num_layers)  # pipeline.pad_layers makes pp divide
   keep_if(("vocab",), cfg.vocab_size)
   # Whole heads per device, and query and KV heads split alike (GQA groups stay local).
   keep_if(("heads", "kv_heads"), cfg.num_heads, cfg.num_kv_heads)

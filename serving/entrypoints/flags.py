@@ -53,6 +53,8 @@ flags.DEFINE_bool("int8_activations", None,
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")
+flags.DEFINE_integer("pp", None, "Pipeline parallel stages (layers split into consecutive "
+                     "stages, microbatches in flight between them).")
 flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
 flags.DEFINE_list("decode_buckets", None, "Decode batch buckets (default: powers of two).")
 flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
@@ -81,7 +83,7 @@ flags.DEFINE_integer("speculative_max_batch", None, "Speculate only while at mos
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
-                "quantized_dense_copy", "int8_activations", "tp", "ep", "dp",
+                "quantized_dense_copy", "int8_activations", "tp", "ep", "dp", "pp",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",

@@ -230,8 +230,23 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
   `lora` (serving/models/lora.py): resident adapters, laid out like `layers`,
   and each token row's slot.
   """
-  inv_freq = jnp.asarray(rope_inv_freq(cfg))
   x = embed_tokens(params["embed"], tokens).astype(act_dtype)  # [T, D]
+  x, kv = run_layers(params["layers"], cfg, x, positions, kv, attend, experts_fn=experts_fn,
+                     lora=lora)
+  return final_norm(params, cfg, x), kv
+
+
+def run_layers(layers: Any, cfg: ModelConfig, x: jax.Array, positions: jax.Array, kv: Any,
+               attend: AttendFn, *, experts_fn: ExpertsFn | None = None,
+               lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
+  """The decoder layers `layers` over h [T, D] -> (h, kv).
+
+  `layers`: a list of per-layer dicts (unrolled) or one dict of stacked
+  `[L', ...]` weights (scanned); either way the attention callback sees layer
+  ids counted from 0 within `layers` (a pipeline stage passes its own layers
+  and its own slice of the KV cache).
+  """
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
 
   def layer_fn(carry, xs):
     h, kv = carry
@@ -240,18 +255,21 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     return decoder_layer(cfg, lp, h, positions, inv_freq, layer, kv, attend, experts_fn,
                          layer_lora), None
 
-  layers = params["layers"]
   if isinstance(layers, (list, tuple)):
     # Unrolled over per-layer arrays: fastest on XLA:CPU (no per-layer weight copies).
     for i, lp in enumerate(layers):
       lora_lp = None if lora is None else lora.weights[i]
       (x, kv), _ = layer_fn((x, kv), (lp, jnp.int32(i), lora_lp))
-  else:
-    # One scanned layer over stacked [L, ...] weights: fast to compile.
-    ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    lora_layers = None if lora is None else lora.weights
-    (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layers, ids, lora_layers))
-  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+    return x, kv
+  # One scanned layer over stacked [L', ...] weights: fast to compile.
+  ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0], dtype=jnp.int32)
+  lora_layers = None if lora is None else lora.weights
+  (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layers, ids, lora_layers))
+  return x, kv
+
+
+def final_norm(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def unstack_layers(params: Params) -> Params:

@@ -3,7 +3,7 @@
 It implements the engine's `Runner` interface (serving/engine/runner_api.py).
 Lifecycle:
   1. `ModelRunner(params, model_cfg, engine_cfg)` puts the weights on the
-     device(s) (a mesh when tp*ep*dp > 1, sharding/placement.py), sizes and
+     device(s) (a mesh when tp*ep*dp*pp > 1, sharding/placement.py), sizes and
      allocates the KV page pool and the per-slot sampler state.
   2. `warm_up()` compiles every (bucket) program once — prefill per token
      bucket, decode and sampling per batch bucket — and logs how many; the
@@ -173,7 +173,7 @@ class ModelRunner:
                num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None,
                draft: tuple[dict, ModelConfig] | None = None):
     """`draft`: (params, config) of the draft model (speculative_method="draft")."""
-    # Sharded when tp*ep*dp > 1 or a mesh is given (sharding/placement.py).
+    # Sharded when tp*ep*dp*pp > 1 or a mesh is given (sharding/placement.py).
     self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
     placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
     if (draft is not None) != (engine_cfg.speculative_method == "draft"):
@@ -181,6 +181,9 @@ class ModelRunner:
     if placement is not None and draft is not None:
       raise NotImplementedError("a draft model on a mesh (tp/ep/dp > 1) is not supported yet; "
                                 "use speculative_method='ngram' or 'suffix' there")
+    if placement is not None and placement.stages > 1 and engine_cfg.max_loras:
+      raise NotImplementedError("LoRA adapters with pipeline stages (pp > 1) are not "
+                                "supported yet; use tp")
     self.source_cfg = model_cfg  # before tp repeats KV heads: what adapters must fit
     if placement is not None:
       _enable_jax_compilation_cache(engine_cfg)
@@ -199,7 +202,8 @@ class ModelRunner:
     if engine_cfg.int8_activations:
       params = with_int8_activations(params)
     unroll = engine_cfg.unroll_layers
-    if unroll if unroll is not None else platform == "cpu":
+    unroll = unroll if unroll is not None else platform == "cpu"
+    if unroll and (placement is None or placement.stages == 1):  # stages split stacked layers
       params = llama.unstack_layers(params)
     weight_dtype = jnp.dtype(self.weight_dtype_name)
     if placement is not None:
@@ -242,7 +246,7 @@ class ModelRunner:
     if draft is not None:
       draft_params, draft_cfg = draft
       check_vocabulary(draft_cfg.vocab_size, model_cfg.vocab_size)
-      if unroll if unroll is not None else platform == "cpu":
+      if unroll:
         draft_params = llama.unstack_layers(draft_params)
       self.draft = DraftModel(put_params(draft_params, weight_dtype), draft_cfg,
                               num_pages=self.num_pages, page_size=engine_cfg.page_size,

@@ -126,6 +126,32 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
   return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
 
 
+def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.Array,
+                  lora_rows: jax.Array, meta: dict, kind: str, *, cfg: ModelConfig,
+                  backend: str, act_dtype, block_tokens: int) -> tuple[jax.Array, KVCache]:
+  """`llama.forward` with the attention of a `kind` step over its `meta`
+  -> (final-normed hidden [T, D], kv).
+
+  The layers run through `sharding.pipeline_layers`: plain on one stage; over
+  the mesh's `pp` stages otherwise, decode and verify rows cut into
+  microbatches (prefill chunks are ragged and stay whole).
+  """
+  x = llama.embed_tokens(params["embed"], tokens).astype(act_dtype)
+
+  def stage(layers, x, rows, kv, active):
+    positions, meta, lora_rows = rows
+    if active is not True:  # an idle pipeline tick writes only the dummy page
+      meta = {**meta, "kv_index": jnp.where(active, meta["kv_index"], 0)}
+    attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens)
+    return llama.run_layers(layers, cfg, x, positions, kv, attend,
+                            experts_fn=sharding.expert_parallel(cfg),
+                            lora=lora_batch(lora, lora_rows))
+
+  x, kv = sharding.pipeline_layers(stage, params["layers"], x, (positions, meta, lora_rows), kv,
+                                   split_rows=kind != "prefill")
+  return llama.final_norm(params, cfg, x), kv
+
+
 def lora_batch(lora, rows: jax.Array) -> LoraBatch | None:
   """The forward's LoRA argument: the slots (None when LoRA is off) and each row's slot."""
   return None if lora is None else LoraBatch(weights=lora, rows=rows)
@@ -143,11 +169,9 @@ def prefill_step(params, lora, state: DeviceState, inp: PrefillInput, *, cfg: Mo
 
   `lora`: the runner's LoRA slots (lora_state.py), or None when LoRA is off.
   """
-  attend = attend_fn(backend, cfg, state.kv.num_pages, "prefill", prefill_meta(inp),
-                     block_tokens)
-  hidden, kv = llama.forward(params, cfg, inp.tokens, inp.positions, state.kv, attend,
-                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg),
-                             lora=lora_batch(lora, inp.lora_rows))
+  hidden, kv = model_forward(params, lora, state.kv, inp.tokens, inp.positions, inp.lora_rows,
+                             prefill_meta(inp), "prefill", cfg=cfg, backend=backend,
+                             act_dtype=act_dtype, block_tokens=block_tokens)
   logits = llama.logits(params, cfg, hidden[inp.sample_rows])
   # Penalty state of the chunks' slots: cleared on a first chunk, then fed by the tokens.
   valid = jnp.arange(inp.tokens.shape[0]) < inp.cu_q_lens[-1]
@@ -169,10 +193,9 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
   tokens = state.last_tokens[inp.decode_slots]
   meta = dict(kv_index=inp.kv_index, block_tables=inp.block_tables,
               seq_lens=inp.seq_lens)
-  attend = attend_fn(backend, cfg, state.kv.num_pages, "decode", meta, block_tokens)
-  hidden, kv = llama.forward(params, cfg, tokens, inp.positions, state.kv, attend,
-                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg),
-                             lora=lora_batch(lora, inp.lora_slots))
+  hidden, kv = model_forward(params, lora, state.kv, tokens, inp.positions, inp.lora_slots,
+                             meta, "decode", cfg=cfg, backend=backend, act_dtype=act_dtype,
+                             block_tokens=block_tokens)
   return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
 
 
@@ -195,11 +218,9 @@ def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.
   used = real & (jnp.arange(s)[None, :] <= inp.num_drafts[:, None])
   meta = dict(kv_index=inp.kv_index.reshape(-1), block_tables=inp.block_tables,
               q_lens=jnp.where(used, positions + 1, 0))
-  attend = attend_fn(backend, cfg, state.kv.num_pages, "verify", meta, block_tokens)
-  hidden, kv = llama.forward(params, cfg, tokens.reshape(-1), positions.reshape(-1), state.kv,
-                             attend, act_dtype=act_dtype,
-                             experts_fn=sharding.expert_parallel(cfg),
-                             lora=lora_batch(lora, jnp.repeat(inp.lora_slots, s)))
+  hidden, kv = model_forward(params, lora, state.kv, tokens.reshape(-1), positions.reshape(-1),
+                             jnp.repeat(inp.lora_slots, s), meta, "verify", cfg=cfg,
+                             backend=backend, act_dtype=act_dtype, block_tokens=block_tokens)
   logits = llama.logits(params, cfg, hidden)  # [B*S, V]
   return dataclasses.replace(state, kv=kv), logits.reshape(b, s, -1)
 
