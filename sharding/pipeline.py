@@ -57,12 +57,15 @@ def num_stages(mesh) -> int:
 
 def stack_layers(layers: list[dict]) -> dict:
   """Per-layer dicts -> one dict of stacked `[L, ...]` leaves (every layer alike)."""
-  try:
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
-  except ValueError as err:
-    raise ValueError("pipeline stages need every layer in one weight format (this "
-                     f"checkpoint mixes formats across layers: {err}); pass a "
-                     "--weight_dtype or --quantization that gives one") from err
+  first = jax.tree.structure(layers[0])
+  for i, lp in enumerate(layers):
+    if jax.tree.structure(lp) != first or any(
+        np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(lp),
+                                                   jax.tree.leaves(layers[0]), strict=True)):
+      raise ValueError(f"pipeline stages need every layer in one weight format, but layer {i} "
+                       "differs from layer 0 (a checkpoint mixing formats across layers); "
+                       "pass a --weight_dtype or --quantization that gives one")
+  return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
 
 
 def pad_layers(params: dict, cfg: ModelConfig, stages: int) -> tuple[dict, ModelConfig]:
@@ -114,7 +117,7 @@ def pipeline_layers(stage_fn: StageFn, layers: Any, x: jax.Array, rows: Any, kv:
       active = (mb >= 0) & (mb < m)
       i = jnp.clip(mb, 0, m - 1)
       y, kv = stage_fn(layers, jnp.where(s == 0, xs[min(tick, m - 1)], carry),
-                       rows if m == 1 else jax.tree.map(lambda a: a[i], cut), kv, active)
+                       rows if m == 1 else jax.tree.map(lambda a, i=i: a[i], cut), kv, active)
       out = jnp.where(active & (s == stages - 1), out.at[i].set(y), out)
       if tick < m + stages - 2:
         carry = jax.lax.ppermute(y, "pp", [(j, j + 1) for j in range(stages - 1)])

@@ -58,7 +58,7 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   `wrap_runner` puts another `Runner` around the model's (the benchmark's step
   timer, the tests' fault injection). `lora_modules`: adapter name -> PEFT
   directory, registered before the engine is returned (needs `max_loras`).
-  With `dp` > 1: `dp` engine replicas, each on its own `tp * ep` devices, behind
+  With `dp` > 1: `dp` engine replicas, each on its own `tp * ep * pp` devices, behind
   one router (serving/engine/replicas.py); the checkpoint is read once.
   """
   loaded = load_model(model, config)
@@ -77,11 +77,11 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
 
 def replica_devices(config: EngineConfig, devices: Sequence[Any] | None = None
                     ) -> list[list[Any]]:
-  """The device group of each of the `dp` replicas: consecutive `tp * ep` devices."""
+  """The device group of each of the `dp` replicas: consecutive `tp * ep * pp` devices."""
   devices = list(jax.devices() if devices is None else devices)
-  per = config.tp * config.ep
+  per = config.tp * config.ep * config.pp
   if config.dp * per > len(devices):
-    raise ValueError(f"dp={config.dp} replicas of tp*ep={per} devices need {config.dp * per} "
+    raise ValueError(f"dp={config.dp} replicas of tp*ep*pp={per} devices need {config.dp * per} "
                      f"devices but only {len(devices)} are visible ({devices[0].platform}; on "
                      f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
                      f"{config.dp * per})")
@@ -161,7 +161,7 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   shuts its engine down, then get None."""
   devices = sharding.ParallelConfig.of(config).num_devices
   if devices != len(jax.devices()):
-    raise ValueError(f"tp*ep*dp = {devices} must equal the {len(jax.devices())} devices of all "
+    raise ValueError(f"tp*ep*dp*pp = {devices} must equal the {len(jax.devices())} devices of all "
                      f"{jax.process_count()} processes (one global mesh runs every step)")
   if config.max_loras:
     raise ValueError("LoRA adapters are not supported with several processes yet "

@@ -1,4 +1,6 @@
-"""Two processes on 127.0.0.1 (gloo) serve one tiny Llama sharded tp=2 across both.
+"""Two processes on 127.0.0.1 (gloo) serve one tiny Llama sharded across both: tp=2
+(every layer split), and pp=2 (one pipeline stage per process, activations
+passed between them by collective permutes over gloo).
 
 Each process has one CPU device; `sharding.distributed.initialize_from`
 joins them, `serving.entrypoints.engine_builder.start_multihost` gives process 0
@@ -46,24 +48,35 @@ def model_path(tmp_path_factory):
   return path
 
 
-def test_two_processes_match_one(model_path):
+@pytest.fixture(scope="module")
+def single(model_path):
+  """The one-process reference run."""
+  return _collect([_spawn("ref", model_path)])[0]
+
+
+def _collect(procs: list[subprocess.Popen]) -> list[dict]:
   import json
 
-  port = str(_free_port())
-  procs = [_spawn("host", str(i), port, model_path) for i in range(2)]
-  ref = _spawn("ref", model_path)
   outs = []
   try:
-    for p in [*procs, ref]:
+    for p in procs:
       stdout, stderr = p.communicate(timeout=TIMEOUT_S)
       assert p.returncode == 0, stderr[-4000:]
       outs.append(json.loads(stdout.strip().splitlines()[-1]))
   finally:
-    for p in [*procs, ref]:
+    for p in procs:
       if p.poll() is None:
         p.kill()
         p.wait()
-  leader, follower, single = outs
+  return outs
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_two_processes_match_one(model_path, single, layout):
+  """tp=2: every layer split across the processes; pp=2: one stage (layer) per process."""
+  port = str(_free_port())
+  leader, follower = _collect([_spawn("host", str(i), port, model_path, layout)
+                               for i in range(2)])
   assert leader["devices"] == 2 and leader["processes"] == 2
   assert follower["follower_returned"]  # after the leader's engine shut down
   assert leader["tokens"] == single["tokens"]
@@ -94,7 +107,7 @@ def _worker(mode: str, *args: str) -> None:
 
     stu.emit({"tokens": _generate(build_engine(args[0], stu.engine_config(max_num_seqs=1)))})
     return
-  pid, port, path = args
+  pid, port, path, layout = args
   from sharding.distributed import initialize_from
 
   dist = initialize_from({"coordinator_address": f"127.0.0.1:{port}", "num_processes": 2,
@@ -103,7 +116,7 @@ def _worker(mode: str, *args: str) -> None:
 
   from serving.entrypoints.engine_builder import start_multihost
 
-  config = stu.engine_config(tp=2, max_num_seqs=1, speculative_method="ngram",
+  config = stu.engine_config(**{layout: 2}, max_num_seqs=1, speculative_method="ngram",
                              prompt_lookup_min=1)  # 5 programs
   engine = start_multihost(path, config)
   if not dist.is_leader:

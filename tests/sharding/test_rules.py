@@ -25,8 +25,9 @@ MOE = dataclasses.replace(LLAMA, model_type="mixtral", num_experts=4, num_expert
                           moe_intermediate_size=32)
 
 
-def mesh(tp=1, ep=1, dp=1) -> AbstractMesh:
-  return AbstractMesh((dp, ep, tp), ("dp", "ep", "tp"), axis_types=(AxisType.Auto,) * 3)
+def mesh(tp=1, ep=1, dp=1, pp=1) -> AbstractMesh:
+  return AbstractMesh((dp, pp, ep, tp), ("dp", "pp", "ep", "tp"),
+                      axis_types=(AxisType.Auto,) * 4)
 
 
 def test_every_param_has_logical_axes_of_its_rank():
@@ -82,7 +83,19 @@ def test_mesh_needs_enough_devices():
     make_mesh(ParallelConfig(tp=2), one)
   with pytest.raises(ValueError, match="tp=0"):
     ParallelConfig(tp=0)
-  assert make_mesh(ParallelConfig(), one).shape == {"dp": 1, "ep": 1, "tp": 1}
+  assert make_mesh(ParallelConfig(), one).shape == {"dp": 1, "pp": 1, "ep": 1, "tp": 1}
+  with pytest.raises(ValueError, match=r"tp\*ep\*dp\*pp = 1\*1\*1\*2 = 2 needs 2 devices"):
+    make_mesh(ParallelConfig(pp=2), one)
+
+
+def test_pipeline_stages_split_layers_and_pages():
+  specs = rules.param_specs(param_shapes(LLAMA), LLAMA, mesh(pp=2, tp=2))
+  assert specs["layers"]["wq"] == P("pp", None, "tp")
+  assert specs["layers"]["attn_norm"] == P("pp", None)
+  assert specs["embed"] == P("tp", None)  # outside the stages: replicated over pp
+  assert rules.kv_cache_spec(LLAMA, mesh(pp=2)) == P("pp", None, None, None)
+  # A layer count pp does not divide stays whole (pipeline.pad_layers pads it first).
+  assert rules.kv_cache_spec(LLAMA, mesh(pp=4)) == P(None, None, None, None)
 
 
 def test_distributed_config_from_flags_and_env():
