@@ -95,6 +95,12 @@ class EngineConfig:
   ep: int = 1
   dp: int = 1
   pp: int = 1  # pipeline stages (sharding/pipeline.py)
+  # Disaggregated serving (serving/engine/disaggregated.py): engines that only prefill
+  # and engines that decode, KV pages moved from the first to the second.
+  prefill_workers: int = 0
+  decode_workers: int = 0
+  kv_transfer: bool = False  # compile the KV page export / import programs
+  kv_transfer_pages: int = 8  # pages per transfer chunk
   # Shapes compiled: each bucket is one program (each loaded XLA:CPU program holds
   # 10-75 MB of host memory, docs/performance.md), so presets may pick fewer. Entries
   # above the cap are dropped and the cap itself is always the last bucket.
@@ -152,12 +158,32 @@ class EngineConfig:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")
     self._check_speculative()
+    self._check_disaggregated()
     if self.prefill_buckets is not None:
       object.__setattr__(self, "prefill_buckets",
                          capped_buckets(self.prefill_buckets, self.max_num_batched_tokens))
     if self.decode_buckets is not None:
       object.__setattr__(self, "decode_buckets",
                          capped_buckets(self.decode_buckets, self.max_num_seqs))
+
+  def _check_disaggregated(self) -> None:
+    for name in ("prefill_workers", "decode_workers"):
+      if not 0 <= getattr(self, name) <= 64:
+        raise ValueError(f"{name}={getattr(self, name)} must be in [0, 64]")
+    if (self.prefill_workers > 0) != (self.decode_workers > 0):
+      raise ValueError("disaggregated serving needs both prefill_workers >= 1 and "
+                       f"decode_workers >= 1 (got {self.prefill_workers} and "
+                       f"{self.decode_workers})")
+    if self.prefill_workers and self.dp > 1:
+      raise ValueError("prefill_workers / decode_workers replace dp: scale each role by its "
+                       "worker count")
+    if not 1 <= self.kv_transfer_pages <= 1024:
+      raise ValueError(f"kv_transfer_pages={self.kv_transfer_pages} must be in [1, 1024]")
+
+  @property
+  def disaggregated(self) -> bool:
+    """Prefill and decode run on separate engines (prefill_workers / decode_workers)."""
+    return self.prefill_workers > 0
 
   def _check_speculative(self) -> None:
     if self.speculative_method not in SPECULATIVE_METHODS:

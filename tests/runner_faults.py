@@ -12,7 +12,11 @@ call would, never by patching engine internals:
     sequence) whose `fetch` blocks until `release()` (a wedged device call);
   * `dead_from` / `dead_request(seq)`: from that step on (by index, or from
     the first step holding such a sequence), every call raises
-    `RunnerDeadError` (the device state is lost).
+    `RunnerDeadError` (the device state is lost);
+  * `dead_export_from`: KV page exports (disaggregated serving) from that
+    call on (0-based) raise `RunnerDeadError`, as do the steps after it (a
+    prefill worker killed mid-transfer); `fail_imports`: those KV page
+    imports raise a plain RuntimeError (a transfer that breaks).
 Everything else is passed to the wrapped runner unchanged.
 """
 
@@ -37,13 +41,16 @@ class FaultyRunner:
   def __init__(self, runner: Any, *, fail_request: Predicate | None = None,
                fail_steps: frozenset[int] = frozenset(), block_steps: frozenset[int] = frozenset(),
                block_request: Predicate | None = None, dead_from: int | None = None,
-               dead_request: Predicate | None = None, fail_at: str = "execute"):
+               dead_request: Predicate | None = None, fail_at: str = "execute",
+               dead_export_from: int | None = None, fail_imports: frozenset[int] = frozenset()):
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.fail_request, self.fail_steps = fail_request, fail_steps
     self.block_steps, self.block_request = set(block_steps), block_request
     self.dead_from, self.dead_request = dead_from, dead_request
     self.fail_at = fail_at
+    self.dead_export_from, self.fail_imports = dead_export_from, fail_imports
+    self.num_exports = self.num_imports = 0
     self.num_executed = 0
     self.unblock = threading.Event()
 
@@ -78,6 +85,23 @@ class FaultyRunner:
     if step in self.fail_steps:
       raise RuntimeError(f"injected device failure in step {step}")
     return self.runner.fetch(handle=inner)
+
+  def export_pages(self, pages):
+    call = self.num_exports
+    self.num_exports += 1
+    if self.dead_export_from is not None and call >= self.dead_export_from:
+      self.dead_from = self.num_executed  # and every step from now on
+      raise RunnerDeadError(f"injected: the device is lost (KV export {call})")
+    self._check_dead(self.num_executed)
+    return self.runner.export_pages(pages)
+
+  def import_pages(self, pages, k, v):
+    call = self.num_imports
+    self.num_imports += 1
+    if call in self.fail_imports:
+      raise RuntimeError(f"injected KV import failure (import {call})")
+    self._check_dead(self.num_executed)
+    return self.runner.import_pages(pages, k, v)
 
   def release(self) -> None:
     """Unblocks the steps held by `block_steps`."""

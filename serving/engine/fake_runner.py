@@ -15,6 +15,9 @@ tests exercise the same contract a real runner relies on:
     early, a poisoned prefix hash) raises `FakeKVError` instead of passing
     silently;
   * per decode slot, the last sampled token (the next decode's input);
+  * `export_pages` / `import_pages` copy pool entries between two runners
+    (disaggregated serving), so a page imported into the wrong place, or
+    never imported, fails the same check;
   * per LoRA slot, the adapter the plan's `lora_loads` put there. KV is
     written as (adapter id, token) — KV computed under an adapter differs
     from the base model's — and a sequence whose slot holds another adapter,
@@ -148,6 +151,26 @@ class FakeRunner:
 
   def close(self) -> None:
     self.closed = True
+
+  # ---- KV pages between engines (disaggregated serving) ----
+
+  def export_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The pool's entries of `pages` as ModelRunner's layout [1 layer, n, page_size, 2]
+    ((adapter id, token) per slot, -1 where nothing was written), twice (K and V)."""
+    data = np.full((1, len(pages), self.page_size, 2), -1, np.int64)
+    for i, page in enumerate(pages):
+      for off, entry in enumerate(self.kv[page]):
+        if entry is not None:
+          data[0, i, off] = entry
+    return data, data.copy()
+
+  def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
+    if k.shape != (1, len(pages), self.page_size, 2) or not np.array_equal(k, v):
+      raise ValueError(f"KV pages of shape {k.shape} do not fit this pool")
+    for i, page in enumerate(pages):
+      if page == 0:
+        raise FakeKVError("a KV import into the reserved page 0")
+      self.kv[page] = [None if e[1] < 0 else (int(e[0]), int(e[1])) for e in k[0, i]]
 
   # ---- one sequence ----
 

@@ -35,6 +35,7 @@ request ends with an error, `add_request` raises `EngineDeadError`, and
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -103,6 +104,7 @@ class LLMEngine:
     self._lock = threading.Lock()
     self._inbox: list[tuple[Sequence, OutputCallback]] = []
     self._aborts: list[str] = []
+    self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
     self._seqs: dict[str, Sequence] = {}
     self._inflight: tuple[StepPlan, Any] | None = None
     seed = config.seed if config.seed is not None else secrets.randbits(63)
@@ -130,7 +132,7 @@ class LLMEngine:
     front end checked it already: `check_structured_outputs`).
     """
     ids = self.prompt_ids(prompt)
-    self._validate(ids, params)
+    self.validate(ids, params)
     adapter = self.get_lora(lora) if lora is not None else None
     grammar = None
     if params.structured_outputs is not None:
@@ -219,6 +221,20 @@ class LLMEngine:
       self._aborts.append(request_id)
     self._wake.set()
 
+  def call_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """Runs `fn()` on the engine thread between steps (after that step's new requests
+    are queued); its result or exception lands in the returned future. A call that
+    raises `RunnerDeadError` also kills the engine; a dead engine fails every call.
+    Disaggregated serving moves KV pages with these (serving/engine/disaggregated.py)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with self._lock:
+      if self.dead is not None:
+        future.set_exception(EngineDeadError(self.dead))
+        return future
+      self._calls.append((fn, future))
+    self._wake.set()
+    return future
+
   def prompt_ids(self, prompt: str | list[int]) -> list[int]:
     """The prompt as token ids (text is tokenized); ValueError if it is empty."""
     if isinstance(prompt, str):
@@ -231,7 +247,8 @@ class LLMEngine:
       raise ValueError("prompt must not be empty")
     return ids
 
-  def _validate(self, ids: list[int], params: SamplingParams) -> None:
+  def validate(self, ids: list[int], params: SamplingParams) -> None:
+    """Raises ValueError, with the reason, for a request this engine cannot serve."""
     params.validate()
     vocab = self.runner.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
@@ -255,7 +272,7 @@ class LLMEngine:
 
   def has_unfinished(self) -> bool:
     with self._lock:
-      return bool(self._inbox or self._seqs or self._inflight)
+      return bool(self._inbox or self._seqs or self._inflight or self._calls)
 
   def step(self) -> None:
     """One iteration: admit, schedule, dispatch, postprocess the previous step."""
@@ -336,6 +353,20 @@ class LLMEngine:
       seq = self._seqs.get(rid)
       if seq is not None:
         self._finish(seq, "abort")
+    self._run_calls()
+
+  def _run_calls(self) -> None:
+    with self._lock:
+      calls, self._calls = self._calls, []
+    for i, (fn, future) in enumerate(calls):
+      try:
+        future.set_result(fn())
+      except Exception as e:
+        future.set_exception(e)
+        if isinstance(e, RunnerDeadError):  # the device is gone: so is the engine
+          with self._lock:
+            self._calls[:0] = calls[i + 1:]
+          raise
 
   def _postprocess(self, plan: StepPlan, handle: Any) -> None:
     try:
@@ -446,7 +477,10 @@ class LLMEngine:
       if self.dead is None:
         self.dead = reason
       inbox, self._inbox = self._inbox, []
+      calls, self._calls = self._calls, []
     self._inflight = None
+    for _, future in calls:
+      future.set_exception(EngineDeadError(reason))
     for seq, cb in inbox:
       self.outputs.add(seq, cb)
       self._seqs[seq.request_id] = seq

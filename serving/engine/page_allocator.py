@@ -90,13 +90,14 @@ class PageAllocator:
         else:
           self._free.append(page)
 
-  def match_prefix(self, tokens: list[int], salt: bytes | None = None
+  def match_prefix(self, tokens: list[int], salt: bytes | None = None, *, count: bool = True
                    ) -> tuple[list[int], list[bytes]]:
     """Longest cached full-page prefix of `tokens` (leaving >= 1 token to compute).
 
     `salt` roots the hash chain (None: the base model's): pages committed
     under one root are never found under another (LoRA adapters).
     Returns (pages, their hashes); each returned page gains a reference.
+    `count=False` leaves the hit-rate statistics alone (a KV export, not a request).
     """
     if not self.enable_prefix_caching:
       return [], []
@@ -114,9 +115,30 @@ class PageAllocator:
       pages.append(page)
       hashes.append(h)
       parent = h
-    self.stats.queries += len(tokens)
-    self.stats.hits += len(pages) * ps
+    if count:
+      self.stats.queries += len(tokens)
+      self.stats.hits += len(pages) * ps
     return pages, hashes
+
+  def adopt(self, hashes: list[bytes]) -> tuple[list[int], list[bool]] | None:
+    """Pages for full pages arriving from another engine, named by their prefix hashes
+    (consecutive, in chain order): a page already cached under a hash is reused, the
+    others are fresh pages to write and then `commit`. Every returned page holds a
+    reference. -> (pages, which are fresh), or None (nothing taken) if too few are free.
+    """
+    cached = [self._page_of.get(h) if self.enable_prefix_caching else None for h in hashes]
+    need = sum(p is None for p in cached)
+    pinned = [p for p in cached if p is not None and self._refs[p] == 0]
+    if need > self.num_free - len(pinned):
+      return None
+    for page in cached:  # pin the cached ones first, so allocating cannot evict them
+      if page is not None:
+        if self._refs[page] == 0:
+          del self._evictable[page]
+        self._refs[page] += 1
+    fresh = iter(self.allocate(need) or [])
+    pages = [page if page is not None else next(fresh) for page in cached]
+    return pages, [page is None for page in cached]
 
   def commit(self, page: int, h: bytes) -> None:
     """Registers a full page under its prefix hash (no-op if that prefix is cached)."""

@@ -268,6 +268,10 @@ class Scheduler:
     """
     appended = []
     kept_drafts: dict[Sequence, int] = {}
+    # KV the step wrote, by sequence (without kept drafts); a sequence that finishes
+    # here publishes it before its pages are released, so a later request can reuse it.
+    wrote = {r.seq: r.position + 1 for r in plan.decodes}
+    wrote.update({c.seq: c.end for c in plan.prefills if c.admission == c.seq.admit_order})
     sampled = [(c.seq, c.end) for c in plan.prefills if c.sample]
     sampled += [(r.seq, r.position + 1) for r in plan.decodes]
     for seq, context in sampled:
@@ -280,6 +284,8 @@ class Scheduler:
         run.append(token)
         reason = self._stop_reason(seq, token.token_id)
         if reason is not None:
+          if seq in wrote and seq.status is Status.RUNNING:
+            self._commit_full_pages(seq, wrote[seq])
           self.finish(seq, reason)
           break
       appended.append((seq, run))

@@ -33,6 +33,7 @@ from checkpoints.layout import LoadedModel
 from checkpoints.lora import load_lora_adapter
 from serving.config import EngineConfig
 from serving.engine import LLMEngine, Runner
+from serving.engine.disaggregated import DisaggregatedEngine
 from serving.engine.replicas import ReplicatedEngine
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
@@ -52,7 +53,8 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
 
 def build_engine(model: str | LoadedModel, config: EngineConfig, *,
                  wrap_runner: Callable[[ModelRunner], Runner] | None = None,
-                 lora_modules: Mapping[str, str] | None = None) -> LLMEngine | ReplicatedEngine:
+                 lora_modules: Mapping[str, str] | None = None
+                 ) -> LLMEngine | ReplicatedEngine | DisaggregatedEngine:
   """A single-controller engine over all the devices `config` asks for.
 
   `wrap_runner` puts another `Runner` around the model's (the benchmark's step
@@ -63,16 +65,23 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   """
   loaded = load_model(model, config)
   draft = load_draft(loaded, config)
-  if config.dp > 1:
-    engine = build_replicas(loaded, config, _model_name(model, loaded), draft, wrap_runner)
+  name = _model_name(model, loaded)
+  if config.disaggregated:
+    engine = build_disaggregated(loaded, config, name, draft, wrap_runner)
+  elif config.dp > 1:
+    engine = build_replicas(loaded, config, name, draft, wrap_runner)
   else:
     runner = ModelRunner(loaded.params, loaded.config, config, draft=draft)
-    engine = LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
-                       tokenizer=loaded.tokenizer, config=config,
-                       model_name=_model_name(model, loaded),
-                       lora_loader=lora_loader(loaded.config, config))
+    engine = _engine(loaded, config, name, runner, wrap_runner)
   register_loras(engine, lora_modules)
   return engine
+
+
+def _engine(loaded: LoadedModel, config: EngineConfig, model_name: str, runner: ModelRunner,
+            wrap_runner: Callable[[ModelRunner], Runner] | None) -> LLMEngine:
+  return LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
+                   tokenizer=loaded.tokenizer, config=config, model_name=model_name,
+                   lora_loader=lora_loader(loaded.config, config))
 
 
 def replica_devices(config: EngineConfig, devices: Sequence[Any] | None = None
@@ -96,21 +105,68 @@ def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
     raise ValueError("dp replicas run in one process; with several processes start one "
                      "server per host and balance across them")
   replica_cfg = dataclasses.replace(config, dp=1)
-  engines = []
-  for i, devices in enumerate(replica_devices(config)):
-    mesh = sharding.make_mesh(sharding.ParallelConfig.of(replica_cfg), devices)
-    runner = ModelRunner(loaded.params, loaded.config, replica_cfg, mesh=mesh, draft=draft)
-    engines.append(LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
-                             tokenizer=loaded.tokenizer, config=replica_cfg,
-                             model_name=model_name,
-                             lora_loader=lora_loader(loaded.config, replica_cfg)))
-    tokens = (runner.num_pages - 1) * config.page_size
-    msg = (f"replica {i} of {config.dp} on {', '.join(str(d) for d in devices)}: {tokens} KV "
-           f"tokens, max concurrency at max_model_len={config.max_model_len}: "
-           f"{tokens / config.max_model_len:.1f} requests")
-    log.info(msg)
-    print(msg, file=sys.stderr, flush=True)
+  engines = [_engine_on(loaded, replica_cfg, model_name, devices, draft, wrap_runner,
+                        f"replica {i} of {config.dp}")
+             for i, devices in enumerate(replica_devices(config))]
   return ReplicatedEngine(engines, config=config)
+
+
+def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
+               devices: Sequence[Any], draft: tuple[dict, ModelConfig] | None,
+               wrap_runner: Callable[[ModelRunner], Runner] | None, label: str,
+               plain_single_device: bool = False) -> LLMEngine:
+  """One engine on its own device group (a mesh over `devices`), and its capacity line.
+  `plain_single_device`: a group of just the default device runs without a mesh, as
+  one engine does (unrolled layers, a dense copy beside quantized weights)."""
+  mesh = sharding.make_mesh(sharding.ParallelConfig.of(config), devices)
+  if plain_single_device and list(devices) == jax.devices()[:1]:
+    mesh = None
+  runner = ModelRunner(loaded.params, loaded.config, config, mesh=mesh, draft=draft)
+  engine = _engine(loaded, config, model_name, runner, wrap_runner)
+  tokens = (runner.num_pages - 1) * config.page_size
+  msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
+         f"tokens, max concurrency at max_model_len={config.max_model_len}: "
+         f"{tokens / config.max_model_len:.1f} requests")
+  log.info(msg)
+  print(msg, file=sys.stderr, flush=True)
+  return engine
+
+
+def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: str,
+                        draft: tuple[dict, ModelConfig] | None,
+                        wrap_runner: Callable[[ModelRunner], Runner] | None
+                        ) -> DisaggregatedEngine:
+  """`prefill_workers` + `decode_workers` engines, each on its own `tp * ep * pp` devices
+  (serving/engine/disaggregated.py). On CPU, with fewer devices than that, the engines
+  share them (each with its share of the KV memory budget)."""
+  if jax.process_count() > 1:
+    raise ValueError("prefill / decode workers run in one process; with several processes "
+                     "start one server per host")
+  if draft is not None:
+    raise ValueError("a draft model is not supported with prefill / decode workers yet; use "
+                     "speculative_method='ngram' or 'suffix'")
+  n = config.prefill_workers + config.decode_workers
+  per = config.tp * config.ep * config.pp
+  devices = jax.devices()
+  worker_cfg = dataclasses.replace(config, prefill_workers=0, decode_workers=0,
+                                   kv_transfer=True, enable_prefix_caching=True)
+  if n * per > len(devices):
+    if devices[0].platform != "cpu" or per > len(devices):
+      raise ValueError(f"{config.prefill_workers} prefill + {config.decode_workers} decode "
+                       f"workers of tp*ep*pp={per} devices need {n * per} devices but only "
+                       f"{len(devices)} are visible")
+    groups = [devices[(i * per) % len(devices):][:per] for i in range(n)]
+    worker_cfg = dataclasses.replace(
+        worker_cfg, kv_cache_memory_fraction=config.kv_cache_memory_fraction / n)
+  else:
+    groups = [devices[i * per:(i + 1) * per] for i in range(n)]
+  engines = [_engine_on(loaded, worker_cfg, model_name, group, None, wrap_runner,
+                        f"{'prefill' if i < config.prefill_workers else 'decode'} worker "
+                        f"{i if i < config.prefill_workers else i - config.prefill_workers}",
+                        plain_single_device=True)
+             for i, group in enumerate(groups)]
+  return DisaggregatedEngine(engines[:config.prefill_workers],
+                             engines[config.prefill_workers:], config=config)
 
 
 def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelConfig] | None:

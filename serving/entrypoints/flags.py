@@ -80,10 +80,16 @@ flags.DEFINE_integer("prompt_lookup_min", None, "Shortest n-gram the ngram propo
 flags.DEFINE_integer("prompt_lookup_max", None, "Longest n-gram the ngram proposer matches.")
 flags.DEFINE_integer("speculative_max_batch", None, "Speculate only while at most this many "
                      "requests run (back-off).")
+flags.DEFINE_integer("prefill_workers", None, "Disaggregated serving: engines that prefill "
+                     "(each on its own tp*ep*pp devices); needs --decode_workers.")
+flags.DEFINE_integer("decode_workers", None, "Disaggregated serving: engines that decode "
+                     "after the prefill's KV pages reach them; needs --prefill_workers.")
+flags.DEFINE_integer("kv_transfer_pages", None, "KV pages per transfer chunk (disaggregated).")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "quantized_dense_copy", "int8_activations", "tp", "ep", "dp", "pp",
+                "prefill_workers", "decode_workers", "kv_transfer_pages",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",

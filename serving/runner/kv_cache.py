@@ -123,3 +123,27 @@ def write_kv(kv: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
   k = kv.k.at[page, off].set(_to_storage(k_new, kv))
   v = kv.v.at[page, off].set(_to_storage(v_new, kv))
   return dataclasses.replace(kv, k=k, v=v)
+
+
+def page_rows(kv: KVCache, pages: jax.Array) -> jax.Array:
+  """Rows of the pool [L * n] holding `pages` [n] of every layer, layer-major."""
+  layers = kv.k.shape[0] // kv.num_pages
+  return (jnp.arange(layers, dtype=jnp.int32)[:, None] * kv.num_pages + pages[None, :]).reshape(-1)
+
+
+def read_pages(kv: KVCache, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The stored K and V of `pages` [n] in every layer -> two [L, n, page_size, K, H'] arrays
+  (as stored: quantized rows keep their codes and scales). Disaggregated serving
+  moves a prefix's pages between engines with this and `write_pages`."""
+  rows = page_rows(kv, pages)
+  shape = (-1, pages.shape[0], *kv.k.shape[1:])
+  return kv.k[rows].reshape(shape), kv.v[rows].reshape(shape)
+
+
+def write_pages(kv: KVCache, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+  """Writes `read_pages`' output into `pages` [n] of every layer (page 0, the dummy
+  page, may take padding)."""
+  rows = page_rows(kv, pages)
+  k = kv.k.at[rows].set(k.reshape(-1, *kv.k.shape[1:]).astype(kv.k.dtype))
+  v = kv.v.at[rows].set(v.reshape(-1, *kv.v.shape[1:]).astype(kv.v.dtype))
+  return dataclasses.replace(kv, k=k, v=v)

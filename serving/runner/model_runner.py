@@ -50,7 +50,12 @@ from serving.runner import attention, lora_state, sampling
 from serving.runner.draft_model import DraftModel, check_vocabulary
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.inputs import StepInputs, build_prefill_input, build_step_inputs
-from serving.runner.kv_cache import create_kv_cache, kv_bytes_per_token
+from serving.runner.kv_cache import (
+  create_kv_cache,
+  kv_bytes_per_token,
+  read_pages,
+  write_pages,
+)
 from serving.runner.steps import (
   DecodeInput,
   DeviceState,
@@ -242,6 +247,7 @@ class ModelRunner:
     self._verify_sample = StepProgram("verify_sample", jit(verify_sample_step,
                                                            donate_argnums=(0,)),
                                       static="", num_fixed=1, store=store)
+    self._read_pages = self._write_pages = None  # jitted on first use (export_pages)
     self.draft = None
     if draft is not None:
       draft_params, draft_cfg = draft
@@ -355,6 +361,43 @@ class ModelRunner:
 
   def close(self) -> None:
     """Nothing to release: device memory goes with the runner."""
+
+  # ---- KV pages between engines (disaggregated prefill / decode) ----
+
+  def export_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Host copies of the K and V of `pages` (at most `kv_transfer_pages`) in every
+    layer: two [L, n, page_size, K, H'] arrays, as stored."""
+    n, padded = self._transfer_pages(pages)
+    with self._device_errors():
+      k, v = jax.device_get(self._read_pages(self.state.kv, padded))
+    return k[:, :n], v[:, :n]
+
+  def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
+    """Writes `export_pages` output (another runner's, same model and layout) into `pages`."""
+    n, padded = self._transfer_pages(pages)
+    kv = self.state.kv
+    expect = (kv.k.shape[0] // kv.num_pages, n, *kv.k.shape[1:])
+    if k.shape != expect or v.shape != expect:
+      raise ValueError(f"KV pages of shape {k.shape} / {v.shape} do not fit this cache "
+                       f"(expected {expect}): a different model or layout")
+    pad = ((0, 0), (0, len(padded) - n)) + ((0, 0),) * (k.ndim - 2)
+    with self._device_errors():
+      kv = self._write_pages(kv, padded, np.pad(k, pad), np.pad(v, pad))
+    self.state = dataclasses.replace(self.state, kv=kv)
+
+  def _transfer_pages(self, pages: list[int]) -> tuple[int, np.ndarray]:
+    """(len(pages), the page ids padded with the dummy page to one fixed-size chunk)."""
+    chunk = self.engine_cfg.kv_transfer_pages
+    if not 0 < len(pages) <= chunk or not all(0 <= p < self.num_pages for p in pages):
+      raise ValueError(f"a KV transfer moves 1..{chunk} pages in [0, {self.num_pages}), "
+                       f"not {pages}")
+    if self._read_pages is None:
+      shardings = jax.tree.map(lambda a: a.sharding, self.state.kv)
+      self._read_pages = jax.jit(read_pages)
+      self._write_pages = jax.jit(write_pages, donate_argnums=0, out_shardings=shardings)
+    padded = np.zeros(chunk, np.int32)
+    padded[:len(pages)] = pages
+    return len(pages), padded
 
   @contextlib.contextmanager
   def _device_errors(self):
@@ -504,6 +547,9 @@ class ModelRunner:
     spec = (self._verify, self._verify_sample) + (self.draft.steps if self.draft else ())
     n = len(programs) if self._store is not None else sum(
         s.num_programs() for s in steps + spec)
+    if self.engine_cfg.kv_transfer:  # the page export / import programs, on the dummy page
+      self.import_pages([0], *self.export_pages([0]))
+      n += 2
     log.info("%d programs (%d compiled, %d loaded from the executable store, %d loading in "
              "the background) in %.1fs", n, sum(s.compiled for s in steps + spec),
              sum(s.loaded for s in steps + spec), background, time.perf_counter() - start)
