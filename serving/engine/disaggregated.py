@@ -389,11 +389,11 @@ class DisaggregatedEngine:
     return merge_stats([e.stats() for e in self.decode])
 
   def replica_stats(self) -> list[EngineStats]:
-    """Every engine's stats: prefill workers first, then decode workers (`roles`)."""
+    """Every engine's stats: prefill workers first, then decode workers
+    (`replica_roles`)."""
     return [e.stats() for e in self.engines]
 
   @property
-  def roles(self) -> list[tuple[str, int]]:
-    """(role, index within the role) of each `replica_stats` entry."""
-    return [("prefill", i) for i in range(len(self.prefill))] + [
-        ("decode", i) for i in range(len(self.decode))]
+  def replica_roles(self) -> list[str]:
+    """The role of each `replica_stats` entry ("prefill" / "decode")."""
+    return ["prefill"] * len(self.prefill) + ["decode"] * len(self.decode)

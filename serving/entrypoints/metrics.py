@@ -58,22 +58,29 @@ _COUNTERS = (
 
 class EngineStatsCollector(Collector):
   """Reads `stats_fn()` (an `EngineStats`) on every scrape; with `replica_stats_fn`
-  (data parallel replicas, serving/engine/replicas.py) one series per replica,
-  labelled `replica`, instead."""
+  (data parallel replicas, serving/engine/replicas.py, or the prefill and decode
+  workers of serving/engine/disaggregated.py) one series per engine instead,
+  labelled `role` (`replica_roles`: "prefill" / "decode"; "both" for replicas that
+  do both) and `replica` (its index within the role)."""
 
   def __init__(self, stats_fn: Callable[[], Any], labels: dict[str, str],
-               replica_stats_fn: Callable[[], list[Any]] | None = None):
+               replica_stats_fn: Callable[[], list[Any]] | None = None,
+               replica_roles: list[str] | None = None):
     self._stats_fn = stats_fn
     self._labels = labels
     self._replica_stats_fn = replica_stats_fn
+    self._roles = replica_roles
 
   def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     names, values = list(self._labels), list(self._labels.values())
     if self._replica_stats_fn is None:
       rows = [(values, self._stats_fn())]
     else:
-      names = [*names, "replica"]
-      rows = [([*values, str(i)], s) for i, s in enumerate(self._replica_stats_fn())]
+      names = [*names, "replica", "role"]
+      parts = self._replica_stats_fn()
+      roles = self._roles or ["both"] * len(parts)
+      rows = [([*values, str(roles[:i].count(roles[i])), roles[i]], s)
+              for i, s in enumerate(parts)]
     for name, field, doc in _GAUGES:
       family = GaugeMetricFamily(PREFIX + name, doc, labels=names)
       for row, stats in rows:
@@ -122,15 +129,18 @@ class Metrics:
   """All metrics of one server process, in their own registry."""
 
   def __init__(self, stats_fn: Callable[[], Any] | None = None, model_name: str = "",
-               replica_stats_fn: Callable[[], list[Any]] | None = None):
-    """`replica_stats_fn`: each data parallel replica's `EngineStats` (engine metrics then
-    have one series per replica, labelled `replica`)."""
+               replica_stats_fn: Callable[[], list[Any]] | None = None,
+               replica_roles: list[str] | None = None):
+    """`replica_stats_fn`: each engine's `EngineStats` (data parallel replicas, or
+    prefill / decode workers, whose role each `replica_roles` entry names): engine
+    metrics then have one series per engine, labelled `replica` and `role`."""
     self.registry = CollectorRegistry(auto_describe=True)
     labels = {"model_name": model_name}
     label_names = list(labels)
     self._labels = labels
     if stats_fn is not None:
-      self.registry.register(EngineStatsCollector(stats_fn, labels, replica_stats_fn))
+      self.registry.register(EngineStatsCollector(stats_fn, labels, replica_stats_fn,
+                                                  replica_roles))
     kw = {"registry": self.registry, "labelnames": label_names}
     self.request_success = Counter(
         PREFIX + "request_success_total", "Finished requests by finish reason.",

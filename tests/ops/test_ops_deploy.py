@@ -182,10 +182,11 @@ def test_dockerfile_lints_clean():
   assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_grafana_dashboard_queries_what_the_server_exports():
+@pytest.mark.parametrize("fleet", ["dp", "disaggregated"])
+def test_grafana_dashboard_queries_what_the_server_exports(fleet):
   """deploy/grafana: every metric a panel or variable queries is on a server's /metrics
-  (two dp replicas over fake engines, after one request), and the ones filtered by
-  `replica` carry that label."""
+  (two dp replicas, or a prefill and a decode worker, over fake engines, after one
+  request), and the ones filtered by `replica` and `role` carry those labels."""
   import dataclasses
   import json
   import re
@@ -195,6 +196,7 @@ def test_grafana_dashboard_queries_what_the_server_exports():
   from prometheus_client.parser import text_string_to_metric_families
 
   from serving.config import EngineConfig
+  from serving.engine.disaggregated import DisaggregatedEngine
   from serving.engine.replicas import ReplicatedEngine
 
   with open(os.path.join(DEPLOY, "grafana", "xlaserve-dashboard.json")) as f:
@@ -205,19 +207,30 @@ def test_grafana_dashboard_queries_what_the_server_exports():
     assert topic in titles, topic
   exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
   exprs += [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
-  config = EngineConfig(max_num_seqs=4, max_model_len=256, num_pages=64, dp=2,
-                        compilation_cache=False)
-  replicas = [fake_engine(dataclasses.replace(config, dp=1)) for _ in range(2)]
-  with InProcessServer(ReplicatedEngine(replicas, config=config)) as server:
+  if fleet == "dp":
+    config = EngineConfig(max_num_seqs=4, max_model_len=256, num_pages=64, dp=2,
+                          compilation_cache=False)
+    replicas = [fake_engine(dataclasses.replace(config, dp=1)) for _ in range(2)]
+    engine, roles = ReplicatedEngine(replicas, config=config), {"both"}
+  else:
+    config = EngineConfig(max_num_seqs=4, max_model_len=256, num_pages=64, prefill_workers=1,
+                          decode_workers=1, compilation_cache=False)
+    worker = dataclasses.replace(config, prefill_workers=0, decode_workers=0)
+    engine = DisaggregatedEngine([fake_engine(worker)], [fake_engine(worker)], config=config)
+    roles = {"prefill", "decode"}
+  with InProcessServer(engine) as server:
     r = httpx.post(server.http + "/v1/completions",
-                   json={"model": "fake", "prompt": "hello", "max_tokens": 3}, timeout=10)
+                   json={"model": "fake", "prompt": "hello, prefill and decode workers",
+                         "max_tokens": 3}, timeout=10)
     assert r.status_code == 200
     text = httpx.get(server.http + "/metrics", timeout=10).text
-  labels = {}
+  labels, seen_roles = {}, set()
   for family in text_string_to_metric_families(text):
     for sample in family.samples:
       labels.setdefault(sample.name, set()).update(sample.labels)
+      seen_roles.add(sample.labels.get("role"))
+  assert seen_roles - {None} == roles
   queried = set(re.findall(r"\b(xlaserve_[a-z0-9_]+)", " ".join(exprs)))
   assert len(queried) >= 10 and queried <= set(labels), queried - set(labels)
   by_replica = {m for e in exprs for m in re.findall(r"(xlaserve_[a-z0-9_]+)\{[^}]*replica", e)}
-  assert by_replica and all("replica" in labels[m] for m in by_replica)
+  assert by_replica and all({"replica", "role"} <= labels[m] for m in by_replica)
