@@ -27,8 +27,9 @@ thread. `DisaggregatedEngine` stands in for one engine towards the front ends
 
 Routing: prefill by load; decode to the engine holding the longest routed
 prefix (`ReplicaRouter`, as for dp) or else the least loaded. Prompts shorter
-than one page, and requests with a LoRA adapter (their pages hash under the
-adapter), skip the transfer and are prefilled by the decode engine itself.
+than one page, requests with a LoRA adapter (their pages hash under the
+adapter) and requests with penalties (which skip the prefix cache) are
+prefilled by the decode engine itself.
 
 Failure: a failed prefill or a failed transfer chunk (a prefill engine that
 dies mid-transfer, a decode engine out of pages, a page shape mismatch) fails
@@ -49,12 +50,19 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serving.engine.llm_engine import LLMEngine
+from serving.engine.llm_engine import EngineDeadError, LLMEngine
 from serving.engine.replicas import ReplicaRouter, merge_stats
 from serving.types import EngineStats, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+
+
+def _recomputes_prompt(params: SamplingParams) -> bool:
+  """Requests with penalties skip the prefix cache (their penalty state is rebuilt from
+  a prefill at 0; scheduler.py), so moving their pages would buy nothing."""
+  return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+          or params.frequency_penalty != 0.0)
 
 
 @dataclasses.dataclass
@@ -133,7 +141,8 @@ class DisaggregatedEngine:
       self.router.record(route)
       self._decode_loads[route.replica] += 1
       prefill = self._pick_prefill()
-      direct = prefill is None or lora is not None or (len(ids) - 1) // self.page_size == 0
+      direct = (prefill is None or lora is not None or _recomputes_prompt(params)
+                or (len(ids) - 1) // self.page_size == 0)
       if direct:
         self._owner[request_id] = route.replica
       else:
@@ -151,6 +160,15 @@ class DisaggregatedEngine:
       self.prefill[prefill].add_request(f"{request_id}/prefill", ids, SamplingParams(
           max_tokens=1, temperature=0.0, ignore_eos=True),
           lambda out: self._on_prefilled(transfer, out))
+    except EngineDeadError:  # it died since it was picked: the decode worker prefills
+      with self._lock:
+        self._prefill_loads[prefill] -= 1
+        self._owner[request_id] = route.replica
+      try:
+        self._submit_decode(request_id, ids, params, on_output, route.replica)
+      except BaseException:
+        self._forget(request_id)
+        raise
     except BaseException:
       self._forget(request_id)
       raise
@@ -392,6 +410,13 @@ class DisaggregatedEngine:
     """Every engine's stats: prefill workers first, then decode workers
     (`replica_roles`)."""
     return [e.stats() for e in self.engines]
+
+  def transfer_stats(self) -> dict[str, int]:
+    """The KV transfer counters (/metrics: xlaserve_kv_transfer*)."""
+    with self._lock:
+      return {"kv_transfers_total": self.transfers_total,
+              "kv_transfer_failures_total": self.transfer_failures_total,
+              "kv_transfer_pages_total": self.pages_transferred_total}
 
   @property
   def replica_roles(self) -> list[str]:

@@ -84,7 +84,8 @@ async def serve(engine: LLMEngine, cfg: ServeConfig, stop: asyncio.Event,
   engine.start()
   metrics = Metrics(engine.stats, model_name=cfg.served_model_name,
                     replica_stats_fn=getattr(engine, "replica_stats", None),
-                    replica_roles=getattr(engine, "replica_roles", None))
+                    replica_roles=getattr(engine, "replica_roles", None),
+                    transfer_stats_fn=getattr(engine, "transfer_stats", None))
   aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
   names = list(dict.fromkeys([cfg.served_model_name, engine.model_name]))
   serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits,

@@ -37,7 +37,7 @@ from serving.engine.disaggregated import DisaggregatedEngine
 from serving.engine.replicas import ReplicatedEngine
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
-from serving.runner.model_runner import ModelRunner
+from serving.runner.model_runner import ModelRunner, capacity_pages
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,13 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
                        f"workers of tp*ep*pp={per} devices need {n * per} devices but only "
                        f"{len(devices)} are visible")
     groups = [devices[(i * per) % len(devices):][:per] for i in range(n)]
+    # One memory budget split n ways, sized once: every worker gets the same KV pool
+    # (and so the same programs: the second loads what the first compiled).
     worker_cfg = dataclasses.replace(
         worker_cfg, kv_cache_memory_fraction=config.kv_cache_memory_fraction / n)
+    if worker_cfg.num_pages is None:
+      worker_cfg = dataclasses.replace(worker_cfg,
+                                       num_pages=capacity_pages(loaded.config, worker_cfg))
   else:
     groups = [devices[i * per:(i + 1) * per] for i in range(n)]
   engines = [_engine_on(loaded, worker_cfg, model_name, group, None, wrap_runner,

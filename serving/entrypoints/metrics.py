@@ -125,15 +125,36 @@ def _spec_decode_families(rows: list[tuple[list[str], Any]], names: list[str]):
   yield family
 
 
+class TransferCollector(Collector):
+  """KV transfers of a disaggregated engine (`transfer_stats_fn()`: name -> count)."""
+
+  DOCS = {"kv_transfers_total": "Requests whose KV pages moved from a prefill to a decode "
+                                "worker.",
+          "kv_transfer_failures_total": "Requests failed by their prefill or KV transfer.",
+          "kv_transfer_pages_total": "KV pages moved from prefill to decode workers."}
+
+  def __init__(self, transfer_stats_fn: Callable[[], dict[str, int]], labels: dict[str, str]):
+    self._fn, self._labels = transfer_stats_fn, labels
+
+  def collect(self) -> Iterator[CounterMetricFamily]:
+    stats = self._fn()
+    for name, doc in self.DOCS.items():
+      family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+      family.add_metric(list(self._labels.values()), float(stats[name]))
+      yield family
+
+
 class Metrics:
   """All metrics of one server process, in their own registry."""
 
   def __init__(self, stats_fn: Callable[[], Any] | None = None, model_name: str = "",
                replica_stats_fn: Callable[[], list[Any]] | None = None,
-               replica_roles: list[str] | None = None):
+               replica_roles: list[str] | None = None,
+               transfer_stats_fn: Callable[[], dict[str, int]] | None = None):
     """`replica_stats_fn`: each engine's `EngineStats` (data parallel replicas, or
     prefill / decode workers, whose role each `replica_roles` entry names): engine
-    metrics then have one series per engine, labelled `replica` and `role`."""
+    metrics then have one series per engine, labelled `replica` and `role`.
+    `transfer_stats_fn`: a disaggregated engine's KV transfer counters."""
     self.registry = CollectorRegistry(auto_describe=True)
     labels = {"model_name": model_name}
     label_names = list(labels)
@@ -141,6 +162,8 @@ class Metrics:
     if stats_fn is not None:
       self.registry.register(EngineStatsCollector(stats_fn, labels, replica_stats_fn,
                                                   replica_roles))
+    if transfer_stats_fn is not None:
+      self.registry.register(TransferCollector(transfer_stats_fn, labels))
     kw = {"registry": self.registry, "labelnames": label_names}
     self.request_success = Counter(
         PREFIX + "request_success_total", "Finished requests by finish reason.",

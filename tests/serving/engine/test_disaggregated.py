@@ -198,3 +198,15 @@ def test_config_needs_both_roles():
     EngineConfig(prefill_workers=1)
   with pytest.raises(ValueError, match="replace dp"):
     EngineConfig(prefill_workers=1, decode_workers=1, dp=2)
+
+
+def test_requests_that_skip_the_prefix_cache_are_prefilled_by_the_decode_engine():
+  pd = pair()
+  outs = []
+  prompt = list(range(60, 80))
+  pd.add_request("pen", prompt, SamplingParams(max_tokens=4, ignore_eos=True,
+                                               repetition_penalty=1.2), outs.append)
+  pd.run_until_idle()
+  assert tokens(outs) == expected(prompt, 4)
+  assert pd.transfers_total == 0 and pd.prefill[0].stats().prompt_tokens_total == 0
+  assert_nothing_held(pd)

@@ -97,6 +97,8 @@ def test_http_and_grpc_match_one_engine(server, expected):
       assert [t for m in msgs for t in m.token_ids] == expected[p][1]
   assert metric_value(server.http, "xlaserve_prompt_tokens_total", role="prefill") > 0
   assert metric_value(server.http, "xlaserve_generation_tokens_total", role="decode") > 0
+  assert metric_value(server.http, "xlaserve_kv_transfers_total") == len(PROMPTS) + 3
+  assert metric_value(server.http, "xlaserve_kv_transfer_pages_total") > len(PROMPTS)
   for role in ("prefill", "decode"):
     assert wait_until(lambda role=role: _all_pages_free(server.http, role), 30), role
 
@@ -119,6 +121,7 @@ def test_prefill_worker_killed_mid_transfer(server, expected):
   server.kill_file.touch()
   r = asyncio.run(_complete(server.http, [LONG]))[0]
   assert r.status_code == 500 and "prefill worker" in r.text, r.text
+  assert metric_value(server.http, "xlaserve_kv_transfer_failures_total") == 1
   assert wait_until(lambda: _all_pages_free(server.http, "decode"), 30)
   assert httpx.get(server.http + "/health", timeout=10).status_code == 200
   rs = asyncio.run(_complete(server.http, [LONG, PROMPTS[1]]))
