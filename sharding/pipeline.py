@@ -14,8 +14,15 @@ the pool.
 Schedule (GPipe fill and drain, inside one jitted step): `pipeline_layers`
 is a `shard_map` manual over `pp` only — `tp` and `ep` stay automatic inside
 it, so pp composes with tensor and expert parallelism. A step's rows are cut
-into M microbatches (M = pp when the step's rows can be cut: decode and
-verify rows are independent; a prefill step's ragged chunks run as one). At
+into M microbatches (M = pp when the row count divides). Decode and verify
+rows are independent; a prefill step's rows are its chunks' tokens packed
+back to back, so a chunk may straddle two microbatches: each microbatch
+writes its own rows' K/V and its attention runs over the whole step's chunk
+metadata with the other rows' queries zero (steps.attend_fn's `window`), so
+a row reads the K/V that rows before it wrote on the same stage one tick
+earlier — causal order holds because every stage runs microbatch m before
+m + 1. That repeats the prefill attention M times (the projections and MLP,
+most of the work, are not repeated). At
 tick t stage s runs microbatch t - s through its layers, then hands the
 activation to stage s + 1 with one collective permute; with M >= 2 every
 stage works on a different microbatch in the same tick, and only the
@@ -45,10 +52,10 @@ from jax.sharding import PartitionSpec as P
 from serving.models.model_config import ModelConfig
 from sharding.mesh import axis_size
 
-# stage_fn(layers, x [T', D], rows, kv, active) -> (x, kv): the stage's layers over
-# one microbatch; `active` (a traced bool, or True) is False on idle ticks.
+# stage_fn(layers, x [T', D], rows, shared, kv, active, start) -> (x, kv): the stage's
+# layers over one microbatch, rows [start, start + T') of the step; `active` (a traced
+# bool, or True) is False on idle ticks.
 StageFn = Callable[..., tuple[jax.Array, Any]]
-
 
 def num_stages(mesh) -> int:
   """Pipeline stages of a mesh (1 without a `pp` axis, or outside any mesh)."""
@@ -85,31 +92,34 @@ def pad_layers(params: dict, cfg: ModelConfig, stages: int) -> tuple[dict, Model
   return {**params, "layers": layers}, dataclasses.replace(cfg, num_layers=total)
 
 
-def microbatches(rows: int, stages: int, split_rows: bool) -> int:
-  """M for a step of `rows` rows: `stages` when the rows can be cut evenly, else 1."""
-  return stages if split_rows and stages > 1 and rows % stages == 0 else 1
+def microbatches(rows: int, stages: int) -> int:
+  """M for a step of `rows` rows: `stages` when the rows cut evenly, else 1."""
+  return stages if stages > 1 and rows % stages == 0 else 1
 
 
-def pipeline_layers(stage_fn: StageFn, layers: Any, x: jax.Array, rows: Any, kv: Any, *,
-                    split_rows: bool) -> tuple[jax.Array, Any]:
+def pipeline_layers(stage_fn: StageFn, layers: Any, x: jax.Array, rows: Any, shared: Any,
+                    kv: Any) -> tuple[jax.Array, Any]:
   """The decoder stack over x [T, D], pipelined over the tracing mesh's `pp` stages.
 
-  `rows`: per-row step inputs (positions, attention metadata, ...), every leaf
-  with T (or the step's row count) leading when `split_rows`; microbatch m
-  gets the m-th slice of each. Without stages it is `stage_fn` itself.
+  `rows`: per-row step inputs (positions, KV indices, ...), every leaf with the
+  step's rows leading (T tokens, or the B sequences of a verify step whose T is
+  B*S, row-major); microbatch m gets the m-th of M equal slices of each. `shared`: inputs
+  every microbatch sees whole (a prefill step's chunk metadata). Without
+  stages it is `stage_fn` over the whole step.
   """
   mesh = jax.sharding.get_abstract_mesh()
   stages = num_stages(mesh)
   if stages == 1:
-    return stage_fn(layers, x, rows, kv, True)
-  m = microbatches(x.shape[0], stages, split_rows)
+    return stage_fn(layers, x, rows, shared, kv, True, 0)
+  m = min(microbatches(n, stages) for n in [x.shape[0], *(a.shape[0] for a in
+                                                         jax.tree.leaves(rows))])
+  size = x.shape[0] // m
   staged = lambda tree: jax.tree.map(lambda _: P("pp"), tree)  # noqa: E731
 
-  def stage(layers, x, rows, kv):
+  def stage(layers, x, rows, shared, kv):
     s = jax.lax.axis_index("pp")
-    xs = x.reshape(m, x.shape[0] // m, *x.shape[1:])
-    cut = rows if m == 1 else jax.tree.map(
-        lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), rows)
+    xs = x.reshape(m, size, *x.shape[1:])
+    cut = jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), rows)
     carry = jnp.zeros_like(xs[0])
     out = jnp.zeros_like(xs)
     for tick in range(m + stages - 1):
@@ -117,13 +127,13 @@ def pipeline_layers(stage_fn: StageFn, layers: Any, x: jax.Array, rows: Any, kv:
       active = (mb >= 0) & (mb < m)
       i = jnp.clip(mb, 0, m - 1)
       y, kv = stage_fn(layers, jnp.where(s == 0, xs[min(tick, m - 1)], carry),
-                       rows if m == 1 else jax.tree.map(lambda a, i=i: a[i], cut), kv, active)
+                       jax.tree.map(lambda a, i=i: a[i], cut), shared, kv, active, i * size)
       out = jnp.where(active & (s == stages - 1), out.at[i].set(y), out)
       if tick < m + stages - 2:
         carry = jax.lax.ppermute(y, "pp", [(j, j + 1) for j in range(stages - 1)])
     last = jnp.where(s == stages - 1, out, jnp.zeros_like(out))
     return jax.lax.psum(last, "pp").reshape(x.shape), kv
 
-  return jax.shard_map(stage, mesh=mesh, in_specs=(staged(layers), P(), P(), staged(kv)),
+  return jax.shard_map(stage, mesh=mesh, in_specs=(staged(layers), P(), P(), P(), staged(kv)),
                        out_specs=(P(), staged(kv)), axis_names={"pp"},
-                       check_vma=False)(layers, x, rows, kv)
+                       check_vma=False)(layers, x, rows, shared, kv)

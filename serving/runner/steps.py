@@ -100,8 +100,15 @@ class VerifyInput:
   sampling: sampling.SamplingTensors  # [B]; step = output index of position 0
 
 
-def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int):
-  """Builds the per-layer attention callback for llama.forward."""
+def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int,
+              window: tuple[jax.Array | int, int] | None = None):
+  """Builds the per-layer attention callback for llama.forward.
+
+  `window` (prefill only): (start, T) when the callback sees rows [start, start + T')
+  of a T-row step (a pipeline microbatch, sharding/pipeline.py): `meta` describes the
+  whole step but `kv_index` only these rows; the attention runs over T rows with the
+  others' queries zero and returns these rows.
+  """
   scale = cfg.head_dim ** -0.5
 
   def attend(layer, q, k, v, kv):
@@ -118,8 +125,15 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
                                            tables, q_lens, **kw)
       return out.reshape(q.shape), kv
     blocks = meta.get("blocks") if backend == "xla" else None
-    return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
-                                      meta["kv_lens"], blocks=blocks, **kw)
+    if window is None:
+      return attention.ragged_attention(backend, q, kv, tables, meta["cu_q_lens"],
+                                        meta["kv_lens"], blocks=blocks, **kw)
+    start, total = window
+    whole = jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((total, *q.shape[1:]), q.dtype), q, start, axis=0)
+    out, kv = attention.ragged_attention(backend, whole, kv, tables, meta["cu_q_lens"],
+                                         meta["kv_lens"], blocks=blocks, **kw)
+    return jax.lax.dynamic_slice_in_dim(out, start, q.shape[0], axis=0), kv
 
   # Under a mesh, kernels run per head shard (no gather of the KV cache);
   # the XLA path lets jit partition it.
@@ -133,22 +147,33 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   -> (final-normed hidden [T, D], kv).
 
   The layers run through `sharding.pipeline_layers`: plain on one stage; over
-  the mesh's `pp` stages otherwise, decode and verify rows cut into
-  microbatches (prefill chunks are ragged and stay whole).
+  the mesh's `pp` stages otherwise, with the step's rows cut into microbatches.
+  Decode and verify metadata is per row (cut with the rows); a prefill step's
+  chunk metadata is shared by its microbatches, each writing its own rows' K/V
+  (`attend_fn`'s `window`).
   """
   x = llama.embed_tokens(params["embed"], tokens).astype(act_dtype)
+  total = tokens.shape[0]
+  shared = None
+  if kind == "prefill":
+    shared = {k: v for k, v in meta.items() if k != "kv_index"}
+    meta = {"kv_index": meta["kv_index"]}
 
-  def stage(layers, x, rows, kv, active):
+  def stage(layers, x, rows, shared, kv, active, start):
     positions, meta, lora_rows = rows
     if active is not True:  # an idle pipeline tick writes only the dummy page
       meta = {**meta, "kv_index": jnp.where(active, meta["kv_index"], 0)}
-    attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens)
+    window = None
+    if shared is not None:
+      meta = {**shared, **meta}
+      window = None if x.shape[0] == total else (start, total)
+    attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens, window)
     return llama.run_layers(layers, cfg, x, positions, kv, attend,
                             experts_fn=sharding.expert_parallel(cfg),
                             lora=lora_batch(lora, lora_rows))
 
-  x, kv = sharding.pipeline_layers(stage, params["layers"], x, (positions, meta, lora_rows), kv,
-                                   split_rows=kind != "prefill")
+  x, kv = sharding.pipeline_layers(stage, params["layers"], x, (positions, meta, lora_rows),
+                                   shared, kv)
   return llama.final_norm(params, cfg, x), kv
 
 

@@ -68,10 +68,9 @@ def test_hlo_passes_activations_not_weights(result, family):
       assert not gathered & weights, (family, name, step, gathered & weights)
       # Only the [B, V] logits are ever gathered (over tp).
       assert all(len(g) == 2 and g[1] == stu.VOCAB for g in gathered), (name, step, gathered)
-      # Stage-to-stage sends: one per tick but the last; decode's 4 rows are cut into
-      # `stages` microbatches (M + pp - 2 sends), prefill's ragged chunks run whole.
-      microbatches = stages if step == "decode" else 1
-      expected = microbatches + stages - 2 if stages > 1 else 0
+      # Stage-to-stage sends: one per tick but the last, M = pp microbatches (decode's
+      # 4 rows, prefill's 16-token bucket): M + pp - 2 sends.
+      expected = 2 * stages - 2
       assert hlo["counts"]["collective-permute"] == expected, (family, name, step, hlo)
       if not layout:
         assert sum(hlo["counts"].values()) == 0
@@ -112,11 +111,10 @@ def test_mixed_layer_formats_are_refused_with_advice():
 def test_microbatches():
   from sharding.pipeline import microbatches
 
-  assert microbatches(4, 2, split_rows=True) == 2
-  assert microbatches(4, 4, split_rows=True) == 4
-  assert microbatches(2, 4, split_rows=True) == 1  # rows do not cut evenly: one microbatch
-  assert microbatches(64, 2, split_rows=False) == 1  # ragged prefill chunks stay whole
-  assert microbatches(8, 1, split_rows=True) == 1
+  assert microbatches(4, 2) == 2
+  assert microbatches(4, 4) == 4
+  assert microbatches(2, 4) == 1  # rows do not cut evenly: one microbatch
+  assert microbatches(8, 1) == 1
 
 
 def _runner_report(loaded, layout: dict) -> dict:
