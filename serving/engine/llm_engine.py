@@ -36,6 +36,7 @@ request ends with an error, `add_request` raises `EngineDeadError`, and
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -68,6 +69,24 @@ from serving.types import (
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 LoraLoader = Callable[[str], tuple[int, Any]]
+
+
+def release_free_heap() -> None:
+  """Returns the C heap's free pages to the system (glibc `malloc_trim`; elsewhere a
+  no-op). A burst of requests leaves host buffers freed but mapped (inputs, outputs,
+  XLA:CPU temporaries): without this an idle server keeps the RSS of its busiest
+  moment (docs/performance.md)."""
+  global _malloc_trim
+  if _malloc_trim is None:
+    try:
+      _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+      _malloc_trim = False
+  if _malloc_trim:
+    _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 class EngineDeadError(RuntimeError):
@@ -459,8 +478,10 @@ class LLMEngine:
       self._thread.start()
 
   def _loop(self) -> None:
+    busy = False
     while not self._stop.is_set():
       if self.has_unfinished():
+        busy = True
         try:
           self.step()
         except Exception as e:  # the state is not trusted any more: stop serving
@@ -468,6 +489,9 @@ class LLMEngine:
           self.die(f"engine failed: {type(e).__name__}: {e}")
           return
       else:
+        if busy:  # just went idle: hand the heap freed by the burst back to the system
+          busy = False
+          release_free_heap()
         self._wake.wait(0.05)
         self._wake.clear()
 
