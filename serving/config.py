@@ -99,7 +99,6 @@ class EngineConfig:
   # and engines that decode, KV pages moved from the first to the second.
   prefill_workers: int = 0
   decode_workers: int = 0
-  kv_transfer: bool = False  # compile the KV page export / import programs
   kv_transfer_pages: int = 8  # pages per transfer chunk
   # Shapes compiled: each bucket is one program (each loaded XLA:CPU program holds
   # 10-75 MB of host memory, docs/performance.md), so presets may pick fewer. Entries

@@ -114,14 +114,15 @@ def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
 def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
                devices: Sequence[Any], draft: tuple[dict, ModelConfig] | None,
                wrap_runner: Callable[[ModelRunner], Runner] | None, label: str,
-               plain_single_device: bool = False) -> LLMEngine:
+               plain_single_device: bool = False, kv_transfer: bool = False) -> LLMEngine:
   """One engine on its own device group (a mesh over `devices`), and its capacity line.
   `plain_single_device`: a group of just the default device runs without a mesh, as
   one engine does (unrolled layers, a dense copy beside quantized weights)."""
   mesh = sharding.make_mesh(sharding.ParallelConfig.of(config), devices)
   if plain_single_device and list(devices) == jax.devices()[:1]:
     mesh = None
-  runner = ModelRunner(loaded.params, loaded.config, config, mesh=mesh, draft=draft)
+  runner = ModelRunner(loaded.params, loaded.config, config, mesh=mesh, draft=draft,
+                       kv_transfer=kv_transfer)
   engine = _engine(loaded, config, model_name, runner, wrap_runner)
   tokens = (runner.num_pages - 1) * config.page_size
   msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
@@ -149,7 +150,7 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
   per = config.tp * config.ep * config.pp
   devices = jax.devices()
   worker_cfg = dataclasses.replace(config, prefill_workers=0, decode_workers=0,
-                                   kv_transfer=True, enable_prefix_caching=True)
+                                   enable_prefix_caching=True)
   if n * per > len(devices):
     if devices[0].platform != "cpu" or per > len(devices):
       raise ValueError(f"{config.prefill_workers} prefill + {config.decode_workers} decode "
@@ -168,7 +169,7 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
   engines = [_engine_on(loaded, worker_cfg, model_name, group, None, wrap_runner,
                         f"{'prefill' if i < config.prefill_workers else 'decode'} worker "
                         f"{i if i < config.prefill_workers else i - config.prefill_workers}",
-                        plain_single_device=True)
+                        plain_single_device=True, kv_transfer=True)
              for i, group in enumerate(groups)]
   return DisaggregatedEngine(engines[:config.prefill_workers],
                              engines[config.prefill_workers:], config=config)

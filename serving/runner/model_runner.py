@@ -176,8 +176,11 @@ class ModelRunner:
 
   def __init__(self, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
                num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None,
-               draft: tuple[dict, ModelConfig] | None = None):
-    """`draft`: (params, config) of the draft model (speculative_method="draft")."""
+               draft: tuple[dict, ModelConfig] | None = None, kv_transfer: bool = False):
+    """`draft`: (params, config) of the draft model (speculative_method="draft").
+    `kv_transfer`: warm up `export_pages` / `import_pages` too (a disaggregated
+    prefill or decode worker, serving/engine/disaggregated.py)."""
+    self.kv_transfer = kv_transfer
     # Sharded when tp*ep*dp*pp > 1 or a mesh is given (sharding/placement.py).
     self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
     placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
@@ -392,9 +395,11 @@ class ModelRunner:
       raise ValueError(f"a KV transfer moves 1..{chunk} pages in [0, {self.num_pages}), "
                        f"not {pages}")
     if self._read_pages is None:
-      shardings = jax.tree.map(lambda a: a.sharding, self.state.kv)
+      # On a mesh the pool keeps its shardings (as every step's output does);
+      # on one device the output follows the input, as the steps' outputs do.
+      pinned = None if self.mesh is None else jax.tree.map(lambda a: a.sharding, self.state.kv)
       self._read_pages = jax.jit(read_pages)
-      self._write_pages = jax.jit(write_pages, donate_argnums=0, out_shardings=shardings)
+      self._write_pages = jax.jit(write_pages, donate_argnums=0, out_shardings=pinned)
     padded = np.zeros(chunk, np.int32)
     padded[:len(pages)] = pages
     return len(pages), padded
@@ -547,7 +552,7 @@ class ModelRunner:
     spec = (self._verify, self._verify_sample) + (self.draft.steps if self.draft else ())
     n = len(programs) if self._store is not None else sum(
         s.num_programs() for s in steps + spec)
-    if self.engine_cfg.kv_transfer:  # the page export / import programs, on the dummy page
+    if self.kv_transfer:  # the page export / import programs, on the dummy page
       self.import_pages([0], *self.export_pages([0]))
       n += 2
     log.info("%d programs (%d compiled, %d loaded from the executable store, %d loading in "
