@@ -13,10 +13,12 @@ thread. `DisaggregatedEngine` stands in for one engine towards the front ends
      pages, each a call on the engine threads between their steps
      (`LLMEngine.call_soon`), so both engines keep serving meanwhile: the
      prefill engine pins the prompt's cached full pages
-     (`match_prefix(count=False)`) and copies one chunk to host memory
+     (`match_prefix(count=False)`) and gathers one chunk
      (`runner.export_pages`); the decode engine takes pages for it
      (`allocator.adopt`: a page it already caches under the same prefix hash
-     is reused, not written), writes the chunk (`runner.import_pages`) and
+     is reused, not written), moves the chunk to its device(s) and writes
+     it (`runner.import_pages`: `jax.device_put`, device to device where the
+     backend can) and
      commits the pages under the prompt's prefix hashes.
   3. **Decode.** The request, with its original id and sampling parameters,
      goes to the decode engine, whose prefix cache now holds every full page
@@ -248,7 +250,7 @@ class DisaggregatedEngine:
                     f"{future.exception()}")
       return
     k, v = future.result()
-    hashes = t.hashes[start:start + k.shape[1]]
+    hashes = t.hashes[start:start + self.chunk_pages]
     dst = self.decode[t.decode]
     dst.call_soon(lambda: self._import(dst, t, hashes, k, v)).add_done_callback(
         lambda f: self._on_imported(t, f))
@@ -261,14 +263,15 @@ class DisaggregatedEngine:
       raise RuntimeError(f"decode worker has no {len(hashes)} free KV pages for the transfer")
     pages, fresh = got
     try:
-      idx = [i for i, f in enumerate(fresh) if f]
-      if idx:
-        engine.runner.import_pages([pages[i] for i in idx], k[:, idx], v[:, idx])
+      if any(fresh):  # pages it already caches are skipped (slot -> the dummy page)
+        engine.runner.import_pages([p if f else 0 for p, f in zip(pages, fresh, strict=True)],
+                                   k, v)
     except BaseException:
       engine.allocator.release(pages)  # fresh pages were never committed: freed
       raise
-    for i in idx:
-      engine.allocator.commit(pages[i], hashes[i])
+    for page, h, f in zip(pages, hashes, fresh, strict=True):
+      if f:
+        engine.allocator.commit(page, h)
     t.dst_pages.extend(pages)
 
   def _on_imported(self, t: KVTransfer, future) -> None:

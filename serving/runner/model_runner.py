@@ -367,29 +367,50 @@ class ModelRunner:
 
   # ---- KV pages between engines (disaggregated prefill / decode) ----
 
-  def export_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Host copies of the K and V of `pages` (at most `kv_transfer_pages`) in every
-    layer: two [L, n, page_size, K, H'] arrays, as stored."""
-    n, padded = self._transfer_pages(pages)
+  def export_pages(self, pages: list[int]) -> tuple[jax.Array, jax.Array]:
+    """The K and V of `pages` (at most `kv_transfer_pages`) in every layer, as stored:
+    two [L, kv_transfer_pages, page_size, K, H'] arrays on this runner's device(s),
+    slot i holding pages[i] (the slots past them: the dummy page). Computed before
+    this returns, so a lost device fails here, not in the importer."""
+    padded = self._chunk(pages)
     with self._device_errors():
-      k, v = jax.device_get(self._read_pages(self.state.kv, padded))
-    return k[:, :n], v[:, :n]
+      return jax.block_until_ready(self._read_pages(self.state.kv, padded))
 
-  def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
-    """Writes `export_pages` output (another runner's, same model and layout) into `pages`."""
-    n, padded = self._transfer_pages(pages)
+  def import_pages(self, pages: list[int], k: jax.Array | np.ndarray,
+                   v: jax.Array | np.ndarray) -> None:
+    """Writes slot i of `export_pages` output (another runner's, same model and layout)
+    into page pages[i]; a 0 skips the slot (it goes to the dummy page). Device arrays
+    move straight to this runner's device(s) (`jax.device_put`: device to device
+    where the backend can, e.g. between GPUs: `_to_pool_device`); host arrays may
+    hold just len(pages) slots. Fixed shapes: nothing compiles after warm-up."""
+    padded = self._chunk(pages)
     kv = self.state.kv
-    expect = (kv.k.shape[0] // kv.num_pages, n, *kv.k.shape[1:])
+    slots = len(padded) if isinstance(k, jax.Array) else len(pages)
+    expect = (kv.k.shape[0] // kv.num_pages, slots, *kv.k.shape[1:])
     if k.shape != expect or v.shape != expect:
       raise ValueError(f"KV pages of shape {k.shape} / {v.shape} do not fit this cache "
                        f"(expected {expect}): a different model or layout")
-    pad = ((0, 0), (0, len(padded) - n)) + ((0, 0),) * (k.ndim - 2)
+    if not isinstance(k, jax.Array):
+      pad = ((0, 0), (0, len(padded) - slots)) + ((0, 0),) * (k.ndim - 2)
+      k, v = np.pad(k, pad), np.pad(v, pad)
     with self._device_errors():
-      kv = self._write_pages(kv, padded, np.pad(k, pad), np.pad(v, pad))
+      k, v = (self._to_pool_device(a) for a in (k, v))
+      kv = self._write_pages(kv, padded, k, v)
     self.state = dataclasses.replace(self.state, kv=kv)
 
-  def _transfer_pages(self, pages: list[int]) -> tuple[int, np.ndarray]:
-    """(len(pages), the page ids padded with the dummy page to one fixed-size chunk)."""
+  def _to_pool_device(self, a: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
+    """Transfer data where the pool's write wants it. On a mesh: replicated over it
+    (`device_put`, device to device). On one device: as it is when it already lives
+    there (or on the host); from another device through the host, since a committed
+    array would make the next steps see a differently placed pool and recompile."""
+    if self.mesh is not None:
+      return jax.device_put(a, jax.sharding.NamedSharding(self.mesh, jax.P()))
+    if isinstance(a, jax.Array) and a.devices() != self.state.kv.k.devices():
+      return np.asarray(a)
+    return a
+
+  def _chunk(self, pages: list[int]) -> np.ndarray:
+    """The page ids of one transfer chunk, padded with the dummy page to its fixed size."""
     chunk = self.engine_cfg.kv_transfer_pages
     if not 0 < len(pages) <= chunk or not all(0 <= p < self.num_pages for p in pages):
       raise ValueError(f"a KV transfer moves 1..{chunk} pages in [0, {self.num_pages}), "
@@ -402,7 +423,7 @@ class ModelRunner:
       self._write_pages = jax.jit(write_pages, donate_argnums=0, out_shardings=pinned)
     padded = np.zeros(chunk, np.int32)
     padded[:len(pages)] = pages
-    return len(pages), padded
+    return padded
 
   @contextlib.contextmanager
   def _device_errors(self):
