@@ -16,9 +16,9 @@ the one CPU device; KV pages move between their runners (`export_pages` /
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
+from compile_watch import compile_events
 from runner_faults import FaultyRunner
 
 from serving.config import EngineConfig
@@ -63,17 +63,8 @@ def single(tiny_dir):
 
 def test_pair_matches_one_engine(tiny_dir, single):
   pd = build_engine(tiny_dir, EngineConfig(**ENGINE, prefill_workers=1, decode_workers=1))
-  events = []
-
-  def listener(name, *args, **kwargs):
-    if "compile" in name or "trace" in name:
-      events.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events() as events:
     assert generate(pd, PROMPTS) == single
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert events == [], f"compiled after warm-up: {sorted(set(events))}"
   assert pd.transfers_total == 3 and pd.pages_transferred_total == 1 + 5 + 5
   # Only the partial last pages: 3 of "short", 1 + 1 + 2 of the others.

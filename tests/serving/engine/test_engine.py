@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from compile_watch import compile_events
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -169,19 +170,10 @@ def test_no_compilation_after_warm_up(tiny_dir, speculation):
   if spec:
     spec["speculative_model"] = tiny_dir
   eng = make_engine(tiny_dir, num_pages=16, enable_prefix_caching=True, **spec)
-  events = []
-
-  def listener(name, *args, **kwargs):
-    if "compile" in name or "trace" in name:
-      events.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events() as events:
     reqs = random_workload(np.random.default_rng(7), 18,
                            variants=SAMPLING_VARIANTS + CONSTRAINED_VARIANTS)
     results = drive(eng, reqs)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert events == [], f"compiled after warm-up: {sorted(set(events))}"
   # The workload had what it is meant to cover.
   stats = eng.stats()

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import concurrent.futures
 
-import jax
 import openai
 import pytest
+from compile_watch import compile_events
 from frontend_fake import InProcessServer, wait_for
 from lora_testutil import write_peft_adapter
 from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG, require_real_model
@@ -59,14 +59,7 @@ def test_interleaved_adapters_match_each_alone(served):
   # The adapters matter: they change the base model's greedy text.
   for p in PROMPTS:
     assert len({alone[(m, p)] for m in models}) >= 4, [alone[(m, p)] for m in models]
-  events = []
-
-  def listener(name, *args, **kwargs):
-    if "compile" in name or "trace" in name:
-      events.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events() as events:
     swaps_before = srv.engine.stats().lora_swaps_total
     jobs = [(m, p) for p in PROMPTS for m in ["a", "b", NAME, "c", "d", "a", "c"]]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -87,8 +80,6 @@ def test_interleaved_adapters_match_each_alone(served):
     client.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "e"})
     with pytest.raises(openai.NotFoundError):
       complete(client, "e", PROMPTS[0])
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert events == [], f"compiled after warm-up: {sorted(set(events))}"
   engine = srv.engine
   assert wait_for(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
