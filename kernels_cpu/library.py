@@ -1,6 +1,6 @@
 """Loads the native kernels' library and registers its XLA FFI targets.
 
-`setup.py` compiles `matvec.cc` and `attention.cc` into one shared library
+`setup.py` compiles `matvec.cc`, `attention.cc` and `decoder.cc` into one shared library
 (`_native*.so`) during `pip install`; it is loaded with ctypes on first use.
 `available()` is False when the library was not built, does not load, or this
 CPU lacks the instructions the kernels use (checked at run time by the
@@ -26,6 +26,7 @@ TARGETS = {
     "xlaserve_q4_1_matvec_q8": "XlaserveMatvecQ4_1Q8",
     "xlaserve_q4_0_matvec_q8": "XlaserveMatvecQ4_0Q8",
     "xlaserve_paged_attention": "XlaservePagedAttention",
+    "xlaserve_decode_layers": "XlaserveDecodeLayers",
 }
 
 

@@ -8,6 +8,14 @@
 // does more of the items itself, never a deadlock. A pool task that starts
 // after every item is claimed finds nothing to do; the state it touches is
 // held by a shared_ptr, so it outlives the call.
+//
+// `Team` is the same for a sequence of parallel loops in one call (the fused
+// decoder layers run ~150 of them a step): its helpers stay for the whole
+// call and wait for the next loop spinning, instead of being scheduled (and
+// woken) once per loop. Each loop is a `ParallelWork` the caller publishes,
+// runs its share of and waits for, so a helper that never starts, or starts
+// late, only leaves the caller more items; a helper holding an old loop finds
+// its items all claimed and never calls its function.
 
 #ifndef XLASERVE_KERNELS_CPU_PARALLEL_H_
 #define XLASERVE_KERNELS_CPU_PARALLEL_H_
@@ -18,7 +26,10 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
+
+#include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -65,6 +76,75 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count,
   work->Run();
   while (work->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
 }
+
+class Team {
+ public:
+  // Up to `threads` - 1 helpers from the pool (threads: the caller included).
+  Team(xla::ffi::ThreadPool& pool, int64_t threads) : state_(std::make_shared<State>()) {
+    const int64_t helpers = std::min<int64_t>(threads, ThreadLimit(pool)) - 1;
+    for (int64_t h = 0; h < helpers; ++h) {
+      pool.Schedule([state = state_] { state->Help(); });
+    }
+    helpers_ = std::max<int64_t>(helpers, 0);
+  }
+  ~Team() { state_->stop.store(true, std::memory_order_release); }
+  Team(const Team&) = delete;
+  Team& operator=(const Team&) = delete;
+
+  // fn(0) .. fn(count - 1) over the caller and the helpers; returns when all are done.
+  void For(int64_t count, std::function<void(int64_t)> fn) {
+    if (count <= 0) return;
+    if (helpers_ == 0 || count == 1) {
+      for (int64_t i = 0; i < count; ++i) fn(i);
+      return;
+    }
+    auto work = std::make_shared<ParallelWork>();
+    work->fn = std::move(fn);
+    work->count = count;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->work = work;
+    }
+    state_->epoch.fetch_add(1, std::memory_order_release);
+    work->Run();
+    while (work->done.load(std::memory_order_acquire) < count) _mm_pause();
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::shared_ptr<ParallelWork> work;
+    std::atomic<uint64_t> epoch{0};
+    std::atomic<bool> stop{false};
+
+    void Help() {
+      uint64_t seen = 0;
+      int idle = 0;
+      while (!stop.load(std::memory_order_acquire)) {
+        const uint64_t e = epoch.load(std::memory_order_acquire);
+        if (e == seen) {
+          // Spin between loops (microseconds apart); yield the core when it drags on.
+          if (++idle < 4096) {
+            _mm_pause();
+          } else {
+            std::this_thread::yield();
+          }
+          continue;
+        }
+        seen = e;
+        idle = 0;
+        std::shared_ptr<ParallelWork> w;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          w = work;
+        }
+        if (w) w->Run();
+      }
+    }
+  };
+  std::shared_ptr<State> state_;
+  int64_t helpers_ = 0;
+};
 
 }  // namespace xlaserve
 

@@ -195,7 +195,8 @@ class QuantizedWeight:
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """x [..., In] -> x @ w [..., Out] in x.dtype, accumulating in float32."""
-    if self._native(x):  # few rows of 32-input groups on CPU: the FFI kernel (kernels_cpu)
+    # Few rows of 32-input groups on CPU: the FFI kernel (kernels_cpu).
+    if self.runs_native(math.prod(x.shape[:-1])):
       rows = x.reshape(-1, x.shape[-1])
       q8 = self.int8_activations and kernels_cpu.matvec.supports_int8_activations(
           rows.shape[0], self.q, self.scale, self.offset, self.bits)
@@ -217,17 +218,16 @@ class QuantizedWeight:
     return out.astype(x.dtype)
 
 
-  def _native(self, x: jax.Array) -> bool:
-    """Whether `matmul(x)` runs the native kernel: CPU, groups of 32 of int8 codes (ours
-    with a min, or Q8_0) or nibbles (Q4_1, Q4_0), one weight (not stacked), at most
-    MAX_ROWS rows, and not traced on a mesh (XLA cannot split a custom call: it would
-    gather the weight)."""
+  def runs_native(self, rows: int) -> bool:
+    """Whether `matmul` of `rows` activation rows runs the native kernel: CPU, groups of
+    32 of int8 codes (ours with a min, or Q8_0) or nibbles (Q4_1, Q4_0), one weight (not
+    stacked), at most MAX_ROWS rows (NATIVE_ROWS_BESIDE_FULL beside a `full` copy), and
+    not traced on a mesh (XLA cannot split a custom call: it would gather the weight)."""
     if not native_format(self) or jax.default_backend() != "cpu":
       return False
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and math.prod(mesh.shape.values()) > 1:
       return False
-    rows = math.prod(x.shape[:-1])
     if self.full is not None and rows > NATIVE_ROWS_BESIDE_FULL:
       return False
     return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)

@@ -81,7 +81,7 @@ def source_fingerprint() -> str:
     if os.path.isfile(full):
       paths.append(full)
     for dirpath, _, filenames in os.walk(full):
-      paths += [os.path.join(dirpath, f) for f in filenames if f.endswith((".py", ".cc"))]
+      paths += [os.path.join(dirpath, f) for f in filenames if f.endswith((".py", ".cc", ".h"))]
   h = hashlib.sha256()
   for path in sorted(paths):
     h.update(os.path.relpath(path, root).encode())
@@ -94,7 +94,8 @@ def _platform_fingerprint() -> str:
   devices = jax.devices()
   # Programs call the native kernels only where they are available (kernels_cpu).
   return (f"jax={jax.__version__} jaxlib={jaxlib.__version__} backend={jax.default_backend()} "
-          f"devices={[d.device_kind for d in devices]} native={kernels_cpu.available()}")
+          f"devices={[d.device_kind for d in devices]} native={kernels_cpu.available()} "
+          f"native_layers={kernels_cpu.decoder.enabled()}")
 
 
 def _aval_signature(tree: Any) -> str:

@@ -23,7 +23,7 @@ import sharding
 from serving.models import llama
 from serving.models.lora import LoraBatch
 from serving.models.model_config import ModelConfig
-from serving.runner import attention, sampling
+from serving.runner import attention, native_decode, sampling
 from serving.runner.kv_cache import KVCache, write_kv
 from serving.types import MAX_LOGPROBS
 
@@ -146,7 +146,8 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   """`llama.forward` with the attention of a `kind` step over its `meta`
   -> (final-normed hidden [T, D], kv).
 
-  The layers run through `sharding.pipeline_layers`: plain on one stage; over
+  The layers run through `sharding.pipeline_layers`: plain on one stage (a decode
+  step there in one native call where it fits, native_decode.py); over
   the mesh's `pp` stages otherwise, with the step's rows cut into microbatches.
   Decode and verify metadata is per row (cut with the rows); a prefill step's
   chunk metadata is shared by its microbatches, each writing its own rows' K/V
@@ -161,6 +162,9 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
 
   def stage(layers, x, rows, shared, kv, active, start):
     positions, meta, lora_rows = rows
+    if (kind == "decode" and active is True and backend == "xla"
+        and native_decode.runs_native(layers, cfg, kv, x, lora)):
+      return native_decode.run_layers(layers, cfg, x, positions, meta, kv)
     if active is not True:  # an idle pipeline tick writes only the dummy page
       meta = {**meta, "kv_index": jnp.where(active, meta["kv_index"], 0)}
     window = None

@@ -1,0 +1,367 @@
+// The whole decoder stack of a Llama-family model for a decode step, in one
+// XLA FFI custom call (CPU).
+//
+// h[B, D] -> h after L layers, each: RMSNorm, Q/K/V projections, RoPE, the
+// new K/V written into the page pool, paged attention over the row's keys,
+// the output projection, RMSNorm, SwiGLU MLP, with the residual adds. The
+// linear weights are quantized groups as stored (quant_dot.h: U8, S8 / Q8_0,
+// Q4_1, Q4_0; nibbles optionally times int8-rounded activations), the pools
+// are float32 or bfloat16 (attention.h kinds 0 and 1), updated in place (the
+// jax side aliases them to the outputs).
+//
+// Why one call: per layer, the same work as separate custom calls took seven
+// matvec calls, an attention call and the XLA glue between them, ~240 calls a
+// step for SmolLM2, each waking XLA's pool threads for ~50-100 us of work.
+// Here the helpers (parallel.h `Team`) stay for the whole stack and each
+// matvec phase is a parallel loop over column blocks; the small serial parts
+// (norms, RoPE, the K/V write, SiLU) run on the caller in between.
+//
+// Numerics: float32 throughout, the same operations as the XLA path
+// (serving/models/llama.py) up to summation order and transcendental
+// rounding; with int8 activations, the same rounding points as the per-op
+// native path (each projection's input rounded once per group of 32).
+//
+// Operands (after the thread pool):
+//   x [B, D] f32, positions [B] s32, kv_index [B] s32 (page * page_size +
+//   offset, per-layer page ids), tables [B, W] s32 (per-layer page ids),
+//   seq_lens [B] s32 (keys each row attends to, 0: padding), inv_freq [H/2]
+//   f32, norms [L, 2, D] f32 (attention, MLP), k_pool, v_pool [L*P, ps, K, H],
+//   then per layer and per weight (wq, wk, wv, wo, w_gate, w_up, w_down):
+//   codes, scales, offsets (the scales again for formats without a min).
+// Attributes: formats [L*7] (quant_dot.h Format; +4: int8 activations),
+//   num_heads, num_pages (P), window (0: none), kind (0 f32, 1 bf16 pages),
+//   eps, scale.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "attention.h"
+#include "parallel.h"
+#include "quant_dot.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace xlaserve;  // NOLINT: the building blocks (quant_dot.h, attention.h)
+
+constexpr int kWeights = 7;  // wq, wk, wv, wo, w_gate, w_up, w_down
+constexpr int kQ8Flag = 4;   // formats[i] & kQ8Flag: int8 activations
+constexpr int64_t kColumnBlock = 64;  // output columns per work item
+
+struct Weight {
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* offset;  // nullptr without a min
+  int64_t in, out;
+  Format format;
+  bool q8;
+};
+
+// y[B, out) = x[B, in] @ W^T, one column block: float rows or their int8 rounding.
+void DotBlock(const Weight& w, const float* x, const Q8Rows* xq, int rows, float* y,
+              int64_t o0, int64_t o1) {
+  switch (w.format) {
+    case kU8:
+      Columns<kU8>(x, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      return;
+    case kS8:
+      Columns<kS8>(x, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      return;
+    case kQ4_1:
+      if (w.q8) {
+        Q8Columns<kQ4_1>(*xq, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      } else {
+        Columns<kQ4_1>(x, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      }
+      return;
+    case kQ4_0:
+      if (w.q8) {
+        Q8Columns<kQ4_0>(*xq, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      } else {
+        Columns<kQ4_0>(x, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      }
+      return;
+  }
+}
+
+// Several projections of the same rows (Q/K/V; gate/up) as one parallel loop.
+struct Projection {
+  const Weight* w;
+  float* y;  // [rows, w->out]
+};
+
+void Project(Team& team, const std::vector<Projection>& ps, const float* x, const Q8Rows* xq,
+             int rows) {
+  std::vector<int64_t> first(ps.size() + 1, 0);  // first work item of each projection
+  for (size_t i = 0; i < ps.size(); ++i) {
+    first[i + 1] = first[i] + (ps[i].w->out + kColumnBlock - 1) / kColumnBlock;
+  }
+  team.For(first.back(), [&](int64_t item) {
+    size_t p = 0;
+    while (item >= first[p + 1]) ++p;
+    const int64_t o0 = (item - first[p]) * kColumnBlock;
+    DotBlock(*ps[p].w, x, xq, rows, ps[p].y, o0, std::min(o0 + kColumnBlock, ps[p].w->out));
+  });
+}
+
+// out[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, for B rows of D.
+__attribute__((target("avx512f,fma"))) void RmsNorm(const float* x, const float* w, int rows,
+                                                    int64_t dim, float eps, float* out) {
+  for (int b = 0; b < rows; ++b) {
+    const float* xb = x + b * dim;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xb + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < dim; ++i) ss += xb[i] * xb[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t j = 0; j < dim; ++j) out[b * dim + j] = w[j] * (xb[j] * inv);
+  }
+}
+
+// Rotate-half RoPE of `heads` heads of H at one position, in place.
+void Rope(float* x, int64_t heads, int64_t head_dim, int32_t position, const float* inv_freq) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float f = static_cast<float>(position) * inv_freq[i];
+    const float c = std::cos(f), s = std::sin(f);
+    for (int64_t n = 0; n < heads; ++n) {
+      float* xh = x + n * head_dim;
+      const float a = xh[i], b = xh[i + half];
+      xh[i] = a * c - b * s;
+      xh[i + half] = b * c + a * s;
+    }
+  }
+}
+
+// float32 -> bfloat16 bits, rounding to nearest even (as XLA's convert).
+inline uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// K/V rows [K, H] of one token into pool entry `index` of layer `layer`'s pages.
+void WriteKV(uint8_t* pool, int kind, int64_t entry_rows, const float* x, int64_t n) {
+  if (kind == 0) {
+    std::memcpy(pool + entry_rows * 4, x, n * sizeof(float));
+  } else {
+    auto* dst = reinterpret_cast<uint16_t*>(pool) + entry_rows;
+    for (int64_t i = 0; i < n; ++i) dst[i] = ToBf16(x[i]);
+  }
+}
+
+__attribute__((target("avx512f"))) void AddInPlace(float* h, const float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += d[i];
+}
+
+void SwiGLU(const float* g, const float* u, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+struct Shapes {
+  int64_t rows, dim, layers, heads, kv_heads, head_dim, mlp, width, page_size, num_pages;
+};
+
+ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_index,
+                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Buffer<ffi::F32> inv_freq, ffi::Buffer<ffi::F32> norms,
+                            ffi::AnyBuffer k_in, ffi::AnyBuffer v_in, ffi::RemainingArgs weights,
+                            ffi::ResultBuffer<ffi::F32> h_out, ffi::Result<ffi::AnyBuffer> k_out,
+                            ffi::Result<ffi::AnyBuffer> v_out, ffi::Span<const int64_t> formats,
+                            int64_t num_heads, int64_t num_pages, int64_t window, int64_t kind,
+                            float eps, float scale) {
+  auto xd = x.dimensions();
+  auto kd = k_in.dimensions();
+  auto td = tables.dimensions();
+  auto nd = norms.dimensions();
+  if (xd.size() != 2 || kd.size() != 4 || td.size() != 2 || nd.size() != 3) {
+    return ffi::Error::InvalidArgument("decoder layers: x [B,D], pools [L*P,ps,K,H], "
+                                       "tables [B,W], norms [L,2,D]");
+  }
+  Shapes s{xd[0], xd[1], nd[0], num_heads, kd[2], kd[3], 0, td[1], kd[1], num_pages};
+  const int rows = static_cast<int>(s.rows);
+  if (kind != 0 && kind != 1) return ffi::Error::InvalidArgument("decoder layers: page kind");
+  if (rows < 1 || rows > kMaxRows || nd[1] != 2 || nd[2] != s.dim || td[0] != s.rows ||
+      kd[0] != s.layers * s.num_pages || s.heads % s.kv_heads || s.head_dim % kLanes ||
+      positions.element_count() != s.rows || kv_index.element_count() != s.rows ||
+      seq_lens.element_count() != s.rows || inv_freq.element_count() != s.head_dim / 2 ||
+      static_cast<int64_t>(formats.size()) != s.layers * kWeights ||
+      static_cast<int64_t>(weights.size()) != s.layers * kWeights * 3 ||
+      k_in.element_count() != v_in.element_count()) {
+    return ffi::Error::InvalidArgument("decoder layers: operand shapes do not match");
+  }
+  // The weights: codes [O, I * bytes per input], scales and offsets [O, I/32].
+  std::vector<Weight> ws(s.layers * kWeights);
+  for (int64_t i = 0; i < s.layers * kWeights; ++i) {
+    auto codes = weights.get<ffi::AnyBuffer>(3 * i);
+    auto sc = weights.get<ffi::AnyBuffer>(3 * i + 1);
+    auto off = weights.get<ffi::AnyBuffer>(3 * i + 2);
+    if (codes.has_error() || sc.has_error() || off.has_error()) {
+      return ffi::Error::InvalidArgument("decoder layers: a weight operand is missing");
+    }
+    const int64_t fmt = formats[i] & 3;
+    Weight& w = ws[i];
+    w.format = static_cast<Format>(fmt);
+    w.q8 = (formats[i] & kQ8Flag) != 0 && (w.format == kQ4_1 || w.format == kQ4_0);
+    auto cd = codes->dimensions();
+    auto sd = sc->dimensions();
+    if (cd.size() != 2 || sd.size() != 2 || sc->element_type() != ffi::F16 ||
+        off->element_type() != ffi::F16 || off->element_count() != sc->element_count()) {
+      return ffi::Error::InvalidArgument("decoder layers: weight operands must be 2-D codes "
+                                         "and float16 scales / offsets");
+    }
+    w.out = cd[0];
+    w.in = sd[1] * kGroup;
+    if (sd[0] != w.out || cd[1] != sd[1] * GroupBytes(w.format) ||
+        (w.q8 && sd[1] % 2)) {
+      return ffi::Error::InvalidArgument("decoder layers: codes and scales do not match");
+    }
+    w.codes = reinterpret_cast<const uint8_t*>(codes->untyped_data());
+    w.scale = reinterpret_cast<const uint16_t*>(sc->untyped_data());
+    w.offset = HasMin(w.format) ? reinterpret_cast<const uint16_t*>(off->untyped_data())
+                                : nullptr;
+  }
+  const int64_t qdim = s.heads * s.head_dim, kvdim = s.kv_heads * s.head_dim;
+  s.mlp = ws[4].out;
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const Weight* w = &ws[l * kWeights];
+    const bool ok = w[0].in == s.dim && w[0].out == qdim && w[1].in == s.dim &&
+                    w[1].out == kvdim && w[2].in == s.dim && w[2].out == kvdim &&
+                    w[3].in == qdim && w[3].out == s.dim && w[4].in == s.dim &&
+                    w[4].out == s.mlp && w[5].in == s.dim && w[5].out == s.mlp &&
+                    w[6].in == s.mlp && w[6].out == s.dim;
+    if (!ok) return ffi::Error::InvalidArgument("decoder layers: weight shapes do not match");
+  }
+  // Page ids and KV indices past the pool would touch memory outside it: refuse.
+  const int32_t* table = tables.typed_data();
+  const int32_t* kv_idx = kv_index.typed_data();
+  for (int64_t i = 0; i < s.rows * s.width; ++i) {
+    if (table[i] < 0 || table[i] >= s.num_pages) {
+      return ffi::Error::InvalidArgument("decoder layers: page id outside the pool");
+    }
+  }
+  for (int64_t b = 0; b < s.rows; ++b) {
+    if (kv_idx[b] < 0 || kv_idx[b] >= s.num_pages * s.page_size) {
+      return ffi::Error::InvalidArgument("decoder layers: KV index outside the pool");
+    }
+  }
+
+  float* h = h_out->typed_data();
+  std::memcpy(h, x.typed_data(), s.rows * s.dim * sizeof(float));
+  // The pools are aliased to the outputs: write and read them through the outputs.
+  auto* k_pool = reinterpret_cast<uint8_t*>(k_out->untyped_data());
+  auto* v_pool = reinterpret_cast<uint8_t*>(v_out->untyped_data());
+  if (k_pool != k_in.untyped_data()) {  // not aliased (never in the engine): copy first
+    std::memcpy(k_pool, k_in.untyped_data(), k_in.size_bytes());
+    std::memcpy(v_pool, v_in.untyped_data(), v_in.size_bytes());
+  }
+  const int64_t value_bytes = kind == 0 ? 4 : 2;
+  Dims d{s.rows, 1, s.heads, s.head_dim, s.page_size, s.kv_heads, s.head_dim * value_bytes,
+         s.width};
+  const int32_t* pos = positions.typed_data();
+  const int32_t* lens = seq_lens.typed_data();
+  const int64_t max_keys = s.width * s.page_size;
+
+  std::vector<float> xn(s.rows * std::max(s.dim, s.mlp)), q(s.rows * qdim), k(s.rows * kvdim),
+      v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
+      up(s.rows * s.mlp);
+  Q8Rows xq;
+  const int64_t group = s.heads / s.kv_heads;
+  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  Team team(pool, cpus);
+  auto quantize = [&](const float* src, int64_t in, bool needed) {
+    if (needed) QuantizeRows(src, rows, in, xq);
+  };
+
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const Weight* w = &ws[l * kWeights];
+    const float* norm = norms.typed_data() + l * 2 * s.dim;
+    // Attention.
+    RmsNorm(h, norm, rows, s.dim, eps, xn.data());
+    quantize(xn.data(), s.dim, w[0].q8 || w[1].q8 || w[2].q8);
+    Project(team, {{&w[0], q.data()}, {&w[1], k.data()}, {&w[2], v.data()}}, xn.data(), &xq,
+            rows);
+    const int64_t layer_entry = l * s.num_pages * s.page_size;
+    for (int64_t b = 0; b < s.rows; ++b) {
+      Rope(q.data() + b * qdim, s.heads, s.head_dim, pos[b], inv_freq.typed_data());
+      Rope(k.data() + b * kvdim, s.kv_heads, s.head_dim, pos[b], inv_freq.typed_data());
+      const int64_t row0 = (layer_entry + kv_idx[b]) * kvdim;  // values before the token's K
+      WriteKV(k_pool, static_cast<int>(kind), row0, k.data() + b * kvdim, kvdim);
+      WriteKV(v_pool, static_cast<int>(kind), row0, v.data() + b * kvdim, kvdim);
+    }
+    team.For(s.rows * s.kv_heads, [&](int64_t item) {
+      thread_local std::vector<float> acc, qs, m, lsum;
+      acc.resize(group * s.head_dim);
+      qs.resize(group * s.head_dim);
+      m.resize(group);
+      lsum.resize(group);
+      const int64_t b = item / s.kv_heads, kh = item % s.kv_heads;
+      const int64_t q_len = std::clamp<int64_t>(lens[b], 0, max_keys);
+      // Layer l's pages: the pool from entry layer_entry on (tables are per layer).
+      const uint8_t* kp = k_pool + layer_entry * d.kv_heads * d.row_bytes;
+      const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
+      if (kind == 0) {
+        AttendQuery<0>(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window,
+                       0.0f, attn.data() + b * qdim, acc.data(), m.data(), lsum.data(),
+                       qs.data(), kh, kh + 1);
+      } else {
+        AttendQuery<1>(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window,
+                       0.0f, attn.data() + b * qdim, acc.data(), m.data(), lsum.data(),
+                       qs.data(), kh, kh + 1);
+      }
+    });
+    quantize(attn.data(), qdim, w[3].q8);
+    Project(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
+    AddInPlace(h, proj.data(), s.rows * s.dim);
+    // MLP.
+    RmsNorm(h, norm + s.dim, rows, s.dim, eps, xn.data());
+    quantize(xn.data(), s.dim, w[4].q8 || w[5].q8);
+    Project(team, {{&w[4], gate.data()}, {&w[5], up.data()}}, xn.data(), &xq, rows);
+    SwiGLU(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
+    quantize(xn.data(), s.mlp, w[6].q8);
+    Project(team, {{&w[6], proj.data()}}, xn.data(), &xq, rows);
+    AddInPlace(h, proj.data(), s.rows * s.dim);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayers, DecodeLayersImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // norms
+                                  .Arg<ffi::AnyBuffer>()          // k pool
+                                  .Arg<ffi::AnyBuffer>()          // v pool
+                                  .RemainingArgs()                // the weights
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // h
+                                  .Ret<ffi::AnyBuffer>()          // k pool (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // v pool (aliased)
+                                  .Attr<ffi::Span<const int64_t>>("formats")
+                                  .Attr<int64_t>("num_heads")
+                                  .Attr<int64_t>("num_pages")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("kind")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("scale"));

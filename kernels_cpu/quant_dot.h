@@ -1,0 +1,256 @@
+// Quantized weight x float activation products: the column loops shared by the
+// matvec custom calls (matvec.cc) and the fused decoder layers (decoder.cc).
+//
+// W is stored [O, I] in groups of 32 inputs with a float16 scale per group,
+// W = code * scale + min, in four code formats:
+//   U8:   one-byte unsigned codes and a float16 min per group (xlaserve int8);
+//   S8:   one-byte signed codes, no min (GGUF Q8_0);
+//   Q4_1: 16 bytes per group, byte j holding input j in its low nibble and
+//         input j + 16 in its high nibble, and a float16 min (GGUF Q4_1);
+//   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
+// `Columns` converts each group of codes in registers and multiplies it into
+// up to kTileRows float rows at a time (float32 products and sums);
+// `Q8Columns` multiplies nibbles by activations rounded to int8 per group
+// (VNNI), llama.cpp's Q4 x Q8 scheme.
+
+#ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_H_
+#define XLASERVE_KERNELS_CPU_QUANT_DOT_H_
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace xlaserve {
+
+constexpr int kGroup = 32;
+constexpr int kMaxRows = 32;
+constexpr int kTileRows = 8;  // activation rows per pass (their register accumulators)
+
+enum Format { kU8, kS8, kQ4_1, kQ4_0 };
+
+constexpr bool HasMin(Format f) { return f == kU8 || f == kQ4_1; }
+constexpr int64_t GroupBytes(Format f) { return f == kQ4_1 || f == kQ4_0 ? kGroup / 2 : kGroup; }
+
+// The 32 codes of a group as two float32 vectors (inputs 0-15, 16-31).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void Codes(
+    const uint8_t* q, __m512* lo, __m512* hi) {
+  if constexpr (kFmt == kU8 || kFmt == kS8) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m128i c0 = _mm256_castsi256_si128(c), c1 = _mm256_extracti128_si256(c, 1);
+    if constexpr (kFmt == kS8) {
+      *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0));
+      *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1));
+    } else {
+      *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c0));
+      *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c1));
+    }
+  } else {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+}
+
+// Output columns [o0, o1) for activation rows [r0, r0 + rows), rows <= kTileRows.
+template <Format kFmt, int kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Tile(
+    const float* x, int r0, int64_t in, const uint8_t* q, const uint16_t* s_row,
+    const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
+  const int64_t groups = in / kGroup;
+  const int64_t group_bytes = GroupBytes(kFmt);
+  // Two accumulators per row (inputs 0-15 and 16-31 of each group): two chains of
+  // FMAs, so a group waits for one FMA latency, not two.
+  __m512 acc[kRows], acc_hi[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = acc_hi[b] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0));
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (HasMin(kFmt)) {
+      mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0));
+    } else if constexpr (kFmt == kQ4_0) {
+      mv = _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
+    }
+    // The 16 groups' scales and mins as floats in L1: each group broadcasts its own
+    // from memory (a load, not a shuffle on the vector ports the conversions need).
+    alignas(64) float s16[16], m16[16];
+    _mm512_store_ps(s16, sv);
+    _mm512_store_ps(m16, mv);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t g = g0 + k;
+      const __m512 s = _mm512_set1_ps(s16[k]);
+      const __m512 m = _mm512_set1_ps(m16[k]);
+      __m512 c_lo, c_hi;
+      Codes<kFmt>(q + g * group_bytes, &c_lo, &c_hi);
+      const __m512 w_lo = _mm512_fmadd_ps(c_lo, s, m);
+      const __m512 w_hi = _mm512_fmadd_ps(c_hi, s, m);
+      for (int b = 0; b < kRows; ++b) {
+        const float* xb = x + (r0 + b) * in + g * kGroup;
+        acc[b] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb), acc[b]);
+        acc_hi[b] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + 16), acc_hi[b]);
+      }
+    }
+  }
+  for (int b = 0; b < kRows; ++b) {
+    out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], acc_hi[b]));
+  }
+}
+
+// `call` with the compile-time constant R = rows (1..kTileRows): tiles keep their
+// accumulators in registers only when the row count is known to the compiler.
+#define XLASERVE_WITH_TILE_ROWS(rows, call)        \
+  switch (rows) {                                   \
+    case 1: { constexpr int R = 1; call; } break;   \
+    case 2: { constexpr int R = 2; call; } break;   \
+    case 3: { constexpr int R = 3; call; } break;   \
+    case 4: { constexpr int R = 4; call; } break;   \
+    case 5: { constexpr int R = 5; call; } break;   \
+    case 6: { constexpr int R = 6; call; } break;   \
+    case 7: { constexpr int R = 7; call; } break;   \
+    default: { constexpr int R = 8; call; } break;  \
+  }
+
+// Output columns [o0, o1) for all `rows` activation rows: each column's codes are
+// read from memory once and converted once per tile of kTileRows rows (L1 hits).
+template <Format kFmt>
+void Columns(const float* x, int rows, int64_t in, const uint8_t* codes, const uint16_t* scale,
+             const uint16_t* offset, float* out, int64_t out_dim, int64_t o0, int64_t o1) {
+  const int64_t groups = in / kGroup;
+  const int64_t group_bytes = GroupBytes(kFmt);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* q = codes + o * groups * group_bytes;
+    const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
+    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, rows - r0),
+                              (Tile<kFmt, R>(x, r0, in, q, scale + o * groups, m_row, out,
+                                             out_dim, o)));
+    }
+  }
+}
+
+// ---- Nibbles x int8 activations (VNNI), llama.cpp's Q4_1 x Q8 scheme ----
+//
+// Each row's activations are rounded per group of 32 to int8 with a float32 scale
+// (dx = max|x| / 127) and laid out per pair of groups (g, g + 1) as the nibble
+// bytes expand: [x_g[0:16], x_g+1[0:16], x_g[16:32], x_g+1[16:32]]. A pair's 32
+// code bytes become 64 unsigned codes (low nibbles, then high) and one VPDPBUSD
+// sums 4 code x activation products per int32 lane (lanes 0-3 and 8-11: group g,
+// 4-7 and 12-15: g + 1); lanes are scaled by d * dx into float accumulators. The
+// min (Q4_1: m; Q4_0: -8 d) multiplies the sum of each group's rounded x.
+// Numerics: activations carry int8 rounding (relative ~1/254 of each group's max).
+
+struct Q8Rows {
+  std::vector<int8_t> xq;    // [rows, pairs, 64]
+  std::vector<float> dx;     // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
+  std::vector<float> xsum;   // [rows, groups] sums of the rounded activations
+};
+
+inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
+    const float* x, int rows, int64_t in, Q8Rows& r) {
+  const int64_t groups = in / kGroup, pairs = groups / 2;
+  r.xq.assign(rows * pairs * 64, 0);
+  r.dx.assign(rows * pairs * 16, 0.0f);
+  r.xsum.assign(rows * groups, 0.0f);
+  for (int b = 0; b < rows; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + b * in + g * kGroup;
+      const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // in [-127, 127]
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      // The sum of the rounded values, so the min term rounds as the code term does
+      // (their errors then cancel where W is small, as in llama.cpp's Q8_1 sums).
+      r.xsum[b * groups + g] = d * static_cast<float>(
+          _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      const int64_t p = g / 2, half = g % 2;
+      int8_t* dst = r.xq.data() + (b * pairs + p) * 64;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * half), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 + 16 * half),
+                       _mm512_cvtsepi32_epi8(qhi));
+      float* lanes = r.dx.data() + (b * pairs + p) * 16;
+      for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
+    }
+  }
+}
+
+// Lane k of a pair's 16 dot lanes takes the scale of group 2j + (k / 4) % 2 for the
+// j-th pair of an 8-pair block: permutexvar indices into its 16 loaded scales.
+alignas(64) inline constexpr int32_t kPairScaleLanes[8][16] = {
+    {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1},
+    {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
+    {4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5},
+    {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7},
+    {8, 8, 8, 8, 9, 9, 9, 9, 8, 8, 8, 8, 9, 9, 9, 9},
+    {10, 10, 10, 10, 11, 11, 11, 11, 10, 10, 10, 10, 11, 11, 11, 11},
+    {12, 12, 12, 12, 13, 13, 13, 13, 12, 12, 12, 12, 13, 13, 13, 13},
+    {14, 14, 14, 14, 15, 15, 15, 15, 14, 14, 14, 14, 15, 15, 15, 15}};
+
+template <bool kMin, int kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Q8Tile(
+    const Q8Rows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
+    const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
+  const int64_t pairs = groups / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {  // 8 pairs = the 16 scales of one load
+    const int64_t n = std::min<int64_t>(16, groups - 2 * p0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + 2 * p0));
+    for (int64_t p = p0; p < std::min(pairs, p0 + 8); ++p) {
+      const __m512 d = _mm512_permutexvar_ps(_mm512_load_si512(kPairScaleLanes[p - p0]), dv);
+      const __m512i y = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32)));
+      const __m512i c = _mm512_and_si512(
+          _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
+      for (int b = 0; b < kRows; ++b) {
+        const int64_t row = (r0 + b) * pairs + p;
+        const __m512i dot = _mm512_dpbusd_epi32(
+            _mm512_setzero_si512(), c, _mm512_loadu_si512(r.xq.data() + row * 64));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx.data() + row * 16));
+        acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
+      }
+    }
+  }
+  for (int b = 0; b < kRows; ++b) {
+    __m512 mins = _mm512_setzero_ps();
+    const float* xsum = r.xsum.data() + (r0 + b) * groups;
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t n = std::min<int64_t>(16, groups - g0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      const __m512 mv = kMin ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0))
+                             : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0)),
+                                             _mm512_set1_ps(-8.0f));
+      mins = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xsum + g0), mins);
+    }
+    out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], mins));
+  }
+}
+
+// Output columns [o0, o1) of nibble weights for every row of `r` (QuantizeRows).
+template <Format kFmt>
+void Q8Columns(const Q8Rows& r, int rows, int64_t in, const uint8_t* codes,
+               const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
+               int64_t o0, int64_t o1) {
+  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
+  const int64_t groups = in / kGroup;
+  for (int64_t o = o0; o < o1; ++o) {
+    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      XLASERVE_WITH_TILE_ROWS(
+          std::min(kTileRows, rows - r0),
+          (Q8Tile<HasMin(kFmt), R>(r, r0, groups, codes + o * groups * 16, scale + o * groups,
+                                   offset == nullptr ? nullptr : offset + o * groups, out,
+                                   out_dim, o)));
+    }
+  }
+}
+
+}  // namespace xlaserve
+
+#endif  // XLASERVE_KERNELS_CPU_QUANT_DOT_H_

@@ -1,0 +1,221 @@
+"""A decode step's layers in one native call (native_decode.py, kernels_cpu/decoder.cc)
+against the same layers op by op (llama.run_layers with the decode attention callback).
+
+The op-by-op path is the reference: the hidden states and the written K/V must
+match up to float32 summation order, for every weight format the kernel reads
+(mixed in one model), float32 and bfloat16 pools, int8 activations, padding
+rows, a sliding window and a context over several pages. The fused call must
+leave every pool entry it does not own untouched, refuse page ids outside the
+pool, and be chosen exactly where it fits. Through `LLM`, greedy tokens are
+the same with it on and off.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_cpu
+from checkpoints import quantizers
+from serving.models import llama
+from serving.models.model_config import ModelConfig
+from serving.runner import native_decode, steps
+from serving.runner.kv_cache import KVCache, create_kv_cache
+
+needs_native = pytest.mark.skipif(not kernels_cpu.available(),
+                                  reason="native kernels not built or CPU lacks AVX-512")
+
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=256,
+                  num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                  rope_theta=10000.0)
+PAGES, PAGE_SIZE, WIDTH = 12, 4, 4
+
+# A format per linear weight, varied across layers: Q4_1, Q4_0, our uint8 int8, Q8_0.
+FORMATS = [lambda w: quantizers.quantize_int4(w, 32),
+           lambda w: quantizers.quantize_int4(w, 32, asymmetric=False),
+           lambda w: quantizers.quantize_int8(w, 32),
+           lambda w: quantizers.quantize_int8(w, 32, asymmetric=False)]
+SHAPES = {"wq": (128, 128), "wk": (128, 64), "wv": (128, 64), "wo": (128, 128),
+          "w_gate": (128, 256), "w_up": (128, 256), "w_down": (256, 128)}
+
+
+def _layers(cfg=CFG, seed=0, int8_activations=False):
+  rng = np.random.default_rng(seed)
+  layers = []
+  for i in range(cfg.num_layers):
+    lp = {}
+    for j, (name, shape) in enumerate(SHAPES.items()):
+      w = (rng.standard_normal(shape) * 0.08).astype(np.float32)
+      qw = FORMATS[(i + j) % len(FORMATS)](w)
+      if int8_activations and qw.kind == "int4":
+        qw = dataclasses.replace(qw, int8_activations=True)
+      lp[name] = jax.tree.map(jnp.asarray, qw)
+    lp["attn_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
+    lp["mlp_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
+    layers.append(lp)
+  return layers
+
+
+def _pool(dtype, seed=1) -> KVCache:
+  """A pool filled with random keys and values (the context already cached)."""
+  kv = create_kv_cache(CFG, PAGES, PAGE_SIZE, dtype)
+  rng = np.random.default_rng(seed)
+  fill = lambda a: jnp.asarray(  # noqa: E731
+      rng.standard_normal(a.shape).astype(np.float32)).astype(
+          jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+  if dtype == "bfloat16":
+    k, v = (jax.lax.bitcast_convert_type(fill(a), jnp.uint16) for a in (kv.k, kv.v))
+  else:
+    k, v = fill(kv.k), fill(kv.v)
+  return dataclasses.replace(kv, k=k, v=v)
+
+
+def _step(rows):
+  """Decode metadata for `rows` = [(position, pages)]; a None row is padding."""
+  positions, kv_index, tables, seq_lens = [], [], [], []
+  for row in rows:
+    if row is None:
+      positions.append(0)
+      kv_index.append(0)
+      tables.append([0] * WIDTH)
+      seq_lens.append(0)
+      continue
+    pos, pages = row
+    positions.append(pos)
+    kv_index.append(pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
+    tables.append(pages + [0] * (WIDTH - len(pages)))
+    seq_lens.append(pos + 1)
+  meta = dict(kv_index=jnp.asarray(kv_index, jnp.int32),
+              block_tables=jnp.asarray(tables, jnp.int32),
+              seq_lens=jnp.asarray(seq_lens, jnp.int32))
+  return jnp.asarray(positions, jnp.int32), meta
+
+
+def _op_by_op(layers, cfg, x, positions, meta, kv):
+  attend = steps.attend_fn("xla", cfg, kv.num_pages, "decode", meta, 128)
+  return llama.run_layers(layers, cfg, x, positions, kv, attend)
+
+
+ROWS = [(6, [3, 5]), None, (13, [1, 2, 7, 9]), (0, [4])]
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("rows", [ROWS[:1], ROWS])
+def test_matches_op_by_op(kv_dtype, int8_activations, rows):
+  layers = _layers(int8_activations=int8_activations)
+  positions, meta = _step(rows)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((len(rows), 128)), jnp.float32)
+  kv = _pool(kv_dtype)
+  assert native_decode.runs_native(layers, CFG, kv, x, None)
+  want_h, want_kv = jax.jit(_op_by_op, static_argnums=1)(layers, CFG, x, positions, meta, kv)
+  got_h, got_kv = jax.jit(native_decode.run_layers, static_argnums=1)(layers, CFG, x,
+                                                                      positions, meta, kv)
+  real = np.array([r is not None for r in rows])
+  tol = 2e-3 if int8_activations else 2e-5  # q8: a rounding of an int8 code may differ
+  np.testing.assert_allclose(np.asarray(got_h)[real], np.asarray(want_h)[real], rtol=tol,
+                             atol=tol)
+  # Every pool entry: the rows' new K/V (and the dummy page's padding write) as the
+  # reference wrote them, everything else untouched.
+  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
+    got, want = np.asarray(got), np.asarray(want)
+    if kv_dtype == "bfloat16":
+      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
+                   for a in (got, want))
+    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
+    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
+    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=5e-3 if
+                               kv_dtype == "bfloat16" or int8_activations else 2e-5, atol=1e-4)
+
+
+@needs_native
+def test_sliding_window_matches():
+  cfg = dataclasses.replace(CFG, sliding_window=5)
+  layers = _layers(cfg)
+  positions, meta = _step([ROWS[2], ROWS[0]])
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.float32)
+  kv = _pool("float32")
+  want, _ = jax.jit(_op_by_op, static_argnums=1)(layers, cfg, x, positions, meta, kv)
+  got, _ = jax.jit(native_decode.run_layers, static_argnums=1)(layers, cfg, x, positions, meta,
+                                                               kv)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_donated_pool_is_updated_in_place():
+  """Inside a step that donates the pool the call aliases it: no copy of the pool in the
+  compiled program."""
+  layers = _layers()
+  positions, meta = _step(ROWS[:1])
+  x = jnp.ones((1, 128), jnp.float32)
+  kv = _pool("float32")
+  fn = jax.jit(native_decode.run_layers, static_argnums=1, donate_argnums=5)
+  hlo = fn.lower(layers, CFG, x, positions, meta, kv).compile().as_text()
+  pool_shape = "f32[" + ",".join(str(d) for d in kv.k.shape) + "]"
+  copies = [line for line in hlo.splitlines() if " copy(" in line and pool_shape in line]
+  assert not copies, copies
+
+
+@needs_native
+def test_page_outside_the_pool_is_refused():
+  layers = _layers()
+  positions, meta = _step(ROWS[:1])
+  meta["block_tables"] = meta["block_tables"].at[0, 1].set(PAGES)
+  with pytest.raises(Exception, match="page id outside the pool"):
+    jax.block_until_ready(native_decode.run_layers(layers, CFG, jnp.ones((1, 128)), positions,
+                                                   meta, _pool("float32")))
+
+
+@needs_native
+def test_chosen_only_where_it_fits(monkeypatch):
+  layers = _layers()
+  x = jnp.ones((2, 128), jnp.float32)
+  kv = _pool("float32")
+  assert native_decode.runs_native(layers, CFG, kv, x, None)
+  assert not native_decode.runs_native(layers, CFG, kv, x, lora=object())
+  assert not native_decode.runs_native(layers, CFG, _pool_int8(), x, None)
+  assert not native_decode.runs_native(layers, dataclasses.replace(CFG, qkv_bias=True), kv, x,
+                                       None)
+  assert not native_decode.runs_native(layers, dataclasses.replace(CFG, qk_norm=True), kv, x,
+                                       None)
+  assert not native_decode.runs_native(layers, CFG, kv, x.astype(jnp.bfloat16), None)
+  float_wq = [{**lp, "wq": jnp.zeros((128, 128))} for lp in layers]
+  assert not native_decode.runs_native(float_wq, CFG, kv, x, None)
+  # Beside a dense copy, batches over 8 rows multiply the copy: op by op.
+  copied = [{**lp, "wq": dataclasses.replace(lp["wq"], full=jnp.zeros((128, 128)))}
+            for lp in layers]
+  assert native_decode.runs_native(copied, CFG, kv, jnp.ones((8, 128)), None)
+  assert not native_decode.runs_native(copied, CFG, kv, jnp.ones((9, 128)), None)
+  monkeypatch.setenv("XLASERVE_NATIVE_LAYERS", "0")
+  assert not native_decode.runs_native(layers, CFG, kv, x, None)
+
+
+def _pool_int8():
+  return create_kv_cache(CFG, PAGES, PAGE_SIZE, "int8")
+
+
+@needs_native
+def test_llm_greedy_tokens_same_with_and_without(monkeypatch, tmp_path):
+  """Tiny SmolLM2-shaped model, int8 groups of 32: the engine's decode steps take the fused
+  call, and give the op-by-op path's greedy tokens."""
+  tiny_models = pytest.importorskip("tiny_models")
+  from serving import LLM, SamplingParams
+
+  path = str(tmp_path / "smollm2")
+  tiny_models.save_tiny_model("smollm2", path)
+  engine = dict(max_num_seqs=4, max_model_len=128, num_pages=32, max_num_batched_tokens=32,
+                dtype="float32", quantization="int8", compilation_cache=False)
+  greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+  prompts = ["hello world", "the quick brown fox jumps", "a"]
+  fused = LLM(path, **engine)
+  layers = fused.engine.runner.params["layers"]
+  x = jnp.ones((1, 96), jnp.float32)
+  assert native_decode.runs_native(layers, fused.engine.runner.model_cfg,
+                                   fused.engine.runner.state.kv, x, None)
+  got = [o.token_ids for o in fused.generate(prompts, greedy)]
+  monkeypatch.setenv("XLASERVE_NATIVE_LAYERS", "0")
+  want = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
+  assert got == want
