@@ -55,8 +55,28 @@ struct Dims {
   int64_t table_width;                      // W
 };
 
+// exp of 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, then
+// 2^n by scalef): ~1 ulp; arguments below -88 give ~0 (the caller masks empty lanes).
+XLASERVE_TARGET inline __m512 Exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+                    _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
 // One (row b, query t): the query heads of KV heads [kh0, kh1), grouped by KV head.
-// `acc`, `qs`: G * H floats of scratch; `m`, `l`: G.
+// `acc`, `qs`: G * H floats of scratch; `m`, `l`: G. Keys go in blocks of 16: their
+// scores, then one max, one vector exp and one rescale of the running sums per block.
 template <int kKind>
 XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k_pages,
                                  const uint8_t* v_pages, const int32_t* table, int64_t q_len,
@@ -66,6 +86,9 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
   const int64_t h_dim = d.head_dim, group = d.heads / d.kv_heads;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, q_len - window) : 0;
   const int64_t n_vec = h_dim / kLanes;
+  alignas(64) float scores[kLanes];
+  const uint8_t* vrows[kLanes];
+  float vscale[kLanes];
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     for (int64_t g = 0; g < group; ++g) {
       const float* qh = q + (kh * group + g) * h_dim;
@@ -74,35 +97,48 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
       l[g] = 0.0f;
       std::fill(acc + g * h_dim, acc + (g + 1) * h_dim, 0.0f);
     }
-    for (int64_t s = lo; s < q_len; ++s) {
-      const int64_t page = table[s / d.page_size];
-      const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
-      const uint8_t* krow = k_pages + entry * d.row_bytes;
-      const uint8_t* vrow = v_pages + entry * d.row_bytes;
-      const __m512 ks = _mm512_set1_ps(RowScale<kKind>(krow, h_dim));
-      const __m512 vs = _mm512_set1_ps(RowScale<kKind>(vrow, h_dim));
+    for (int64_t s0 = lo; s0 < q_len; s0 += kLanes) {
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      const uint8_t* krows[kLanes];
+      for (int j = 0; j < n; ++j) {
+        const int64_t s = s0 + j;
+        const int64_t page = table[s / d.page_size];
+        const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
+        krows[j] = k_pages + entry * d.row_bytes;
+        vrows[j] = v_pages + entry * d.row_bytes;
+        vscale[j] = RowScale<kKind>(vrows[j], h_dim);
+      }
       for (int64_t g = 0; g < group; ++g) {
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n_vec; ++j) {
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qs + g * h_dim + j * kLanes),
-                                Load16<kKind>(krow, j * kLanes, ks), dot);
+        const float* qg = qs + g * h_dim;
+        for (int j = 0; j < n; ++j) {
+          const __m512 ks = _mm512_set1_ps(RowScale<kKind>(krows[j], h_dim));
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t i = 0; i < n_vec; ++i) {
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * kLanes),
+                                  Load16<kKind>(krows[j], i * kLanes, ks), dot);
+          }
+          float score = _mm512_reduce_add_ps(dot);
+          if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
+          scores[j] = score;
         }
-        float score = _mm512_reduce_add_ps(dot);
-        if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
-        float p = 1.0f, corr = 1.0f;
-        if (score > m[g]) {
-          corr = std::exp(m[g] - score);  // 0 for the first key (m = -inf)
-          m[g] = score;
-        } else {
-          p = std::exp(score - m[g]);
-        }
-        l[g] = l[g] * corr + p;
+        const __m512 sv = _mm512_maskz_loadu_ps(valid, scores);
+        const float block_max = _mm512_mask_reduce_max_ps(valid, sv);
+        const float m_new = std::max(m[g], block_max);
+        const float corr = m[g] == -INFINITY ? 0.0f : std::exp(m[g] - m_new);
+        const __m512 p = _mm512_maskz_mov_ps(valid, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+        m[g] = m_new;
+        _mm512_store_ps(scores, p);
         float* a = acc + g * h_dim;
-        const __m512 pv = _mm512_set1_ps(p), cv = _mm512_set1_ps(corr);
-        for (int64_t j = 0; j < n_vec; ++j) {
-          const __m512 v = Load16<kKind>(vrow, j * kLanes, vs);
-          _mm512_storeu_ps(a + j * kLanes,
-                           _mm512_fmadd_ps(pv, v, _mm512_mul_ps(cv, _mm512_loadu_ps(a + j * kLanes))));
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t i = 0; i < n_vec; ++i) {
+          __m512 ai = _mm512_mul_ps(cv, _mm512_loadu_ps(a + i * kLanes));
+          for (int j = 0; j < n; ++j) {
+            ai = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]),
+                                 Load16<kKind>(vrows[j], i * kLanes, _mm512_set1_ps(vscale[j])), ai);
+          }
+          _mm512_storeu_ps(a + i * kLanes, ai);
         }
       }
     }

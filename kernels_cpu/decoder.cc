@@ -168,8 +168,16 @@ __attribute__((target("avx512f"))) void AddInPlace(float* h, const float* d, int
   for (int64_t i = 0; i < n; ++i) h[i] += d[i];
 }
 
-void SwiGLU(const float* g, const float* u, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+// out = silu(g) * u = g / (1 + exp(-g)) * u, 16 lanes at a time (attention.h Exp16).
+XLASERVE_TARGET void SwiGLU(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
 struct Shapes {
