@@ -65,28 +65,29 @@ struct Weight {
   bool q8;
 };
 
-// y[B, out) = x[B, in] @ W^T, one column block: float rows or their int8 rounding.
-void DotBlock(const Weight& w, const float* x, const Q8Rows* xq, int rows, float* y,
-              int64_t o0, int64_t o1) {
+// y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
+// `xsum`) or their int8 rounding `xq`.
+void DotBlock(const Weight& w, const float* x, const float* xsum, const Q8Rows* xq, int rows,
+              float* y, int64_t o0, int64_t o1) {
   switch (w.format) {
     case kU8:
-      Columns<kU8>(x, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       return;
     case kS8:
-      Columns<kS8>(x, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       return;
     case kQ4_1:
       if (w.q8) {
         Q8Columns<kQ4_1>(*xq, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       } else {
-        Columns<kQ4_1>(x, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+        Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       }
       return;
     case kQ4_0:
       if (w.q8) {
         Q8Columns<kQ4_0>(*xq, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       } else {
-        Columns<kQ4_0>(x, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       }
       return;
   }
@@ -100,6 +101,12 @@ struct Projection {
 
 void Project(Team& team, const std::vector<Projection>& ps, const float* x, const Q8Rows* xq,
              int rows) {
+  // The group sums of x, for the float tiles (the int8 ones carry their own).
+  std::vector<float> xsum;
+  if (std::any_of(ps.begin(), ps.end(), [](const Projection& p) { return !p.w->q8; })) {
+    xsum.resize(rows * (ps[0].w->in / kGroup));
+    GroupSums(x, rows, ps[0].w->in, xsum.data());
+  }
   std::vector<int64_t> first(ps.size() + 1, 0);  // first work item of each projection
   for (size_t i = 0; i < ps.size(); ++i) {
     first[i + 1] = first[i] + (ps[i].w->out + kColumnBlock - 1) / kColumnBlock;
@@ -108,7 +115,8 @@ void Project(Team& team, const std::vector<Projection>& ps, const float* x, cons
     size_t p = 0;
     while (item >= first[p + 1]) ++p;
     const int64_t o0 = (item - first[p]) * kColumnBlock;
-    DotBlock(*ps[p].w, x, xq, rows, ps[p].y, o0, std::min(o0 + kColumnBlock, ps[p].w->out));
+    DotBlock(*ps[p].w, x, xsum.data(), xq, rows, ps[p].y, o0,
+             std::min(o0 + kColumnBlock, ps[p].w->out));
   });
 }
 

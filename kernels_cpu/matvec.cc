@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "parallel.h"
 #include "quant_dot.h"
@@ -87,12 +88,14 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
+  auto sums = std::make_shared<std::vector<float>>(rows * (in / kGroup));
+  GroupSums(xs, static_cast<int>(rows), in, sums->data());
   // Column ranges over the caller and XLA's intra-op threads (parallel.h): a few
   // per thread, so a thread that starts late still finds work.
   const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
   xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-    Columns<kFmt>(xs, static_cast<int>(rows), in, q, s, m, y, out_dim, out_dim * i / parts,
-                  out_dim * (i + 1) / parts);
+    Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim,
+                  out_dim * i / parts, out_dim * (i + 1) / parts);
   });
   return ffi::Error::Success();
 }

@@ -54,49 +54,63 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void Codes(
   }
 }
 
-// Output columns [o0, o1) for activation rows [r0, r0 + rows), rows <= kTileRows.
+// Sums of each group of 32 activations, xsum[b, g] (the min term of a float tile).
+inline __attribute__((target("avx512f"))) void GroupSums(const float* x, int rows, int64_t in,
+                                                        float* xsum) {
+  const int64_t groups = in / kGroup;
+  for (int b = 0; b < rows; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + b * in + g * kGroup;
+      xsum[b * groups + g] =
+          _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16)));
+    }
+  }
+}
+
+// Output column o for activation rows [r0, r0 + kRows), kRows <= kTileRows, as
+// sum_g (s_g * sum_i c_i x_i + m_g * xsum_g): per group the codes times x (two
+// FMA chains), scaled once; the mins meet the group sums of x (`GroupSums`) at
+// the end. Float32 throughout; the same value as sum_i (c_i s_g + m_g) x_i up to
+// rounding.
 template <Format kFmt, int kRows>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Tile(
-    const float* x, int r0, int64_t in, const uint8_t* q, const uint16_t* s_row,
-    const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
+    const float* x, const float* xsum, int r0, int64_t in, const uint8_t* q,
+    const uint16_t* s_row, const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
   const int64_t groups = in / kGroup;
   const int64_t group_bytes = GroupBytes(kFmt);
-  // Two accumulators per row (inputs 0-15 and 16-31 of each group): two chains of
-  // FMAs, so a group waits for one FMA latency, not two.
-  __m512 acc[kRows], acc_hi[kRows];
-  for (int b = 0; b < kRows; ++b) acc[b] = acc_hi[b] = _mm512_setzero_ps();
+  __m512 acc[kRows], mins[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = std::min<int64_t>(16, groups - g0);
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
     const __m512 sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0));
-    __m512 mv = _mm512_setzero_ps();
-    if constexpr (HasMin(kFmt)) {
-      mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0));
-    } else if constexpr (kFmt == kQ4_0) {
-      mv = _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
+    if constexpr (kFmt != kS8) {
+      const __m512 mv = HasMin(kFmt) ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0))
+                                     : _mm512_mul_ps(sv, _mm512_set1_ps(-8.0f));
+      for (int b = 0; b < kRows; ++b) {
+        mins[b] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xsum + (r0 + b) * groups + g0),
+                                  mins[b]);
+      }
     }
-    // The 16 groups' scales and mins as floats in L1: each group broadcasts its own
-    // from memory (a load, not a shuffle on the vector ports the conversions need).
-    alignas(64) float s16[16], m16[16];
+    // The 16 groups' scales as floats in L1: each group broadcasts its own from
+    // memory (a load, not a shuffle on the vector ports the conversions need).
+    alignas(64) float s16[16];
     _mm512_store_ps(s16, sv);
-    _mm512_store_ps(m16, mv);
     for (int64_t k = 0; k < n; ++k) {
       const int64_t g = g0 + k;
       const __m512 s = _mm512_set1_ps(s16[k]);
-      const __m512 m = _mm512_set1_ps(m16[k]);
       __m512 c_lo, c_hi;
       Codes<kFmt>(q + g * group_bytes, &c_lo, &c_hi);
-      const __m512 w_lo = _mm512_fmadd_ps(c_lo, s, m);
-      const __m512 w_hi = _mm512_fmadd_ps(c_hi, s, m);
       for (int b = 0; b < kRows; ++b) {
         const float* xb = x + (r0 + b) * in + g * kGroup;
-        acc[b] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb), acc[b]);
-        acc_hi[b] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + 16), acc_hi[b]);
+        const __m512 dot = _mm512_fmadd_ps(c_hi, _mm512_loadu_ps(xb + 16),
+                                           _mm512_mul_ps(c_lo, _mm512_loadu_ps(xb)));
+        acc[b] = _mm512_fmadd_ps(dot, s, acc[b]);
       }
     }
   }
   for (int b = 0; b < kRows; ++b) {
-    out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], acc_hi[b]));
+    out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], mins[b]));
   }
 }
 
@@ -114,11 +128,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Tile(
     default: { constexpr int R = 8; call; } break;  \
   }
 
-// Output columns [o0, o1) for all `rows` activation rows: each column's codes are
-// read from memory once and converted once per tile of kTileRows rows (L1 hits).
+// Output columns [o0, o1) for all `rows` activation rows (xsum: their GroupSums):
+// each column's codes are read from memory once and converted once per tile of
+// kTileRows rows (L1 hits).
 template <Format kFmt>
-void Columns(const float* x, int rows, int64_t in, const uint8_t* codes, const uint16_t* scale,
-             const uint16_t* offset, float* out, int64_t out_dim, int64_t o0, int64_t o1) {
+void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint8_t* codes,
+             const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
+             int64_t o0, int64_t o1) {
   const int64_t groups = in / kGroup;
   const int64_t group_bytes = GroupBytes(kFmt);
   for (int64_t o = o0; o < o1; ++o) {
@@ -126,7 +142,7 @@ void Columns(const float* x, int rows, int64_t in, const uint8_t* codes, const u
     const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
     for (int r0 = 0; r0 < rows; r0 += kTileRows) {
       XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, rows - r0),
-                              (Tile<kFmt, R>(x, r0, in, q, scale + o * groups, m_row, out,
+                              (Tile<kFmt, R>(x, xsum, r0, in, q, scale + o * groups, m_row, out,
                                              out_dim, o)));
     }
   }
