@@ -107,7 +107,15 @@ class Team {
     }
     state_->epoch.fetch_add(1, std::memory_order_release);
     work->Run();
-    while (work->done.load(std::memory_order_acquire) < count) _mm_pause();
+    // Spin for the helpers' last items, then yield: a helper the OS descheduled
+    // mid-item (the host thread shares these cores) needs a core to finish on.
+    for (int spins = 0; work->done.load(std::memory_order_acquire) < count; ++spins) {
+      if (spins < 2048) {
+        _mm_pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
   }
 
  private:
@@ -124,7 +132,7 @@ class Team {
         const uint64_t e = epoch.load(std::memory_order_acquire);
         if (e == seen) {
           // Spin between loops (microseconds apart); yield the core when it drags on.
-          if (++idle < 4096) {
+          if (++idle < 2048) {
             _mm_pause();
           } else {
             std::this_thread::yield();
