@@ -219,3 +219,38 @@ def test_llm_greedy_tokens_same_with_and_without(monkeypatch, tmp_path):
   monkeypatch.setenv("XLASERVE_NATIVE_LAYERS", "0")
   want = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
   assert got == want
+
+
+_ONE_THREAD = """
+import sys
+sys.path.insert(0, {here!r})
+import jax, numpy as np
+import test_native_decode as t
+from serving.runner import native_decode
+layers = t._layers()
+positions, meta = t._step(t.ROWS)
+x = jax.numpy.asarray(np.random.default_rng(2).standard_normal((len(t.ROWS), 128)), "float32")
+h, _ = native_decode.run_layers(layers, t.CFG, x, positions, meta, t._pool("float32"))
+np.save({out!r}, np.asarray(h))
+"""
+
+
+@needs_native
+def test_one_thread_gives_the_same_values(tmp_path):
+  """`XLASERVE_NATIVE_THREADS=1`: no helpers at all (the caller runs every loop alone, as
+  when XLA's pool threads never start) gives the values of the threaded call."""
+  import os
+  import subprocess
+  import sys
+
+  from server_procs import subprocess_env
+
+  out = str(tmp_path / "h.npy")
+  script = _ONE_THREAD.format(here=os.path.dirname(__file__), out=out)
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                     env=subprocess_env(XLASERVE_NATIVE_THREADS="1"), timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  positions, meta = _step(ROWS)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((len(ROWS), 128)), jnp.float32)
+  h, _ = native_decode.run_layers(_layers(), CFG, x, positions, meta, _pool("float32"))
+  np.testing.assert_allclose(np.load(out), np.asarray(h), rtol=1e-6, atol=1e-6)
