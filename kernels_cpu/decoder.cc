@@ -5,7 +5,7 @@
 // new K/V written into the page pool, paged attention over the row's keys,
 // the output projection, RMSNorm, SwiGLU MLP, with the residual adds. The
 // linear weights are quantized groups as stored (quant_dot.h: U8, S8 / Q8_0,
-// Q4_1, Q4_0; nibbles optionally times int8-rounded activations), the pools
+// Q4_1, Q4_0; all but U8 optionally times int8-rounded activations), the pools
 // are float32 or bfloat16 (attention.h kinds 0 and 1), updated in place (the
 // jax side aliases them to the outputs).
 //
@@ -74,7 +74,11 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const Q8Rows* 
       Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       return;
     case kS8:
-      Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      if (w.q8) {
+        S8Q8Columns(*xq, rows, w.in, w.codes, w.scale, y, w.out, o0, o1);
+      } else {
+        Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      }
       return;
     case kQ4_1:
       if (w.q8) {
@@ -233,7 +237,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const int64_t fmt = formats[i] & 3;
     Weight& w = ws[i];
     w.format = static_cast<Format>(fmt);
-    w.q8 = (formats[i] & kQ8Flag) != 0 && (w.format == kQ4_1 || w.format == kQ4_0);
+    w.q8 = (formats[i] & kQ8Flag) != 0 && w.format != kU8;
     auto cd = codes->dimensions();
     auto sd = sc->dimensions();
     if (cd.size() != 2 || sd.size() != 2 || sc->element_type() != ffi::F16 ||

@@ -29,7 +29,7 @@ from kernels_cpu.library import available
 
 # (code bits, has a min) -> the kernel's format code (quant_dot.h `Format`)
 FORMATS = {(8, True): 0, (8, False): 1, (4, True): 2, (4, False): 3}
-INT8_ACTIVATIONS = 4  # added to a nibble format: activations rounded to int8 (VNNI)
+INT8_ACTIVATIONS = 4  # added to a nibble or Q8_0 format: activations rounded to int8 (VNNI)
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
 

@@ -25,6 +25,7 @@ TARGETS = {
     "xlaserve_q4_0_matvec": "XlaserveMatvecQ4_0",
     "xlaserve_q4_1_matvec_q8": "XlaserveMatvecQ4_1Q8",
     "xlaserve_q4_0_matvec_q8": "XlaserveMatvecQ4_0Q8",
+    "xlaserve_int8_matvec_s8_q8": "XlaserveMatvecS8Q8",
     "xlaserve_paged_attention": "XlaservePagedAttention",
     "xlaserve_decode_layers": "XlaserveDecodeLayers",
 }

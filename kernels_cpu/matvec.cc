@@ -104,7 +104,7 @@ template <Format kFmt>
 ffi::Error MatvecQ8Impl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                         ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                         ffi::ResultBuffer<ffi::F32> out) {
-  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
+  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
   int64_t rows = 0, in = 0, out_dim = 0;
   const uint16_t* m = nullptr;
   if (ffi::Error err = CheckOperands<kFmt>(x, codes, scale, offset, rows, in, out_dim, m);
@@ -123,8 +123,13 @@ ffi::Error MatvecQ8Impl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
   const int nrows = static_cast<int>(rows);
   xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-    Q8Columns<kFmt>(*r, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
-                    out_dim * (i + 1) / parts);
+    if constexpr (kFmt == kS8) {
+      S8Q8Columns(*r, nrows, in, q, s, y, out_dim, out_dim * i / parts,
+                  out_dim * (i + 1) / parts);
+    } else {
+      Q8Columns<kFmt>(*r, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
+                      out_dim * (i + 1) / parts);
+    }
   });
   return ffi::Error::Success();
 }
@@ -161,6 +166,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<kU8>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<kS8>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, MatvecImpl<kQ4_1>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, MatvecImpl<kQ4_0>, Binding());
-// The same operands, activations rounded to int8 (VNNI; needs xlaserve_native_vnni()).
+// The same operands, activations rounded to int8 (VNNI; needs xlaserve_native_vnni()):
+// nibbles and Q8_0.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, MatvecQ8Impl<kQ4_1>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, MatvecQ8Impl<kQ4_0>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, MatvecQ8Impl<kS8>, Binding());

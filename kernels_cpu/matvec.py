@@ -9,10 +9,11 @@ nibbles (bits=4, GGUF's Q4 order; Q4_1 with a min, Q4_0 as `scale * (code -
 is only valid where `available()` (kernels_cpu/library.py) is True; callers
 check that when tracing and otherwise use the XLA path.
 
-`int8_activations=True` (nibbles only, an even number of groups, `vnni()`):
+`int8_activations=True` (nibbles or Q8_0, an even number of groups, `vnni()`):
 the activations are rounded per group of 32 to int8 and multiplied with VNNI
-integer dot products, llama.cpp's Q4 x Q8 scheme: about half the instructions
-per weight, and the activations' 8-bit rounding in the result.
+integer dot products, llama.cpp's Q4 x Q8 / Q8_0 x Q8 scheme: a fraction of
+the instructions per weight, and the activations' 8-bit rounding in the
+result.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ GROUP = 32
 # (code bits, has a min) -> FFI target
 _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_matvec_s8",
             (4, True): "xlaserve_q4_1_matvec", (4, False): "xlaserve_q4_0_matvec",
-            (4, True, "q8"): "xlaserve_q4_1_matvec_q8", (4, False, "q8"): "xlaserve_q4_0_matvec_q8"}
+            (4, True, "q8"): "xlaserve_q4_1_matvec_q8", (4, False, "q8"): "xlaserve_q4_0_matvec_q8",
+            (8, False, "q8"): "xlaserve_int8_matvec_s8_q8"}
 
 __all__ = ["MAX_ROWS", "available", "int8_matvec", "library_path", "quantized_matvec",
            "supports", "supports_int8_activations", "vnni"]
@@ -53,8 +55,9 @@ def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | 
 def supports_int8_activations(rows: int, codes: jax.Array, scale: jax.Array,
                               offset: jax.Array | None, bits: int = 8) -> bool:
   """Whether `quantized_matvec(..., int8_activations=True)` takes these operands (and the
-  CPU has VNNI)."""
-  return (bits == 4 and supports(rows, codes, scale, offset, bits)
+  CPU has VNNI): nibbles, or signed one-byte codes (Q8_0), in an even number of groups."""
+  signed_bytes = bits == 8 and offset is None
+  return ((bits == 4 or signed_bytes) and supports(rows, codes, scale, offset, bits)
           and scale.shape[1] % 2 == 0 and vnni())
 
 

@@ -159,10 +159,16 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // min (Q4_1: m; Q4_0: -8 d) multiplies the sum of each group's rounded x.
 // Numerics: activations carry int8 rounding (relative ~1/254 of each group's max).
 
+// Signed one-byte codes (Q8_0) take the same rounded activations in input order
+// (`xq_plain`): a pair's 64 code bytes are groups g and g + 1 back to back, so
+// int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies unsigned
+// by signed bytes: it gets |w| and x with w's sign.
 struct Q8Rows {
-  std::vector<int8_t> xq;    // [rows, pairs, 64]
-  std::vector<float> dx;     // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
-  std::vector<float> xsum;   // [rows, groups] sums of the rounded activations
+  std::vector<int8_t> xq;        // [rows, pairs, 64] nibble order
+  std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
+  std::vector<float> xsum;       // [rows, groups] sums of the rounded activations
+  std::vector<int8_t> xq_plain;  // [rows, groups * 32] input order
+  std::vector<float> dx_plain;   // [rows, pairs, 16]: dx_g in lanes 0-7, dx_g+1 in 8-15
 };
 
 inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
@@ -171,6 +177,8 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
   r.xq.assign(rows * pairs * 64, 0);
   r.dx.assign(rows * pairs * 16, 0.0f);
   r.xsum.assign(rows * groups, 0.0f);
+  r.xq_plain.assign(rows * groups * kGroup, 0);
+  r.dx_plain.assign(rows * pairs * 16, 0.0f);
   for (int b = 0; b < rows; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + b * in + g * kGroup;
@@ -191,6 +199,11 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
                        _mm512_cvtsepi32_epi8(qhi));
       float* lanes = r.dx.data() + (b * pairs + p) * 16;
       for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
+      int8_t* plain = r.xq_plain.data() + (b * groups + g) * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(plain), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(plain + 16), _mm512_cvtsepi32_epi8(qhi));
+      float* plain_lanes = r.dx_plain.data() + (b * pairs + p) * 16;
+      for (int j = 0; j < 8; ++j) plain_lanes[8 * half + j] = d;
     }
   }
 }
@@ -246,6 +259,63 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Q8
       mins = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xsum + g0), mins);
     }
     out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], mins));
+  }
+}
+
+// Lanes 0-7 take group 2j's scale, 8-15 group 2j + 1's (the j-th pair of a block).
+alignas(64) inline constexpr int32_t kPlainScaleLanes[8][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+    {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+    {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+    {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+// Signed one-byte codes (Q8_0) x int8 activations: output column o for rows
+// [r0, r0 + kRows).
+template <int kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void S8Q8Tile(
+    const Q8Rows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
+    float* out, int64_t out_dim, int64_t o) {
+  const int64_t pairs = groups / 2;
+  __m512 acc[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
+    const int64_t n = std::min<int64_t>(16, groups - 2 * p0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + 2 * p0));
+    for (int64_t p = p0; p < std::min(pairs, p0 + 8); ++p) {
+      const __m512 d = _mm512_permutexvar_ps(_mm512_load_si512(kPlainScaleLanes[p - p0]), dv);
+      const __m512i w = _mm512_loadu_si512(q + p * 64);
+      const __m512i aw = _mm512_abs_epi8(w);
+      const __mmask64 negative = _mm512_movepi8_mask(w);
+      for (int b = 0; b < kRows; ++b) {
+        const int64_t row = (r0 + b) * pairs + p;
+        const __m512i x = _mm512_loadu_si512(r.xq_plain.data() + row * 64);
+        const __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs);
+        const __m512 f =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx_plain.data() + row * 16));
+        acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
+      }
+    }
+  }
+  for (int b = 0; b < kRows; ++b) out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(acc[b]);
+}
+
+// Output columns [o0, o1) of signed one-byte codes for every row of `r`.
+inline void S8Q8Columns(const Q8Rows& r, int rows, int64_t in, const uint8_t* codes,
+                        const uint16_t* scale, float* out, int64_t out_dim, int64_t o0,
+                        int64_t o1) {
+  const int64_t groups = in / kGroup;
+  for (int64_t o = o0; o < o1; ++o) {
+    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, rows - r0),
+                              (S8Q8Tile<R>(r, r0, groups, codes + o * groups * kGroup,
+                                           scale + o * groups, out, out_dim, o)));
+    }
   }
 }
 

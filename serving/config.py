@@ -88,8 +88,9 @@ class EngineConfig:
   # reads: small decode batches read the codes, prefill and large batches the copy (one
   # device only; without such weights, or on a mesh, it changes nothing).
   quantized_dense_copy: bool = False
-  # Nibble (Q4) weights in the native CPU kernel: round the activations to int8 per group
-  # of 32 and multiply with integer dot products (llama.cpp's scheme; faster, less exact).
+  # Nibble (Q4) and Q8_0 weights in the native CPU kernel: round the activations to int8
+  # per group of 32 and multiply with integer dot products (llama.cpp's scheme; faster,
+  # less exact).
   int8_activations: bool = False
   tp: int = 1
   ep: int = 1

@@ -48,8 +48,8 @@ flags.DEFINE_bool("quantized_dense_copy", None,
                   "small decode batches read the codes (native kernel), prefill and large "
                   "batches the copy.")
 flags.DEFINE_bool("int8_activations", None,
-                  "With nibble (Q4) weights on CPU: round activations to int8 per group of 32 "
-                  "in the native kernel (llama.cpp's scheme; faster, less exact).")
+                  "With nibble (Q4) or Q8_0 weights on CPU: round activations to int8 per "
+                  "group of 32 in the native kernel (llama.cpp's scheme; faster, less exact).")
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")

@@ -103,8 +103,8 @@ class QuantizedWeight:
   kind: str = dataclasses.field(default="int8", metadata=dict(static=True))
   group_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: per channel
   super_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # S, K-quants
-  # Nibble weights on CPU: the native kernel rounds the activations to int8 per group
-  # of 32 and uses integer dot products (`with_int8_activations`).
+  # Nibble and Q8_0 weights on CPU: the native kernel rounds the activations to int8 per
+  # group of 32 and uses integer dot products (`with_int8_activations`).
   int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def __post_init__(self):
@@ -242,11 +242,13 @@ def native_format(w: QuantizedWeight) -> bool:
 
 
 def with_int8_activations(params: Any) -> Any:
-  """Params whose nibble weights in a `native_format` multiply int8-rounded activations in
-  the native kernel (llama.cpp's Q4 x Q8 scheme: about half the instructions per weight;
-  the activations' 8-bit rounding shows in the result, ~0.5% of its range)."""
+  """Params whose nibble and Q8_0 weights in a `native_format` multiply int8-rounded
+  activations in the native kernel (llama.cpp's Q4 x Q8 / Q8_0 x Q8 schemes: a fraction
+  of the instructions per weight; the activations' 8-bit rounding shows in the result,
+  ~0.5% of its range)."""
   def mark(w):
-    if not is_quantized(w) or not native_format(w) or w.kind != "int4":
+    signed_bytes = w.kind == "int8" and w.offset is None if is_quantized(w) else False
+    if not is_quantized(w) or not native_format(w) or not (w.kind == "int4" or signed_bytes):
       return w
     return dataclasses.replace(w, int8_activations=True)
 

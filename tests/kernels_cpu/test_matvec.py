@@ -162,17 +162,21 @@ def _int8_rounded(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.skipif(not kernels_cpu.library.vnni(), reason="no native kernels or no VNNI")
-@pytest.mark.parametrize("asymmetric", [True, False])  # Q4_1, Q4_0
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 8, 13])
-def test_int8_activations_match_rounded_reference(asymmetric, rows):
+def test_int8_activations_match_rounded_reference(fmt, rows):
   """The VNNI kernel is exactly `rounded(x) @ W` (up to float32 sums); its distance from
   the exact product is the activations' rounding, under 2% of the output range."""
   w = (np.random.default_rng(6).standard_normal((576, 96)) * 0.05).astype(np.float32)
-  qw = jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32, asymmetric=asymmetric))
+  if fmt == "q8_0":
+    qw = jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=False))
+    qw = dataclasses.replace(qw, q=qw.q.at[0, :4].set(jnp.int8(-128)))  # the one unpaired code
+  else:
+    qw = jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32, asymmetric=fmt == "q4_1"))
   x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
   x[0, :32] = 0.0  # an all-zero group (scale 0)
-  got = np.asarray(matvec.quantized_matvec(jnp.asarray(x), qw.q, qw.scale, qw.offset, 4,
-                                           int8_activations=True))
+  got = np.asarray(matvec.quantized_matvec(jnp.asarray(x), qw.q, qw.scale, qw.offset,
+                                           qw.bits, int8_activations=True))
   exact = _reference(x, qw)
   span = np.abs(exact).max()
   np.testing.assert_allclose(got, _reference(_int8_rounded(x), qw), atol=2e-5 * span)

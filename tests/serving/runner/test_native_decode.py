@@ -19,7 +19,7 @@ import pytest
 
 import kernels_cpu
 from checkpoints import quantizers
-from serving.models import llama
+from serving.models import llama, quantized
 from serving.models.model_config import ModelConfig
 from serving.runner import native_decode, steps
 from serving.runner.kv_cache import KVCache, create_kv_cache
@@ -49,9 +49,9 @@ def _layers(cfg=CFG, seed=0, int8_activations=False):
     for j, (name, shape) in enumerate(SHAPES.items()):
       w = (rng.standard_normal(shape) * 0.08).astype(np.float32)
       qw = FORMATS[(i + j) % len(FORMATS)](w)
-      if int8_activations and qw.kind == "int4":
-        qw = dataclasses.replace(qw, int8_activations=True)
       lp[name] = jax.tree.map(jnp.asarray, qw)
+    if int8_activations:  # nibbles and Q8_0 (our uint8 groups keep float activations)
+      lp = quantized.with_int8_activations(lp)
     lp["attn_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
     lp["mlp_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
     layers.append(lp)
