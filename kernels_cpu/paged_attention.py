@@ -16,6 +16,8 @@ Valid only where `available()` (kernels_cpu/library.py) is True and
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +25,17 @@ import numpy as np
 from kernels_cpu.library import available
 
 KINDS = {"float32": 0, "bfloat16": 1, "int8": 2}  # the pool's dtype name -> kernel page kind
-MAX_QUERIES = 16  # queries per row it is meant for; prefill chunks take the XLA path
+MAX_QUERIES = 16  # queries per row it is meant for (prefill chunks go in as one-query rows)
 _LANES = 16
 
-__all__ = ["KINDS", "MAX_QUERIES", "available", "paged_attention", "supports"]
+__all__ = ["KINDS", "MAX_QUERIES", "available", "paged_attention", "prefill_enabled",
+           "supports"]
+
+
+def prefill_enabled() -> bool:
+  """Prefill chunks may take the kernel as one-query rows (`XLASERVE_NATIVE_PREFILL` is not
+  0, a switch for comparisons)."""
+  return os.environ.get("XLASERVE_NATIVE_PREFILL", "1") != "0"
 
 
 def supports(q_shape: tuple[int, ...], pages: jax.Array, kv_dtype: str) -> bool:

@@ -288,16 +288,45 @@ def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, sc
   return out.reshape(t, n, h).astype(q.dtype)
 
 
-def native_supported(q_shape: tuple[int, ...], kv: KVCache) -> bool:
+def native_supported(q_shape: tuple[int, ...], kv: KVCache, prefill: bool = False) -> bool:
   """Whether the XLA path runs queries `[B, T, N, H]` through the native CPU kernel:
   built and runnable here, a pool dtype it reads, and no mesh (XLA cannot split a
-  custom call; it would gather the pool for it)."""
+  custom call; it would gather the pool for it). `prefill`: a step's packed chunks as
+  B one-query rows (`native_prefill_attention`; `XLASERVE_NATIVE_PREFILL=0` turns
+  that off)."""
   if jax.default_backend() != "cpu" or not kernels_cpu.available():
+    return False
+  if prefill and not kernels_cpu.paged_attention.prefill_enabled():
     return False
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and math.prod(mesh.shape.values()) > 1:
     return False
   return kernels_cpu.paged_attention.supports(q_shape, kv.k, kv.dtype)
+
+
+def native_prefill_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *,
+                             scale: float, sliding_window: int | None = None,
+                             soft_cap: float | None = None):
+  """`ragged_attention`'s contract through the native kernel -> (out [T, N, H], kv).
+
+  Each packed row is one query over its own sequence's table: row i of chunk c
+  (rows cu_q_lens[c]:cu_q_lens[c+1], the chunk's K/V already written) sees the
+  first kv_lens[c] - (q_len_c - 1 - j) keys, j its index in the chunk (causal);
+  padding rows see none. Keys are read in place in the pool, once per query:
+  the XLA path's per-block gathers into dot layouts cost ~10 ms per layer for a
+  512-token step (docs/performance.md).
+  """
+  t = q.shape[0]
+  rows = jnp.arange(t, dtype=jnp.int32)
+  chunk = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0,
+                   block_tables.shape[0] - 1).astype(jnp.int32)
+  q_len = cu_q_lens[chunk + 1] - cu_q_lens[chunk]
+  keys = kv_lens[chunk] - (q_len - 1 - (rows - cu_q_lens[chunk]))
+  keys = jnp.where(rows < cu_q_lens[-1], keys, 0)
+  out, kv = native_multi_query_attention(q[:, None], kv, block_tables[chunk], keys[:, None],
+                                         scale=scale, sliding_window=sliding_window,
+                                         soft_cap=soft_cap)
+  return out[:, 0], kv
 
 
 def native_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: float,
@@ -349,6 +378,8 @@ def ragged_attention(backend: str, q, kv: KVCache, block_tables, cu_q_lens, kv_l
   the engine's batched chunks through their `blocks`; without them it takes
   the blocked loop for one sequence, or the general gather formulation.
   """
+  if backend == "xla" and native_supported((q.shape[0], 1, *q.shape[1:]), kv, prefill=True):
+    return native_prefill_attention(q, kv, block_tables, cu_q_lens, kv_lens, **kw)
   if backend == "xla":
     if blocks is not None:
       return xla_block_prefill_attention(q, kv, block_tables, blocks,

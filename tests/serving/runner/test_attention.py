@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels_cpu
 from serving.config import EngineConfig
 from serving.runner import attention
 from serving.runner.inputs import build_prefill_input
@@ -101,13 +102,14 @@ def test_ragged_general_matches_dense():
 
 
 @pytest.mark.parametrize("window", [None, 9])
-def test_batched_prefill_matches_dense(window):
+@pytest.mark.parametrize("h", [8, 16])  # 16: the native kernel where built (one-query rows)
+def test_batched_prefill_matches_dense(window, h):
   """A step's chunks in one call (the engine's path): packed rows, per-chunk query
   blocks (one chunk spans two), chunks starting mid-sequence, NaN everywhere else."""
   rng = np.random.default_rng(3)
   config = EngineConfig(page_size=4, max_model_len=128, attention_block_tokens=8,
                         max_num_batched_tokens=128, max_num_seqs=8)
-  nk, g, h = 2, 2, 8
+  nk, g = 2, 2
   kv_lens, q_lens = [6, 13, 70, 4, 1], [2, 5, 70, 4, 1]
   cache, tables, dense = make_cache(rng, kv_lens, 4, nk, h, 40, config.block_table_width)
   chunks = []
@@ -119,10 +121,17 @@ def test_batched_prefill_matches_dense(window):
   assert inp.tokens.shape == (128,) and inp.block_tables.shape[0] == 8  # 5 chunks: bucket 128
   assert sampled == ["0", "2", "4"]
   q = rng.standard_normal((128, nk * g, h)).astype(np.float32)
-  out, _ = attention.ragged_attention(
-      "xla", jnp.asarray(q), cache, jnp.asarray(inp.block_tables), jnp.asarray(inp.cu_q_lens),
-      jnp.asarray(inp.kv_lens), blocks=jax.tree.map(jnp.asarray, inp.blocks),
-      scale=h ** -0.5, sliding_window=window, block_tokens=8)
+  args = (jnp.asarray(q), cache, jnp.asarray(inp.block_tables), jnp.asarray(inp.cu_q_lens),
+          jnp.asarray(inp.kv_lens), jax.tree.map(jnp.asarray, inp.blocks))
+
+  def call(q, cache, tables, cu_q_lens, kv_lens, blocks):
+    return attention.ragged_attention("xla", q, cache, tables, cu_q_lens, kv_lens,
+                                      blocks=blocks, scale=h ** -0.5, sliding_window=window,
+                                      block_tokens=8)[0]
+
+  native = h % 16 == 0 and kernels_cpu.available()
+  assert ("xlaserve_paged_attention" in str(jax.make_jaxpr(call)(*args))) == native
+  out = jax.jit(call)(*args)
   cu = inp.cu_q_lens
   for s, (n, ql) in enumerate(zip(kv_lens, q_lens, strict=True)):
     rows = slice(cu[s], cu[s + 1])
