@@ -6,9 +6,11 @@
   It is the CPU path. Decode and verification rows (a few queries per row)
   take the native kernel instead where it is built and this CPU runs it
   (`kernels_cpu.paged_attention`: keys read in place, no block copies), on
-  one device. A step's prefill chunks run in one call, packed back to back;
-  attention regroups their rows into per-chunk query blocks (`QueryBlocks`)
-  and runs the blocked loop per block (batched dots).
+  one device, and so do a step's prefill chunks, as one-query rows
+  (`native_prefill_attention`). Without the kernel, a step's prefill chunks
+  run in one call, packed back to back; attention regroups their rows into
+  per-chunk query blocks (`QueryBlocks`) and runs the blocked loop per block
+  (batched dots).
 - `pallas`: `kernels_pallas` (Mosaic TPU on TPU, the GPU kernel on GPU). The
   kernels take the pool as stored: int8 / fp8 pages go in quantized
   (`kv_quant`) and are dequantized per block inside the kernel.
