@@ -32,21 +32,14 @@ template <int kKind>
 void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
             const uint8_t* v_pages, const int32_t* tables, const int32_t* q_lens, float scale,
             int64_t window, float soft_cap, float* out) {
-  const int64_t group = d.heads / d.kv_heads;
   const int64_t max_keys = d.table_width * d.page_size;
   // One query row per work item, over the caller and XLA's intra-op threads.
   xlaserve::ParallelFor(pool, d.batch * d.queries, [=, &d](int64_t row) {
-    thread_local std::vector<float> acc, qs, m, l;
-    acc.resize(group * d.head_dim);
-    qs.resize(group * d.head_dim);
-    m.resize(group);
-    l.resize(group);
     const int64_t b = row / d.queries;
     const int64_t q_len = std::clamp<int64_t>(q_lens[row], 0, max_keys);
-    AttendQuery<kKind>(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
-                       tables + b * d.table_width, q_len, scale, window, soft_cap,
-                       out + row * d.heads * d.head_dim, acc.data(), m.data(), l.data(),
-                       qs.data(), 0, d.kv_heads);
+    AttendWithScratch<kKind>(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
+                             tables + b * d.table_width, q_len, scale, window, soft_cap,
+                             out + row * d.heads * d.head_dim, 0, d.kv_heads);
   });
 }
 

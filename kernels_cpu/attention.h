@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace xlaserve {
 
@@ -148,6 +149,21 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
       for (int64_t i = 0; i < h_dim; ++i) o[i] = acc[g * h_dim + i] * inv;
     }
   }
+}
+
+// AttendQuery with this thread's scratch: one query row, KV heads [kh0, kh1).
+template <int kKind>
+void AttendWithScratch(const Dims& d, const float* q, const uint8_t* k_pages,
+                       const uint8_t* v_pages, const int32_t* table, int64_t q_len, float scale,
+                       int64_t window, float soft_cap, float* out, int64_t kh0, int64_t kh1) {
+  const int64_t group = d.heads / d.kv_heads;
+  thread_local std::vector<float> acc, qs, m, l;
+  acc.resize(group * d.head_dim);
+  qs.resize(group * d.head_dim);
+  m.resize(group);
+  l.resize(group);
+  AttendQuery<kKind>(d, q, k_pages, v_pages, table, q_len, scale, window, soft_cap, out,
+                     acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
 }
 
 }  // namespace xlaserve

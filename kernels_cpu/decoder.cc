@@ -301,7 +301,6 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
       up(s.rows * s.mlp);
   Q8Rows xq;
-  const int64_t group = s.heads / s.kv_heads;
   const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
   Team team(pool, cpus);
   auto quantize = [&](const float* src, int64_t in, bool needed) {
@@ -325,25 +324,14 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       WriteKV(v_pool, static_cast<int>(kind), row0, v.data() + b * kvdim, kvdim);
     }
     team.For(s.rows * s.kv_heads, [&](int64_t item) {
-      thread_local std::vector<float> acc, qs, m, lsum;
-      acc.resize(group * s.head_dim);
-      qs.resize(group * s.head_dim);
-      m.resize(group);
-      lsum.resize(group);
       const int64_t b = item / s.kv_heads, kh = item % s.kv_heads;
       const int64_t q_len = std::clamp<int64_t>(lens[b], 0, max_keys);
       // Layer l's pages: the pool from entry layer_entry on (tables are per layer).
       const uint8_t* kp = k_pool + layer_entry * d.kv_heads * d.row_bytes;
       const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
-      if (kind == 0) {
-        AttendQuery<0>(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window,
-                       0.0f, attn.data() + b * qdim, acc.data(), m.data(), lsum.data(),
-                       qs.data(), kh, kh + 1);
-      } else {
-        AttendQuery<1>(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window,
-                       0.0f, attn.data() + b * qdim, acc.data(), m.data(), lsum.data(),
-                       qs.data(), kh, kh + 1);
-      }
+      auto* attend = kind == 0 ? &AttendWithScratch<0> : &AttendWithScratch<1>;
+      attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window, 0.0f,
+             attn.data() + b * qdim, kh, kh + 1);
     });
     quantize(attn.data(), qdim, w[3].q8);
     Project(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
