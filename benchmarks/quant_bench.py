@@ -41,21 +41,24 @@ FORMATS = {
     "int4": dict(dtype="float32", quantization="int4", weight_dtype="float32"),
     "fp8": dict(dtype="float32", quantization="fp8", weight_dtype="float32"),
     # A GGUF's blocks as stored (the default model: Q4_1 layers, Q8_0 tied head).
-    "gguf": dict(dtype="float32", quantization="gguf", weight_dtype="float32"),
+    "gguf": dict(dtype="float32", quantization="gguf", weight_dtype="float32",
+                 cpu_activation_bits=32),
     # int8 without the native matvec (kernels_cpu), for the comparison.
     "int8-xla": dict(dtype="float32", quantization="int8", weight_dtype="float32"),
     "int8+kv8": dict(dtype="float32", quantization="int8", kv_cache_dtype="int8",
                      weight_dtype="float32"),
     "bf16w": dict(dtype="float32", weight_dtype="bfloat16"),
-    # The GGUF's blocks for small decode batches (native kernel) and a bf16 copy for
-    # prefill and larger batches (quantized_dense_copy).
+    # The GGUF's blocks for small decode batches (native kernel, float activations) and a
+    # bf16 copy for prefill and larger batches (quantized_dense_copy).
     "gguf+bf16": dict(dtype="float32", quantization="gguf", weight_dtype="bfloat16",
-                      quantized_dense_copy=True),
-    # The same, the Q4 blocks multiplying int8-rounded activations (int8_activations).
+                      quantized_dense_copy=True, cpu_activation_bits=32),
+    # The same, the Q4 / Q8_0 blocks multiplying activations rounded to 16 or 8 bits.
+    "gguf+bf16+q16": dict(dtype="float32", quantization="gguf", weight_dtype="bfloat16",
+                          quantized_dense_copy=True, cpu_activation_bits=16),
     "gguf+bf16+q8": dict(dtype="float32", quantization="gguf", weight_dtype="bfloat16",
-                         quantized_dense_copy=True, int8_activations=True),
+                         quantized_dense_copy=True, cpu_activation_bits=8),
     "gguf+q8": dict(dtype="float32", quantization="gguf", weight_dtype="float32",
-                    int8_activations=True),
+                    cpu_activation_bits=8),
 }
 
 

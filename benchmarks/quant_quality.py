@@ -68,6 +68,11 @@ def formats(smollm):
           smollm.params, "int4", group_size=64)), {}),
       "int4-g64-gptq": lambda: (with_params(_gptq(smollm)), {}),
       "gguf-q4_1": lambda: (load_quantized(PRESET, "gguf"), dict(quantization="gguf")),
+      # The same blocks, decode rows' activations rounded for the CPU integer tiles.
+      "gguf-q4_1-act16": lambda: (load_quantized(PRESET, "gguf"),
+                                  dict(quantization="gguf", cpu_activation_bits=16)),
+      "gguf-q4_1-act8": lambda: (load_quantized(PRESET, "gguf"),
+                                 dict(quantization="gguf", cpu_activation_bits=8)),
       "q8_0": lambda: (_gguf_requantized(smollm, gguf_io.Q.Q8_0), {}),
       "q5_0": lambda: (_gguf_requantized(smollm, gguf_io.Q.Q5_0), {}),
       "q5_1": lambda: (_gguf_requantized(smollm, gguf_io.Q.Q5_1), {}),

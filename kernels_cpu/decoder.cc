@@ -5,7 +5,8 @@
 // new K/V written into the page pool, paged attention over the row's keys,
 // the output projection, RMSNorm, SwiGLU MLP, with the residual adds. The
 // linear weights are quantized groups as stored (quant_dot.h: U8, S8 / Q8_0,
-// Q4_1, Q4_0; all but U8 optionally times int8-rounded activations), the pools
+// Q4_1, Q4_0; all but U8 optionally times activations rounded per group to
+// 8 or 16 bits), the pools
 // are float32 or bfloat16 (attention.h kinds 0 and 1), updated in place (the
 // jax side aliases them to the outputs).
 //
@@ -18,7 +19,7 @@
 //
 // Numerics: float32 throughout, the same operations as the XLA path
 // (serving/models/llama.py) up to summation order and transcendental
-// rounding; with int8 activations, the same rounding points as the per-op
+// rounding; with integer activations, the same rounding points as the per-op
 // native path (each projection's input rounded once per group of 32).
 //
 // Operands (after the thread pool):
@@ -28,7 +29,8 @@
 //   f32, norms [L, 2, D] f32 (attention, MLP), k_pool, v_pool [L*P, ps, K, H],
 //   then per layer and per weight (wq, wk, wv, wo, w_gate, w_up, w_down):
 //   codes, scales, offsets (the scales again for formats without a min).
-// Attributes: formats [L*7] (quant_dot.h Format; +4: int8 activations),
+// Attributes: formats [L*7] (quant_dot.h Format; +4: 8-bit, +8: 16-bit
+//   integer activations),
 //   num_heads, num_pages (P), window (0: none), kind (0 f32, 1 bf16 pages),
 //   eps, scale.
 
@@ -38,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <thread>
 #include <vector>
 
@@ -53,7 +56,8 @@ namespace {
 using namespace xlaserve;  // NOLINT: the building blocks (quant_dot.h, attention.h)
 
 constexpr int kWeights = 7;  // wq, wk, wv, wo, w_gate, w_up, w_down
-constexpr int kQ8Flag = 4;   // formats[i] & kQ8Flag: int8 activations
+constexpr int kInt8Flag = 4;   // formats[i] & kInt8Flag: activations rounded to 8 bits
+constexpr int kInt16Flag = 8;  // formats[i] & kInt16Flag: activations rounded to 16 bits
 constexpr int64_t kColumnBlock = 64;  // output columns per work item
 
 struct Weight {
@@ -62,34 +66,35 @@ struct Weight {
   const uint16_t* offset;  // nullptr without a min
   int64_t in, out;
   Format format;
-  bool q8;
+  int activation_bits;  // 32: float tiles; 8 or 16: integer tiles (not U8)
 };
 
 // y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
-// `xsum`) or their int8 rounding `xq`.
-void DotBlock(const Weight& w, const float* x, const float* xsum, const Q8Rows* xq, int rows,
+// `xsum`) or their integer rounding `xq`.
+void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows* xq, int rows,
               float* y, int64_t o0, int64_t o1) {
+  const bool lo = w.activation_bits == 16;
   switch (w.format) {
     case kU8:
       Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       return;
     case kS8:
-      if (w.q8) {
-        S8Q8Columns(*xq, rows, w.in, w.codes, w.scale, y, w.out, o0, o1);
+      if (w.activation_bits != 32) {
+        S8IntColumns(*xq, lo, rows, w.in, w.codes, w.scale, y, w.out, o0, o1);
       } else {
         Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       }
       return;
     case kQ4_1:
-      if (w.q8) {
-        Q8Columns<kQ4_1>(*xq, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      if (w.activation_bits != 32) {
+        IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       } else {
         Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       }
       return;
     case kQ4_0:
-      if (w.q8) {
-        Q8Columns<kQ4_0>(*xq, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      if (w.activation_bits != 32) {
+        IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       } else {
         Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       }
@@ -103,11 +108,12 @@ struct Projection {
   float* y;  // [rows, w->out]
 };
 
-void Project(Team& team, const std::vector<Projection>& ps, const float* x, const Q8Rows* xq,
+void Project(Team& team, const std::vector<Projection>& ps, const float* x, const IntRows* xq,
              int rows) {
-  // The group sums of x, for the float tiles (the int8 ones carry their own).
+  // The group sums of x, for the float tiles (the integer ones carry their own).
   std::vector<float> xsum;
-  if (std::any_of(ps.begin(), ps.end(), [](const Projection& p) { return !p.w->q8; })) {
+  if (std::any_of(ps.begin(), ps.end(),
+                  [](const Projection& p) { return p.w->activation_bits == 32; })) {
     xsum.resize(rows * (ps[0].w->in / kGroup));
     GroupSums(x, rows, ps[0].w->in, xsum.data());
   }
@@ -237,7 +243,10 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const int64_t fmt = formats[i] & 3;
     Weight& w = ws[i];
     w.format = static_cast<Format>(fmt);
-    w.q8 = (formats[i] & kQ8Flag) != 0 && w.format != kU8;
+    w.activation_bits = w.format == kU8                  ? 32
+                        : (formats[i] & kInt16Flag) != 0 ? 16
+                        : (formats[i] & kInt8Flag) != 0  ? 8
+                                                         : 32;
     auto cd = codes->dimensions();
     auto sd = sc->dimensions();
     if (cd.size() != 2 || sd.size() != 2 || sc->element_type() != ffi::F16 ||
@@ -248,7 +257,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     w.out = cd[0];
     w.in = sd[1] * kGroup;
     if (sd[0] != w.out || cd[1] != sd[1] * GroupBytes(w.format) ||
-        (w.q8 && sd[1] % 2)) {
+        (w.activation_bits != 32 && sd[1] % 2)) {
       return ffi::Error::InvalidArgument("decoder layers: codes and scales do not match");
     }
     w.codes = reinterpret_cast<const uint8_t*>(codes->untyped_data());
@@ -300,11 +309,18 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<float> xn(s.rows * std::max(s.dim, s.mlp)), q(s.rows * qdim), k(s.rows * kvdim),
       v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
       up(s.rows * s.mlp);
-  Q8Rows xq;
+  IntRows xq;
   const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
   Team team(pool, cpus);
-  auto quantize = [&](const float* src, int64_t in, bool needed) {
-    if (needed) QuantizeRows(src, rows, in, xq);
+  // Rounds a phase's input once for its integer tiles: to 16 bits if any of them
+  // takes 16 (the 8-bit rounding is its high byte, so 8-bit tiles read the same).
+  auto quantize = [&](const float* src, int64_t in, std::initializer_list<const Weight*> ws) {
+    int bits = 32;
+    for (const Weight* w : ws) {
+      if (w->activation_bits != 32) bits = bits == 32 ? w->activation_bits
+                                                      : std::max(bits, w->activation_bits);
+    }
+    if (bits != 32) QuantizeRows(src, rows, in, bits == 16, xq);
   };
 
   for (int64_t l = 0; l < s.layers; ++l) {
@@ -312,7 +328,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     const float* norm = norms.typed_data() + l * 2 * s.dim;
     // Attention.
     RmsNorm(h, norm, rows, s.dim, eps, xn.data());
-    quantize(xn.data(), s.dim, w[0].q8 || w[1].q8 || w[2].q8);
+    quantize(xn.data(), s.dim, {&w[0], &w[1], &w[2]});
     Project(team, {{&w[0], q.data()}, {&w[1], k.data()}, {&w[2], v.data()}}, xn.data(), &xq,
             rows);
     const int64_t layer_entry = l * s.num_pages * s.page_size;
@@ -333,15 +349,15 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window, 0.0f,
              attn.data() + b * qdim, kh, kh + 1);
     });
-    quantize(attn.data(), qdim, w[3].q8);
+    quantize(attn.data(), qdim, {&w[3]});
     Project(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
     AddInPlace(h, proj.data(), s.rows * s.dim);
     // MLP.
     RmsNorm(h, norm + s.dim, rows, s.dim, eps, xn.data());
-    quantize(xn.data(), s.dim, w[4].q8 || w[5].q8);
+    quantize(xn.data(), s.dim, {&w[4], &w[5]});
     Project(team, {{&w[4], gate.data()}, {&w[5], up.data()}}, xn.data(), &xq, rows);
     SwiGLU(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
-    quantize(xn.data(), s.mlp, w[6].q8);
+    quantize(xn.data(), s.mlp, {&w[6]});
     Project(team, {{&w[6], proj.data()}}, xn.data(), &xq, rows);
     AddInPlace(h, proj.data(), s.rows * s.dim);
   }

@@ -29,11 +29,12 @@ from kernels_cpu.library import available
 
 # (code bits, has a min) -> the kernel's format code (quant_dot.h `Format`)
 FORMATS = {(8, True): 0, (8, False): 1, (4, True): 2, (4, False): 3}
-INT8_ACTIVATIONS = 4  # added to a nibble or Q8_0 format: activations rounded to int8 (VNNI)
+# Added to a nibble or Q8_0 format: activations rounded per group to 8 or 16 bits (VNNI).
+ACTIVATION_FLAGS = {32: 0, 8: 4, 16: 8}
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
 
-__all__ = ["FORMATS", "INT8_ACTIVATIONS", "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers",
+__all__ = ["ACTIVATION_FLAGS", "FORMATS", "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers",
            "enabled"]
 
 
@@ -55,8 +56,8 @@ def decode_layers(x: jax.Array, positions: jax.Array, kv_index: jax.Array, table
   tables [B, W] int32 per-layer page ids; inv_freq [H/2] f32; norms [L, 2, D] f32
   (attention, MLP); pools [L*P, page_size, K, H]; weights: L*7 (codes, scale f16,
   offset f16 or None) stored [O, I*bits/8] / [O, I/32], in the order wq, wk, wv, wo,
-  w_gate, w_up, w_down per layer; formats: one `FORMATS` code per weight (plus
-  `INT8_ACTIVATIONS`).
+  w_gate, w_up, w_down per layer; formats: one `FORMATS` code per weight (plus its
+  `ACTIVATION_FLAGS`).
   """
   operands = [x.astype(jnp.float32), positions.astype(jnp.int32), kv_index.astype(jnp.int32),
               tables.astype(jnp.int32), seq_lens.astype(jnp.int32), inv_freq.astype(jnp.float32),

@@ -26,6 +26,9 @@ TARGETS = {
     "xlaserve_q4_1_matvec_q8": "XlaserveMatvecQ4_1Q8",
     "xlaserve_q4_0_matvec_q8": "XlaserveMatvecQ4_0Q8",
     "xlaserve_int8_matvec_s8_q8": "XlaserveMatvecS8Q8",
+    "xlaserve_q4_1_matvec_q16": "XlaserveMatvecQ4_1Q16",
+    "xlaserve_q4_0_matvec_q16": "XlaserveMatvecQ4_0Q16",
+    "xlaserve_int8_matvec_s8_q16": "XlaserveMatvecS8Q16",
     "xlaserve_paged_attention": "XlaservePagedAttention",
     "xlaserve_decode_layers": "XlaserveDecodeLayers",
 }
@@ -59,6 +62,6 @@ def available() -> bool:
 
 @functools.cache
 def vnni() -> bool:
-  """True when `available()` and this CPU has AVX-512 VNNI (the int8-activation matvec)."""
+  """True when `available()` and this CPU has AVX-512 VNNI (the integer-activation tiles)."""
   path = library_path()
   return available() and bool(ctypes.CDLL(path).xlaserve_native_vnni())

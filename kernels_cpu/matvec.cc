@@ -12,7 +12,8 @@
 // copy of W and reading it back in a dot; here each group of codes is
 // converted in registers and multiplied into the rows, so W is read once, as
 // bytes. Numerics: float32 products and sums, the same values as the XLA path
-// up to summation order.
+// up to summation order; the integer-activation variants (nibbles, Q8_0) round
+// the activations per group to 8 or 16 bits first (quant_dot.h).
 //
 // Built by the package's own build (setup.py) with per-function target
 // attributes, so the library loads on any x86-64 CPU; `xlaserve_native_isa()`
@@ -100,11 +101,13 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return ffi::Error::Success();
 }
 
-template <Format kFmt>
-ffi::Error MatvecQ8Impl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                        ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
-                        ffi::ResultBuffer<ffi::F32> out) {
+// Integer activations (VNNI): kBits 8 (llama.cpp's scheme) or 16 (quant_dot.h).
+template <Format kFmt, int kBits>
+ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                         ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                         ffi::ResultBuffer<ffi::F32> out) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
+  static_assert(kBits == 8 || kBits == 16);
   int64_t rows = 0, in = 0, out_dim = 0;
   const uint16_t* m = nullptr;
   if (ffi::Error err = CheckOperands<kFmt>(x, codes, scale, offset, rows, in, out_dim, m);
@@ -113,10 +116,11 @@ ffi::Error MatvecQ8Impl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   const int64_t groups = in / kGroup;
   if (groups % 2) {
-    return ffi::Error::InvalidArgument("quantized matvec (int8 activations): odd group count");
+    return ffi::Error::InvalidArgument("quantized matvec (integer activations): odd group count");
   }
-  auto r = std::make_shared<Q8Rows>();
-  QuantizeRows(x.typed_data(), static_cast<int>(rows), in, *r);
+  constexpr bool kLo = kBits == 16;
+  auto r = std::make_shared<IntRows>();
+  QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
@@ -124,11 +128,11 @@ ffi::Error MatvecQ8Impl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const int nrows = static_cast<int>(rows);
   xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
     if constexpr (kFmt == kS8) {
-      S8Q8Columns(*r, nrows, in, q, s, y, out_dim, out_dim * i / parts,
-                  out_dim * (i + 1) / parts);
+      S8IntColumns(*r, kLo, nrows, in, q, s, y, out_dim, out_dim * i / parts,
+                   out_dim * (i + 1) / parts);
     } else {
-      Q8Columns<kFmt>(*r, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
-                      out_dim * (i + 1) / parts);
+      IntColumns<kFmt>(*r, kLo, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
+                       out_dim * (i + 1) / parts);
     }
   });
   return ffi::Error::Success();
@@ -166,8 +170,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<kU8>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<kS8>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, MatvecImpl<kQ4_1>, Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, MatvecImpl<kQ4_0>, Binding());
-// The same operands, activations rounded to int8 (VNNI; needs xlaserve_native_vnni()):
-// nibbles and Q8_0.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, MatvecQ8Impl<kQ4_1>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, MatvecQ8Impl<kQ4_0>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, MatvecQ8Impl<kS8>, Binding());
+// The same operands, activations rounded per group to int8 or to 16 bits (VNNI;
+// needs xlaserve_native_vnni()): nibbles and Q8_0.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<kQ4_1, 8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<kQ4_0, 8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<kS8, 8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<kQ4_1, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<kQ4_0, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<kS8, 16>), Binding());

@@ -10,8 +10,9 @@
 //   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
 // `Columns` converts each group of codes in registers and multiplies it into
 // up to kTileRows float rows at a time (float32 products and sums);
-// `Q8Columns` multiplies nibbles by activations rounded to int8 per group
-// (VNNI), llama.cpp's Q4 x Q8 scheme.
+// `IntColumns` / `S8IntColumns` multiply nibbles / Q8_0 codes by activations
+// rounded per group to 8 bits (llama.cpp's Q4 x Q8 scheme) or 16 bits, with VNNI
+// integer dot products.
 
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_H_
@@ -148,37 +149,53 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
   }
 }
 
-// ---- Nibbles x int8 activations (VNNI), llama.cpp's Q4_1 x Q8 scheme ----
+// ---- Nibbles x integer activations (VNNI), llama.cpp's Q4_1 x Q8 scheme ----
 //
 // Each row's activations are rounded per group of 32 to int8 with a float32 scale
-// (dx = max|x| / 127) and laid out per pair of groups (g, g + 1) as the nibble
-// bytes expand: [x_g[0:16], x_g+1[0:16], x_g[16:32], x_g+1[16:32]]. A pair's 32
-// code bytes become 64 unsigned codes (low nibbles, then high) and one VPDPBUSD
-// sums 4 code x activation products per int32 lane (lanes 0-3 and 8-11: group g,
-// 4-7 and 12-15: g + 1); lanes are scaled by d * dx into float accumulators. The
-// min (Q4_1: m; Q4_0: -8 d) multiplies the sum of each group's rounded x.
-// Numerics: activations carry int8 rounding (relative ~1/254 of each group's max).
-
+// (dx = max|x| / 127): hi = round(x / dx) in [-127, 127]. With 16-bit activations
+// the remainder is rounded too, lo = round((x / dx - hi) * 256) in [-127, 127], so
+// x ~ dx / 256 * (256 hi + lo): 2^-16 of the group's max instead of 2^-8, at one
+// more VPDPBUSD per 64 weights (the codes are unpacked once for both).
+// Layout per pair of groups (g, g + 1), as the nibble bytes expand:
+// [x_g[0:16], x_g+1[0:16], x_g[16:32], x_g+1[16:32]]. A pair's 32 code bytes become
+// 64 unsigned codes (low nibbles, then high) and one VPDPBUSD sums 4 code x
+// activation products per int32 lane (lanes 0-3 and 8-11: group g, 4-7 and 12-15:
+// g + 1); lanes are scaled by d * dx into float accumulators. The min (Q4_1: m;
+// Q4_0: -8 d) multiplies the sum of each group's rounded x.
+//
 // Signed one-byte codes (Q8_0) take the same rounded activations in input order
-// (`xq_plain`): a pair's 64 code bytes are groups g and g + 1 back to back, so
-// int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies unsigned
-// by signed bytes: it gets |w| and x with w's sign.
-struct Q8Rows {
-  std::vector<int8_t> xq;        // [rows, pairs, 64] nibble order
+// (`hi_plain`, `lo_plain`): a pair's 64 code bytes are groups g and g + 1 back to
+// back, so int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies
+// unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
+struct IntRows {
+  bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
+  std::vector<int8_t> hi, lo;    // [rows, pairs, 64] nibble order
+  std::vector<int8_t> hi_plain, lo_plain;  // [rows, groups * 32] input order
   std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
-  std::vector<float> xsum;       // [rows, groups] sums of the rounded activations
-  std::vector<int8_t> xq_plain;  // [rows, groups * 32] input order
   std::vector<float> dx_plain;   // [rows, pairs, 16]: dx_g in lanes 0-7, dx_g+1 in 8-15
+  std::vector<float> xsum8;      // [rows, groups] sums of x rounded to 8 bits
+  std::vector<float> xsum16;     // [rows, groups] sums of x rounded to 16 bits (has_lo)
 };
 
+// 16 activations of a group as int8 bytes (saturating; the values are in range).
+inline __attribute__((target("avx512f"))) void StoreBytes(int8_t* dst, __m512i v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(v));
+}
+
+// Rows of x rounded per group for the integer tiles; `with_lo`: to 16 bits.
 inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
-    const float* x, int rows, int64_t in, Q8Rows& r) {
+    const float* x, int rows, int64_t in, bool with_lo, IntRows& r) {
   const int64_t groups = in / kGroup, pairs = groups / 2;
-  r.xq.assign(rows * pairs * 64, 0);
+  r.has_lo = with_lo;
+  r.hi.assign(rows * pairs * 64, 0);
+  r.hi_plain.assign(rows * groups * kGroup, 0);
   r.dx.assign(rows * pairs * 16, 0.0f);
-  r.xsum.assign(rows * groups, 0.0f);
-  r.xq_plain.assign(rows * groups * kGroup, 0);
   r.dx_plain.assign(rows * pairs * 16, 0.0f);
+  r.xsum8.assign(rows * groups, 0.0f);
+  r.lo.assign(with_lo ? rows * pairs * 64 : 0, 0);
+  r.lo_plain.assign(with_lo ? rows * groups * kGroup : 0, 0);
+  r.xsum16.assign(with_lo ? rows * groups : 0, 0.0f);
+  const __m512i lo_max = _mm512_set1_epi32(127), lo_min = _mm512_set1_epi32(-127);
   for (int b = 0; b < rows; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + b * in + g * kGroup;
@@ -186,26 +203,53 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float d = amax / 127.0f;
       const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // in [-127, 127]
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      const __m512 slo = _mm512_mul_ps(lo, inv), shi = _mm512_mul_ps(hi, inv);
+      const __m512i qlo = _mm512_cvtps_epi32(slo);  // in [-127, 127]
+      const __m512i qhi = _mm512_cvtps_epi32(shi);
       // The sum of the rounded values, so the min term rounds as the code term does
       // (their errors then cancel where W is small, as in llama.cpp's Q8_1 sums).
-      r.xsum[b * groups + g] = d * static_cast<float>(
-          _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+      const int32_t sum8 = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      r.xsum8[b * groups + g] = d * static_cast<float>(sum8);
       const int64_t p = g / 2, half = g % 2;
-      int8_t* dst = r.xq.data() + (b * pairs + p) * 64;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * half), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 + 16 * half),
-                       _mm512_cvtsepi32_epi8(qhi));
+      const int64_t pair_at = (b * pairs + p) * 64, plain_at = (b * groups + g) * kGroup;
+      StoreBytes(r.hi.data() + pair_at + 16 * half, qlo);
+      StoreBytes(r.hi.data() + pair_at + 32 + 16 * half, qhi);
+      StoreBytes(r.hi_plain.data() + plain_at, qlo);
+      StoreBytes(r.hi_plain.data() + plain_at + 16, qhi);
+      if (with_lo) {
+        const __m512 k256 = _mm512_set1_ps(256.0f);
+        const __m512i rlo = _mm512_max_epi32(lo_min, _mm512_min_epi32(lo_max, _mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_sub_ps(slo, _mm512_cvtepi32_ps(qlo)), k256))));
+        const __m512i rhi = _mm512_max_epi32(lo_min, _mm512_min_epi32(lo_max, _mm512_cvtps_epi32(
+            _mm512_mul_ps(_mm512_sub_ps(shi, _mm512_cvtepi32_ps(qhi)), k256))));
+        const int32_t sum_lo = _mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi));
+        r.xsum16[b * groups + g] = d * (static_cast<float>(sum8) +
+                                        static_cast<float>(sum_lo) * (1.0f / 256.0f));
+        StoreBytes(r.lo.data() + pair_at + 16 * half, rlo);
+        StoreBytes(r.lo.data() + pair_at + 32 + 16 * half, rhi);
+        StoreBytes(r.lo_plain.data() + plain_at, rlo);
+        StoreBytes(r.lo_plain.data() + plain_at + 16, rhi);
+      }
       float* lanes = r.dx.data() + (b * pairs + p) * 16;
       for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
-      int8_t* plain = r.xq_plain.data() + (b * groups + g) * kGroup;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(plain), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(plain + 16), _mm512_cvtsepi32_epi8(qhi));
       float* plain_lanes = r.dx_plain.data() + (b * pairs + p) * 16;
       for (int j = 0; j < 8; ++j) plain_lanes[8 * half + j] = d;
     }
   }
+}
+
+// The int32 lanes of 64 unsigned codes times one pair of activation bytes: hi
+// only, or 256 * (codes . hi) + codes . lo (16-bit activations).
+template <bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i DotBytes(
+    __m512i codes, __m512i hi, const int8_t* lo, __mmask64 negate) {
+  __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, hi);
+  if constexpr (kLo) {
+    __m512i l = _mm512_loadu_si512(lo);
+    l = _mm512_mask_sub_epi8(l, negate, _mm512_setzero_si512(), l);
+    dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), codes, l);
+  }
+  return dot;
 }
 
 // Lane k of a pair's 16 dot lanes takes the scale of group 2j + (k / 4) % 2 for the
@@ -220,9 +264,11 @@ alignas(64) inline constexpr int32_t kPairScaleLanes[8][16] = {
     {12, 12, 12, 12, 13, 13, 13, 13, 12, 12, 12, 12, 13, 13, 13, 13},
     {14, 14, 14, 14, 15, 15, 15, 15, 14, 14, 14, 14, 15, 15, 15, 15}};
 
-template <bool kMin, int kRows>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Q8Tile(
-    const Q8Rows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
+// Nibble weights x rows [r0, r0 + kRows) of `r` (kLo: 16-bit activations): output
+// column o.
+template <bool kMin, int kRows, bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void IntTile(
+    const IntRows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
     const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
   const int64_t pairs = groups / 2;
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -240,16 +286,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Q8
           _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
       for (int b = 0; b < kRows; ++b) {
         const int64_t row = (r0 + b) * pairs + p;
-        const __m512i dot = _mm512_dpbusd_epi32(
-            _mm512_setzero_si512(), c, _mm512_loadu_si512(r.xq.data() + row * 64));
+        const __m512i dot = DotBytes<kLo>(c, _mm512_loadu_si512(r.hi.data() + row * 64),
+                                          kLo ? r.lo.data() + row * 64 : nullptr, 0);
         const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx.data() + row * 16));
         acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
       }
     }
   }
+  const float unit = kLo ? 1.0f / 256.0f : 1.0f;  // the lanes count dx / 256 with lo
   for (int b = 0; b < kRows; ++b) {
     __m512 mins = _mm512_setzero_ps();
-    const float* xsum = r.xsum.data() + (r0 + b) * groups;
+    const float* xsum = (kLo ? r.xsum16 : r.xsum8).data() + (r0 + b) * groups;
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const int64_t n = std::min<int64_t>(16, groups - g0);
       const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
@@ -258,7 +305,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Q8
                                              _mm512_set1_ps(-8.0f));
       mins = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xsum + g0), mins);
     }
-    out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], mins));
+    out[(r0 + b) * out_dim + o] =
+        _mm512_reduce_add_ps(_mm512_fmadd_ps(acc[b], _mm512_set1_ps(unit), mins));
   }
 }
 
@@ -273,11 +321,11 @@ alignas(64) inline constexpr int32_t kPlainScaleLanes[8][16] = {
     {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
     {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
 
-// Signed one-byte codes (Q8_0) x int8 activations: output column o for rows
-// [r0, r0 + kRows).
-template <int kRows>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void S8Q8Tile(
-    const Q8Rows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
+// Signed one-byte codes (Q8_0) x rows [r0, r0 + kRows) of `r` (kLo: 16-bit
+// activations): output column o.
+template <int kRows, bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void S8IntTile(
+    const IntRows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
     float* out, int64_t out_dim, int64_t o) {
   const int64_t pairs = groups / 2;
   __m512 acc[kRows];
@@ -293,46 +341,56 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void S8
       const __mmask64 negative = _mm512_movepi8_mask(w);
       for (int b = 0; b < kRows; ++b) {
         const int64_t row = (r0 + b) * pairs + p;
-        const __m512i x = _mm512_loadu_si512(r.xq_plain.data() + row * 64);
+        const __m512i x = _mm512_loadu_si512(r.hi_plain.data() + row * 64);
         const __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs);
+        const __m512i dot =
+            DotBytes<kLo>(aw, xs, kLo ? r.lo_plain.data() + row * 64 : nullptr, negative);
         const __m512 f =
             _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx_plain.data() + row * 16));
         acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
       }
     }
   }
-  for (int b = 0; b < kRows; ++b) out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(acc[b]);
+  const float unit = kLo ? 1.0f / 256.0f : 1.0f;
+  for (int b = 0; b < kRows; ++b) out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(acc[b]) * unit;
 }
 
-// Output columns [o0, o1) of signed one-byte codes for every row of `r`.
-inline void S8Q8Columns(const Q8Rows& r, int rows, int64_t in, const uint8_t* codes,
-                        const uint16_t* scale, float* out, int64_t out_dim, int64_t o0,
-                        int64_t o1) {
+// Output columns [o0, o1) of signed one-byte codes for every row of `r` (`lo`: its
+// 16-bit rounding, else its 8-bit one).
+inline void S8IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
+                         const uint16_t* scale, float* out, int64_t out_dim, int64_t o0,
+                         int64_t o1) {
   const int64_t groups = in / kGroup;
   for (int64_t o = o0; o < o1; ++o) {
     for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      const uint8_t* q = codes + o * groups * kGroup;
       XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, rows - r0),
-                              (S8Q8Tile<R>(r, r0, groups, codes + o * groups * kGroup,
-                                           scale + o * groups, out, out_dim, o)));
+                              (lo ? S8IntTile<R, true>(r, r0, groups, q, scale + o * groups, out,
+                                                       out_dim, o)
+                                  : S8IntTile<R, false>(r, r0, groups, q, scale + o * groups,
+                                                        out, out_dim, o)));
     }
   }
 }
 
-// Output columns [o0, o1) of nibble weights for every row of `r` (QuantizeRows).
+// Output columns [o0, o1) of nibble weights for every row of `r` (QuantizeRows;
+// `lo`: its 16-bit rounding, else its 8-bit one).
 template <Format kFmt>
-void Q8Columns(const Q8Rows& r, int rows, int64_t in, const uint8_t* codes,
-               const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
-               int64_t o0, int64_t o1) {
+void IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
+                const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
+                int64_t o0, int64_t o1) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
   const int64_t groups = in / kGroup;
   for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* q = codes + o * groups * 16;
+    const uint16_t* m = offset == nullptr ? nullptr : offset + o * groups;
     for (int r0 = 0; r0 < rows; r0 += kTileRows) {
       XLASERVE_WITH_TILE_ROWS(
           std::min(kTileRows, rows - r0),
-          (Q8Tile<HasMin(kFmt), R>(r, r0, groups, codes + o * groups * 16, scale + o * groups,
-                                   offset == nullptr ? nullptr : offset + o * groups, out,
-                                   out_dim, o)));
+          (lo ? IntTile<HasMin(kFmt), R, true>(r, r0, groups, q, scale + o * groups, m, out,
+                                               out_dim, o)
+              : IntTile<HasMin(kFmt), R, false>(r, r0, groups, q, scale + o * groups, m, out,
+                                                out_dim, o)));
     }
   }
 }

@@ -47,9 +47,10 @@ flags.DEFINE_bool("quantized_dense_copy", None,
                   "With --quantization on CPU: also keep a --weight_dtype copy of the weights; "
                   "small decode batches read the codes (native kernel), prefill and large "
                   "batches the copy.")
-flags.DEFINE_bool("int8_activations", None,
-                  "With nibble (Q4) or Q8_0 weights on CPU: round activations to int8 per "
-                  "group of 32 in the native kernel (llama.cpp's scheme; faster, less exact).")
+flags.DEFINE_integer("cpu_activation_bits", None,
+                     "With nibble (Q4) or Q8_0 weights on CPU: round activations per group of "
+                     "32 to this many bits in the native kernel's integer dot products (8: "
+                     "llama.cpp's scheme, fastest; 16: 2^-16 of each group's max; 32: float).")
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")
@@ -88,7 +89,7 @@ flags.DEFINE_integer("kv_transfer_pages", None, "KV pages per transfer chunk (di
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
-                "quantized_dense_copy", "int8_activations", "tp", "ep", "dp", "pp",
+                "quantized_dense_copy", "cpu_activation_bits", "tp", "ep", "dp", "pp",
                 "prefill_workers", "decode_workers", "kv_transfer_pages",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",

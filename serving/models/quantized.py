@@ -103,9 +103,9 @@ class QuantizedWeight:
   kind: str = dataclasses.field(default="int8", metadata=dict(static=True))
   group_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: per channel
   super_size: int = dataclasses.field(default=0, metadata=dict(static=True))  # S, K-quants
-  # Nibble and Q8_0 weights on CPU: the native kernel rounds the activations to int8 per
-  # group of 32 and uses integer dot products (`with_int8_activations`).
-  int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # Nibble and Q8_0 weights on CPU: the native kernel rounds the activations per group of
+  # 32 to 8 or 16 bits and uses integer dot products (`with_activation_bits`); 32: float.
+  activation_bits: int = dataclasses.field(default=32, metadata=dict(static=True))
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -198,10 +198,8 @@ class QuantizedWeight:
     # Few rows of 32-input groups on CPU: the FFI kernel (kernels_cpu).
     if self.runs_native(math.prod(x.shape[:-1])):
       rows = x.reshape(-1, x.shape[-1])
-      q8 = self.int8_activations and kernels_cpu.matvec.supports_int8_activations(
-          rows.shape[0], self.q, self.scale, self.offset, self.bits)
       out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits,
-                                         int8_activations=q8)
+                                         activation_bits=self.native_activation_bits(rows.shape[0]))
       return out.reshape(*x.shape[:-1], -1).astype(x.dtype)
     if self.full is not None:
       return dot_f32_accumulate("...i,oi->...o", x, self.full).astype(x.dtype)
@@ -233,6 +231,15 @@ class QuantizedWeight:
     return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)
             and kernels_cpu.available())
 
+  def native_activation_bits(self, rows: int) -> int:
+    """The activation precision the native kernel uses for this weight at `rows` rows:
+    `activation_bits` where the integer tiles take these operands (nibbles or Q8_0, an
+    even group count, a VNNI CPU), else 32 (float tiles)."""
+    if self.activation_bits != 32 and kernels_cpu.matvec.supports_integer_activations(
+        rows, self.q, self.scale, self.offset, self.bits):
+      return self.activation_bits
+    return 32
+
 
 def native_format(w: QuantizedWeight) -> bool:
   """Codes the native matvec reads: int8 codes or nibbles in groups of 32, no zero point,
@@ -241,16 +248,21 @@ def native_format(w: QuantizedWeight) -> bool:
           and w.zero is None and w.perm is None)
 
 
-def with_int8_activations(params: Any) -> Any:
-  """Params whose nibble and Q8_0 weights in a `native_format` multiply int8-rounded
-  activations in the native kernel (llama.cpp's Q4 x Q8 / Q8_0 x Q8 schemes: a fraction
-  of the instructions per weight; the activations' 8-bit rounding shows in the result,
-  ~0.5% of its range)."""
+def with_activation_bits(params: Any, bits: int) -> Any:
+  """Params whose nibble and Q8_0 weights in a `native_format` multiply activations
+  rounded per group of 32 to `bits` (8 or 16; 32: float) in the native kernel. 8 is
+  llama.cpp's Q4 x Q8 / Q8_0 x Q8 scheme: a fraction of the instructions per weight, the
+  activations' 8-bit rounding showing in the result (~0.5% of its range). 16 keeps 2^-16
+  of each group's largest activation at one more dot instruction per 64 weights
+  (kernels_cpu/quant_dot.h)."""
+  if bits not in kernels_cpu.matvec.ACTIVATION_BITS:
+    raise ValueError(f"activation bits {bits} not in {kernels_cpu.matvec.ACTIVATION_BITS}")
+
   def mark(w):
     signed_bytes = w.kind == "int8" and w.offset is None if is_quantized(w) else False
     if not is_quantized(w) or not native_format(w) or not (w.kind == "int4" or signed_bytes):
       return w
-    return dataclasses.replace(w, int8_activations=True)
+    return dataclasses.replace(w, activation_bits=bits)
 
   return jax.tree.map(mark, params, is_leaf=is_quantized)
 

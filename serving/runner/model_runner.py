@@ -43,8 +43,8 @@ from serving.models.quantized import (
   is_quantized,
   params_nbytes,
   weight_formats,
+  with_activation_bits,
   with_full_copies,
-  with_int8_activations,
 )
 from serving.runner import attention, lora_state, sampling
 from serving.runner.draft_model import DraftModel, check_vocabulary
@@ -207,8 +207,8 @@ class ModelRunner:
       params = quantize_params(params, engine_cfg.quantization)
     if engine_cfg.quantized_dense_copy and placement is None:  # a mesh splits no copy
       params = with_full_copies(params, jnp.dtype(self.weight_dtype_name))
-    if engine_cfg.int8_activations:
-      params = with_int8_activations(params)
+    if engine_cfg.cpu_activation_bits != 32:
+      params = with_activation_bits(params, engine_cfg.cpu_activation_bits)
     unroll = engine_cfg.unroll_layers
     unroll = unroll if unroll is not None else platform == "cpu"
     if unroll and (placement is None or placement.stages == 1):  # stages split stacked layers

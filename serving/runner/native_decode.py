@@ -56,9 +56,7 @@ def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: 
 
 def _format(w) -> int:
   code = decoder.FORMATS[(w.bits, w.offset is not None)]
-  q8 = w.int8_activations and kernels_cpu.matvec.supports_int8_activations(
-      1, w.q, w.scale, w.offset, w.bits)
-  return code + (decoder.INT8_ACTIVATIONS if q8 else 0)
+  return code + decoder.ACTIVATION_FLAGS[w.native_activation_bits(1)]
 
 
 def run_layers(layers: list, cfg: ModelConfig, x: jax.Array, positions: jax.Array,

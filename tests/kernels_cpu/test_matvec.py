@@ -153,20 +153,26 @@ def test_dense_copy_takes_prefill_and_large_batches():
   assert quant.with_full_copies({"w": per_channel}, jnp.float32)["w"].full is None
 
 
-def _int8_rounded(x: np.ndarray) -> np.ndarray:
-  """x [B, I] rounded per group of 32 to int8 with scale max|x| / 127 (llama.cpp's Q8)."""
+def _rounded(x: np.ndarray, bits: int) -> np.ndarray:
+  """x [B, I] rounded per group of 32 as the integer tiles do: hi = rint(x / d) with
+  d = max|x| / 127 (llama.cpp's Q8), and for 16 bits the remainder too, lo = rint((x / d
+  - hi) * 256) in [-127, 127]; -> d * (hi + lo / 256)."""
   g = x.reshape(x.shape[0], -1, 32).astype(np.float64)
   d = np.abs(g).max(-1, keepdims=True) / 127
-  return (np.clip(np.rint(np.divide(g, d, out=np.zeros_like(g), where=d > 0)), -127, 127)
-          * d).reshape(x.shape)
+  scaled = np.divide(g, d, out=np.zeros_like(g), where=d > 0)
+  hi = np.clip(np.rint(scaled), -127, 127)
+  lo = np.clip(np.rint((scaled - hi) * 256), -127, 127) if bits == 16 else 0
+  return ((hi + lo / 256) * d).reshape(x.shape)
 
 
 @pytest.mark.skipif(not kernels_cpu.library.vnni(), reason="no native kernels or no VNNI")
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 8, 13])
-def test_int8_activations_match_rounded_reference(fmt, rows):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   """The VNNI kernel is exactly `rounded(x) @ W` (up to float32 sums); its distance from
-  the exact product is the activations' rounding, under 2% of the output range."""
+  the exact product is the activations' rounding: under 2% of the output range with 8
+  bits, 256x less with 16."""
   w = (np.random.default_rng(6).standard_normal((576, 96)) * 0.05).astype(np.float32)
   if fmt == "q8_0":
     qw = jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=False))
@@ -176,11 +182,14 @@ def test_int8_activations_match_rounded_reference(fmt, rows):
   x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
   x[0, :32] = 0.0  # an all-zero group (scale 0)
   got = np.asarray(matvec.quantized_matvec(jnp.asarray(x), qw.q, qw.scale, qw.offset,
-                                           qw.bits, int8_activations=True))
+                                           qw.bits, activation_bits=bits))
   exact = _reference(x, qw)
   span = np.abs(exact).max()
-  np.testing.assert_allclose(got, _reference(_int8_rounded(x), qw), atol=2e-5 * span)
-  assert np.abs(got - exact).max() < 0.02 * span
-  marked = dataclasses.replace(qw, int8_activations=True)
-  assert "_q8" in str(jax.make_jaxpr(lambda w, x: w.matmul(x))(marked, jnp.asarray(x)))
-  assert "_q8" not in str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))
+  np.testing.assert_allclose(got, _reference(_rounded(x, bits), qw), atol=2e-5 * span)
+  assert np.abs(got - exact).max() < (0.02 if bits == 8 else 1e-4) * span
+  marked = dataclasses.replace(qw, activation_bits=bits)
+  integer_targets = ("matvec_q8", "matvec_s8_q8") if bits == 8 else ("matvec_q16", "matvec_s8_q16")
+  traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(marked, jnp.asarray(x)))
+  assert any(t in traced for t in integer_targets)
+  float_traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))
+  assert "_q8" not in float_traced and "_q16" not in float_traced

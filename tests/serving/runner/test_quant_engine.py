@@ -40,19 +40,24 @@ def test_convert_int4_then_serve_with_int8_kv(tiny_dir, tmp_path, capsys):
   assert out_q.token_ids[:2] == ref.token_ids[:2]
 
 
-def test_dense_copy_and_int8_activations_serve(tiny_dir, capsys):
+def test_dense_copy_and_integer_activations_serve(tiny_dir, capsys):
   """`quantized_dense_copy`: prefill and batches over 8 rows multiply the copy (float32
   here, so the same values), small batches the codes: the same greedy tokens as plain
-  int4. `int8_activations` marks the nibble weights for the VNNI kernel."""
+  int4. `cpu_activation_bits` marks the nibble weights for the VNNI tiles: 16 bits keep
+  the float tiles' greedy tokens here, 8 bits run."""
   greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
   prompts = ["hello world", "the quick brown fox jumps"]
-  plain = LLM(str(tiny_dir), quantization="int4", **ENGINE).generate(prompts, greedy)
+  plain = LLM(str(tiny_dir), quantization="int4", cpu_activation_bits=32,
+              **ENGINE).generate(prompts, greedy)
   both = LLM(str(tiny_dir), quantization="int4", quantized_dense_copy=True,
-             weight_dtype="float32", **ENGINE)
+             weight_dtype="float32", cpu_activation_bits=32, **ENGINE)
   assert "float32 copies for prefill and large batches" in capsys.readouterr().err
   wq = both.engine.runner.params["layers"][0]["wq"]
   assert wq.full is not None and wq.full.shape == wq.q.shape[:-1] + (wq.in_features,)
   assert [o.token_ids for o in both.generate(prompts, greedy)] == [o.token_ids for o in plain]
-  q8 = LLM(str(tiny_dir), quantization="int4", int8_activations=True, **ENGINE)
-  assert q8.engine.runner.params["layers"][0]["wq"].int8_activations
+  q16 = LLM(str(tiny_dir), quantization="int4", cpu_activation_bits=16, **ENGINE)
+  assert q16.engine.runner.params["layers"][0]["wq"].activation_bits == 16
+  assert [o.token_ids for o in q16.generate(prompts, greedy)] == [o.token_ids for o in plain]
+  q8 = LLM(str(tiny_dir), quantization="int4", cpu_activation_bits=8, **ENGINE)
+  assert q8.engine.runner.params["layers"][0]["wq"].activation_bits == 8
   assert all(len(o.token_ids) == 8 for o in q8.generate(prompts, greedy))
