@@ -207,7 +207,8 @@ class ModelRunner:
       params = quantize_params(params, engine_cfg.quantization)
     if engine_cfg.quantized_dense_copy and placement is None:  # a mesh splits no copy
       params = with_full_copies(params, jnp.dtype(self.weight_dtype_name))
-    if engine_cfg.cpu_activation_bits != 32:
+    # The native kernel runs on one device only: a mesh places the params as loaded.
+    if engine_cfg.cpu_activation_bits != 32 and placement is None:
       params = with_activation_bits(params, engine_cfg.cpu_activation_bits)
     unroll = engine_cfg.unroll_layers
     unroll = unroll if unroll is not None else platform == "cpu"
