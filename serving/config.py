@@ -126,6 +126,13 @@ class EngineConfig:
   # Back-off: no speculation while more requests than this decode (vLLM's
   # disable_by_batch_size); verify programs are compiled up to this batch.
   speculative_max_batch: int = 4
+  # Multi-step decoding (vLLM's num_scheduler_steps): while only decode rows run, no
+  # request waits and at most `decode_steps_max_batch` rows decode, one device call
+  # runs `num_decode_steps` decode + sample iterations, each row taking the token it
+  # sampled last; the host's per-step work (schedule, dispatch, fetch) is paid once
+  # per call. 1: off. docs/multi_step.md.
+  num_decode_steps: int = 1
+  decode_steps_max_batch: int = 8
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens",
@@ -165,6 +172,11 @@ class EngineConfig:
                        f"{self.attention_block_tokens}")
     self._check_speculative()
     self._check_disaggregated()
+    if not 1 <= self.num_decode_steps <= 16:
+      raise ValueError(f"num_decode_steps={self.num_decode_steps} must be in [1, 16]")
+    if self.decode_steps_max_batch < 1:
+      raise ValueError(f"decode_steps_max_batch={self.decode_steps_max_batch} must be at "
+                       "least 1")
     if self.prefill_buckets is not None:
       object.__setattr__(self, "prefill_buckets",
                          capped_buckets(self.prefill_buckets, self.max_num_batched_tokens))
@@ -213,9 +225,18 @@ class EngineConfig:
   @property
   def verify_batch_buckets(self) -> tuple[int, ...]:
     """Row counts a speculative step is padded to (none when speculation is off)."""
-    if not self.speculative:
+    return self._decode_buckets_up_to(self.speculative_max_batch) if self.speculative else ()
+
+  @property
+  def multi_step_batch_buckets(self) -> tuple[int, ...]:
+    """Row counts a multi-step decode call is padded to (none when it is off)."""
+    if self.num_decode_steps == 1:
       return ()
-    cap = min(self.speculative_max_batch, self.max_num_seqs)
+    return self._decode_buckets_up_to(self.decode_steps_max_batch)
+
+  def _decode_buckets_up_to(self, rows: int) -> tuple[int, ...]:
+    """The decode batch buckets a batch of at most `rows` rows is padded to."""
+    cap = min(rows, self.max_num_seqs)
     return tuple(b for b in self.decode_batch_buckets if b < cap) + (
         bucket_for(cap, self.decode_batch_buckets),)
 

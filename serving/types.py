@@ -388,12 +388,18 @@ class DecodeRow:
   In a speculative step the row also verifies `num_drafts` proposed tokens at
   the positions after it: `drafts` when the host proposed them (n-gram,
   suffix), empty when the runner's draft model proposes them on the device.
+
+  In a multi-step decode (`StepPlan.decode_steps` > 1) the row runs
+  `num_steps` decode iterations in one device call, each taking the token
+  the previous one sampled: it writes KV at `position` .. `position +
+  num_steps - 1` and samples `num_steps` tokens.
   """
 
   seq: Sequence
   position: int
   drafts: list[int] = dataclasses.field(default_factory=list)
   num_drafts: int = 0
+  num_steps: int = 1
 
 
 @dataclasses.dataclass
@@ -410,6 +416,8 @@ class StepPlan:
   lora_loads: list[tuple[int, LoraAdapter]] = dataclasses.field(default_factory=list)
   # The decode batch verifies drafts (DecodeRow.num_drafts) in one speculative call.
   speculative: bool = False
+  # Decode iterations of the decode batch's one device call (every row's num_steps).
+  decode_steps: int = 1
 
   @property
   def empty(self) -> bool:

@@ -27,7 +27,9 @@ Tokens: the output token at index i of a request is its prompt token at
 `i % len(prompt)` *as read from the KV pool*, so "abc" with max_tokens=5
 yields "abcab" — plus the adapter's `lora_id` under a LoRA adapter (mod the
 vocabulary), so "abc" under adapter 1 yields "bcdbc"; its logprob is -0.5,
-and top alternative k is `token + k` with logprob `-0.5 - k`. `step_s` makes
+and top alternative k is `token + k` with logprob `-0.5 - k`. A multi-step decode row
+(`DecodeRow.num_steps`) runs its iterations in order, each writing the token
+the previous one sampled and reading its context back. `step_s` makes
 each step take that long (in `fetch`), so front-end tests can watch requests
 in flight.
 
@@ -114,7 +116,7 @@ class FakeRunner:
         else:
           tokens[rid] = self._verify(row.seq, row.position, drafts)
       else:
-        tokens[rid] = [self._decode(row)]
+        tokens[rid] = self._decode(row)
     self.num_steps += 1
     pending = {rid: (seq, seq.decode_slot, tokens.pop(rid)[0].token_id) for seq in plan.sampled
                if (rid := seq.request_id) in constrained}
@@ -182,10 +184,18 @@ class FakeRunner:
       return None
     return self._sample(seq, chunk.end)
 
-  def _decode(self, row: DecodeRow) -> SampledToken:
-    seq = row.seq
-    self._write(seq, row.position, self.last_tokens[seq.decode_slot])
-    return self._sample(seq, row.position + 1)
+  def _decode(self, row: DecodeRow) -> list[SampledToken]:
+    """A decode row's tokens: one, or `num_steps` of a multi-step call, each iteration
+    writing the token the one before sampled."""
+    seq, run = row.seq, []
+    # The run's tokens extend the context checked only when the host knows every token
+    # before them (not while an earlier step's tokens are in flight).
+    known = len(seq.token_ids()) == row.position + 1
+    for j in range(row.num_steps):
+      self._write(seq, row.position + j, self.last_tokens[seq.decode_slot])
+      run.append(self._sample(seq, row.position + 1 + j,
+                              [t.token_id for t in run] if known else ()))
+    return run
 
   def _write_drafts(self, row: DecodeRow) -> list[int]:
     """A speculative row's forward: writes its token and drafts; returns the drafts."""

@@ -34,6 +34,15 @@ pass max_tokens or max_model_len, with pages for the draft positions. A step
 brings back a run of tokens per row (kept drafts + one); `postprocess`
 appends them one by one and stops at the first stop condition, and
 publishes only pages whose KV was written for tokens that were kept.
+
+Multi-step decoding (`num_decode_steps` = k > 1, docs/multi_step.md): when
+only decode rows run, nothing waits in the queue, no row speculates or
+follows a grammar, at most `decode_steps_max_batch` rows decode and each can
+take k more tokens (max_tokens, max_model_len), every row runs k decode
+iterations in the step's one device call. The row gets pages for the k
+positions, k pending tokens, and brings back a run of k tokens, cut like a
+speculative run at the first stop condition. Host/device overlap is kept:
+the next step is planned from the k pending tokens.
 """
 
 from __future__ import annotations
@@ -80,7 +89,7 @@ class Scheduler:
   def schedule(self, speculate: bool = False) -> StepPlan:
     """The next step's plan (host state only; see module doc). `speculate`: propose
     drafts for the decode rows (the engine's back-off decides)."""
-    decodes = self._schedule_decodes(speculate)
+    decodes = self._schedule_decodes(speculate, self._decode_steps(speculate))
     budget = self.config.max_num_batched_tokens - sum(1 + r.num_drafts for r in decodes)
     prefills: list[PrefillChunk] = []
     for seq in sorted(self.running, key=lambda s: s.admit_order):
@@ -112,11 +121,30 @@ class Scheduler:
     self.prefill_tokens_computed += sum(c.end - c.start for c in prefills)
     loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
     return StepPlan(prefills=prefills, decodes=decodes, lora_loads=loads,
-                    speculative=any(r.num_drafts for r in decodes))
+                    speculative=any(r.num_drafts for r in decodes),
+                    decode_steps=decodes[0].num_steps if decodes else 1)
 
-  def _schedule_decodes(self, speculate: bool) -> list[DecodeRow]:
-    """One token (plus drafts when speculating) for every running sequence past
-    prefill; preempts if pages run out."""
+  def _decode_steps(self, speculate: bool) -> int:
+    """Decode iterations for the next step's rows: `num_decode_steps` when nothing
+    else needs the device soon (see module doc), else 1."""
+    k = self.config.num_decode_steps
+    if k == 1 or speculate or self.proposer is not None or self.waiting or not self.running:
+      return 1
+    if len(self.running) > self.config.decode_steps_max_batch:
+      return 1
+    for seq in self.running:
+      if (seq.status is not Status.RUNNING or seq.grammar is not None
+          or (seq.in_prefill and not _decodable(seq))):
+        return 1
+      max_tokens = seq.params.max_tokens or self.config.max_model_len
+      if (seq.num_generated + k > max_tokens
+          or seq.num_tokens + k > self.config.max_model_len):
+        return 1
+    return k
+
+  def _schedule_decodes(self, speculate: bool, steps: int = 1) -> list[DecodeRow]:
+    """One token (plus drafts when speculating; `steps` tokens in a multi-step call)
+    for every running sequence past prefill; preempts if pages run out."""
     decodes: list[DecodeRow] = []
     candidates = sorted((s for s in self.running if not s.in_prefill or _decodable(s)),
                         key=lambda s: s.admit_order)
@@ -126,13 +154,15 @@ class Scheduler:
       if seq.status is not Status.RUNNING or not self._wants_token(seq):
         continue
       drafts, n = self._propose(seq) if speculate and not seq.pending else ([], 0)
-      # The input token sits at position num_tokens - 1; drafts at the n positions after it.
-      if self._ensure_pages_or_preempt(seq, seq.num_tokens + n, {r.seq for r in decodes}):
+      # The input token sits at position num_tokens - 1; drafts (or the inputs of a
+      # multi-step call's later iterations) at the positions after it.
+      ahead = max(n, steps - 1)
+      if self._ensure_pages_or_preempt(seq, seq.num_tokens + ahead, {r.seq for r in decodes}):
         decodes.append(DecodeRow(seq=seq, position=seq.num_tokens - 1, drafts=drafts,
-                                 num_drafts=n))
+                                 num_drafts=n, num_steps=steps))
     for row in decodes:
-      row.seq.num_computed = row.position + 1
-      row.seq.pending += 1
+      row.seq.num_computed = row.position + row.num_steps
+      row.seq.pending += row.num_steps
     return decodes
 
   def _propose(self, seq: Sequence) -> tuple[list[int], int]:
@@ -267,15 +297,15 @@ class Scheduler:
     are dropped (the sequence is recomputed).
     """
     appended = []
-    kept_drafts: dict[Sequence, int] = {}
+    kept: dict[Sequence, int] = {}  # tokens of a run whose KV the step wrote, past the first
     # KV the step wrote, by sequence (without kept drafts); a sequence that finishes
     # here publishes it before its pages are released, so a later request can reuse it.
     wrote = {r.seq: r.position + 1 for r in plan.decodes}
     wrote.update({c.seq: c.end for c in plan.prefills if c.admission == c.seq.admit_order})
-    sampled = [(c.seq, c.end) for c in plan.prefills if c.sample]
-    sampled += [(r.seq, r.position + 1) for r in plan.decodes]
-    for seq, context in sampled:
-      seq.pending -= 1
+    sampled = [(c.seq, c.end, 1) for c in plan.prefills if c.sample]
+    sampled += [(r.seq, r.position + 1, r.num_steps) for r in plan.decodes]
+    for seq, context, steps in sampled:
+      seq.pending -= steps
       if seq.status is Status.FINISHED or seq.num_known != context:
         continue
       run = []
@@ -285,22 +315,26 @@ class Scheduler:
         reason = self._stop_reason(seq, token.token_id)
         if reason is not None:
           if seq in wrote and seq.status is Status.RUNNING:
-            self._commit_full_pages(seq, wrote[seq])
+            # A multi-step run wrote the KV of its tokens before the stop too.
+            end = wrote[seq] + (len(run) - 1 if steps > 1 else 0)
+            self._commit_full_pages(seq, end)
           self.finish(seq, reason)
           break
       appended.append((seq, run))
       seq.token_on_device = seq.status is Status.RUNNING
-      # Kept drafts of a speculative row: their KV (written by the step) is valid.
-      kept = len(run) - 1
-      if kept and seq.status is Status.RUNNING and seq.num_computed == context:
-        seq.num_computed += kept
-        kept_drafts[seq] = kept
+      if seq.status is not Status.RUNNING or len(run) < 2:
+        continue
+      if steps > 1:  # num_computed counted the whole run when it was planned
+        kept[seq] = len(run) - 1
+      elif seq.num_computed == context:  # kept drafts of a speculative row: KV valid
+        seq.num_computed += len(run) - 1
+        kept[seq] = len(run) - 1
     # Written KV: prefill chunks up to their end, decode rows up to their input position
-    # (plus the drafts kept). A sequence preempted since the plan (and maybe readmitted on
-    # new pages) publishes nothing; decode rows cannot be readmitted before their token
-    # arrives.
+    # (plus the drafts kept, or a multi-step run's inputs). A sequence preempted since the
+    # plan (and maybe readmitted on new pages) publishes nothing; decode rows cannot be
+    # readmitted before their token arrives.
     written = [(c.seq, c.end) for c in plan.prefills if c.admission == c.seq.admit_order]
-    written += [(r.seq, r.position + 1 + kept_drafts.get(r.seq, 0)) for r in plan.decodes]
+    written += [(r.seq, r.position + 1 + kept.get(r.seq, 0)) for r in plan.decodes]
     for seq, end in written:
       if seq.status is Status.RUNNING:
         self._commit_full_pages(seq, end)
@@ -323,8 +357,10 @@ class Scheduler:
     KV may be unwritten. Every unfinished sequence of the plan loses its pages (no
     hash published) and goes back to the front of the queue, to be recomputed;
     returns them so that the caller can finish the ones to blame."""
-    for seq in plan.sampled:
-      seq.pending -= 1
+    for chunk in plan.prefills:
+      chunk.seq.pending -= chunk.sample
+    for row in plan.decodes:
+      row.seq.pending -= row.num_steps
     victims = [s for s in dict.fromkeys(plan.sequences) if s.status is not Status.FINISHED]
     for seq in reversed(victims):
       if seq.status is Status.RUNNING:

@@ -81,6 +81,10 @@ flags.DEFINE_integer("prompt_lookup_min", None, "Shortest n-gram the ngram propo
 flags.DEFINE_integer("prompt_lookup_max", None, "Longest n-gram the ngram proposer matches.")
 flags.DEFINE_integer("speculative_max_batch", None, "Speculate only while at most this many "
                      "requests run (back-off).")
+flags.DEFINE_integer("num_decode_steps", None, "Multi-step decoding: decode iterations per "
+                     "device call while only a few requests decode and none waits (1: off).")
+flags.DEFINE_integer("decode_steps_max_batch", None, "Multi-step decoding only while at most "
+                     "this many requests decode.")
 flags.DEFINE_integer("prefill_workers", None, "Disaggregated serving: engines that prefill "
                      "(each on its own tp*ep*pp devices); needs --decode_workers.")
 flags.DEFINE_integer("decode_workers", None, "Disaggregated serving: engines that decode "
@@ -95,7 +99,7 @@ ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",
                 "speculative_model", "prompt_lookup_min", "prompt_lookup_max",
-                "speculative_max_batch")
+                "speculative_max_batch", "num_decode_steps", "decode_steps_max_batch")
 # serve.
 # Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
