@@ -48,6 +48,9 @@ class StepInputs:
   # `drafts` [B, S-1] holds host-proposed drafts (zeros where the draft model proposes).
   verify: VerifyInput | None = None
   drafts: np.ndarray | None = None
+  # A multi-step decode (StepPlan.decode_steps = k > 1): KV indices [B, k-1] of the
+  # decode rows' later iterations (padding: page 0).
+  decode_later: np.ndarray | None = None
 
 
 def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
@@ -62,11 +65,13 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
       inp, sampled = build_prefill_input(group, config)
     prefills.append(inp)
     ids.append(sampled)
-  decode = verify = drafts = None
+  decode = verify = drafts = later = None
   if plan.decodes:
     with _blame([r.seq for r in plan.decodes]):
       if plan.speculative:
         verify, drafts = build_verify_input(plan.decodes, config)
+      elif plan.decode_steps > 1:
+        decode, later = build_multi_decode_input(plan.decodes, plan.decode_steps, config)
       else:
         decode = build_decode_input(plan.decodes, config)
   users: dict[int, list[str]] = {}
@@ -76,7 +81,8 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
   return StepInputs(prefills=prefills, prefill_ids=ids, decode=decode,
                     decode_ids=[r.seq.request_id for r in plan.decodes],
                     lora_loads=list(plan.lora_loads), lora_users=users,
-                    constrained=plan.constrained, verify=verify, drafts=drafts)
+                    constrained=plan.constrained, verify=verify, drafts=drafts,
+                    decode_later=later)
 
 
 def _lora_slot(seq: Sequence) -> int:
@@ -190,8 +196,20 @@ def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
   return inp, [s.request_id for s in seqs]
 
 
-def build_decode_input(rows: list[DecodeRow], config: EngineConfig) -> DecodeInput:
-  b = bucket_for(len(rows), config.decode_batch_buckets)
+def build_multi_decode_input(rows: list[DecodeRow], steps: int,
+                             config: EngineConfig) -> tuple[DecodeInput, np.ndarray]:
+  """A multi-step decode's first iteration (DecodeInput) and the KV indices [B, steps-1]
+  of its later ones; padded to a multi-step bucket."""
+  inp = build_decode_input(rows, config, buckets=config.multi_step_batch_buckets)
+  later = np.zeros((inp.positions.shape[0], steps - 1), np.int32)
+  for i, row in enumerate(rows):
+    later[i] = kv_index(row.seq, row.position + np.arange(1, steps), config.page_size)
+  return inp, later
+
+
+def build_decode_input(rows: list[DecodeRow], config: EngineConfig,
+                       buckets: tuple[int, ...] | None = None) -> DecodeInput:
+  b = bucket_for(len(rows), buckets or config.decode_batch_buckets)
   width = config.block_table_width
   slots = np.full((b,), config.max_num_seqs, np.int32)  # padding rows: the dummy slot
   positions = np.zeros((b,), np.int32)

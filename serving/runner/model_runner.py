@@ -62,6 +62,7 @@ from serving.runner.steps import (
   PrefillInput,
   VerifyInput,
   decode_step,
+  multi_decode_step,
   prefill_step,
   sample_step,
   verify_sample_step,
@@ -244,6 +245,11 @@ class ModelRunner:
                                static=static, num_fixed=3, store=store)
     self._sample = StepProgram("sample", jit(sample_step, donate_argnums=(0,)), static="",
                                num_fixed=1, store=store)
+    # Multi-step decoding: k decode + sample iterations per call, per multi-step bucket.
+    self._multi_decode = StepProgram("multi_decode", jit(functools.partial(multi_decode_step,
+                                                                           **kw),
+                                                         donate_argnums=(2,)),
+                                     static=static, num_fixed=3, store=store)
     # Speculative decoding: the verify forward per batch bucket, and its sampler.
     self._verify = StepProgram("verify", jit(functools.partial(verify_step, **kw),
                                              donate_argnums=(2,)),
@@ -358,6 +364,10 @@ class ModelRunner:
           tokens[rid] = [_sampled(out.tokens[row, j], out.logprob[row, j], out.top_ids[row, j],
                                   out.top_logprobs[row, j], n)
                          for j in range(int(out.num_accepted[row]) + 1)]
+        elif out.tokens.ndim == 2:  # a multi-step call: the row's k tokens
+          tokens[rid] = [_sampled(out.tokens[row, j], out.logprob[row, j], out.top_ids[row, j],
+                                  out.top_logprobs[row, j], n)
+                         for j in range(out.tokens.shape[1])]
         else:
           tokens[rid] = [_sampled(out.tokens[row], out.logprob[row], out.top_ids[row],
                                   out.top_logprobs[row], n)]
@@ -472,7 +482,14 @@ class ModelRunner:
       wanted = inp.sampling.num_logprobs
       logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
       num_drafts = {rid: int(inp.num_drafts[i]) for i, rid in enumerate(inputs.decode_ids)}
-    if inputs.decode is not None:
+    if inputs.decode_later is not None:
+      if defer:
+        raise ValueError("a multi-step decode cannot wait for token masks")
+      calls.append(SamplerCall(list(inputs.decode_ids),
+                               out=self.run_multi_decode(inputs.decode, inputs.decode_later)))
+      wanted = inputs.decode.sampling.num_logprobs
+      logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
+    elif inputs.decode is not None:
       logits = self.run_decode(inputs.decode)
       calls.append(self._sampler_call(list(inputs.decode_ids), logits,
                                       inputs.decode.decode_slots, inputs.decode.sampling, defer))
@@ -526,6 +543,12 @@ class ModelRunner:
     self.state, logits = self._decode(self.params, self.lora, self.state, inp)
     return logits
 
+  def run_multi_decode(self, inp: DecodeInput, later: np.ndarray) -> sampling.SampleOutput:
+    """Runs a multi-step decode batch (steps.multi_decode_step): its [B, k] samples."""
+    self.state, out = self._multi_decode(self.params, self.lora, self.state, inp, later,
+                                         self._unconstrained(later.shape[0]))
+    return out
+
   # ---- compilation ----
 
   def warm_up(self) -> int:
@@ -544,8 +567,9 @@ class ModelRunner:
     if self.lora is not None:  # compiles the slot write; slot 0 stays zero
       self.load_lora(0, None)
     programs = self._bucket_programs()
-    for b in sorted({1, *self.engine_cfg.decode_batch_buckets}):  # the all-ones mask inputs
-      self._unconstrained(b)
+    ec = self.engine_cfg
+    for b in sorted({1, *ec.decode_batch_buckets, *ec.multi_step_batch_buckets}):
+      self._unconstrained(b)  # the all-ones mask inputs
     for b in self.engine_cfg.verify_batch_buckets:
       self._unconstrained(b, self.engine_cfg.num_speculative_tokens + 1)
     background = 0
@@ -568,9 +592,9 @@ class ModelRunner:
         step.prepare(*args)
     else:
       for step, args in programs:
-        if step in (self._prefill, self._decode, self._verify):  # + their samplers and drafts
-          jax.block_until_ready(self._run_dummy(step, args))
-    steps = (self._prefill, self._decode, self._sample)
+        if step in (self._prefill, self._decode, self._verify, self._multi_decode):
+          jax.block_until_ready(self._run_dummy(step, args))  # + samplers and drafts
+    steps = (self._prefill, self._decode, self._sample, self._multi_decode)
     spec = (self._verify, self._verify_sample) + (self.draft.steps if self.draft else ())
     n = len(programs) if self._store is not None else sum(
         s.num_programs() for s in steps + spec)
@@ -590,6 +614,12 @@ class ModelRunner:
       out.append((self._prefill, (self.params, self.lora, self.state, self.dummy_prefill(t))))
     for b in ec.decode_batch_buckets:
       out.append((self._decode, (self.params, self.lora, self.state, self.dummy_decode(b))))
+    for b in ec.multi_step_batch_buckets:
+      inp = self.dummy_decode(b)
+      later = np.zeros((b, ec.num_decode_steps - 1), np.int32)
+      allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
+      out.append((self._multi_decode, (self.params, self.lora, self.state, inp, later,
+                                       allowed)))
     for b in sorted({1, *ec.decode_batch_buckets}):
       inp = self.dummy_decode(b)
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
@@ -614,6 +644,8 @@ class ModelRunner:
     """Runs a prefill or decode program on its dummy input, then its sampler."""
     if step is self._verify:
       return self.run_verify(args[3], args[4], []).out.tokens
+    if step is self._multi_decode:
+      return self.run_multi_decode(args[3], args[4]).tokens
     inp = args[-1]
     if step is self._prefill:
       logits, slots = self.run_prefill(inp), inp.sample_slots

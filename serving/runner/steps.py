@@ -3,7 +3,8 @@
 `prefill_step` runs a step's prefill chunks in one call and returns the
 logits after the last row of each chunk that samples; `decode_step` runs one
 token per decode slot; `sample_step` samples from logits and records the
-tokens in the per-slot state. The runner (model_runner.py) jits each once per
+tokens in the per-slot state; `multi_decode_step` runs k decode + sample
+iterations in one call (multi-step decoding). The runner (model_runner.py) jits each once per
 bucket and donates the state.
 
 Letters: T prefill tokens (a bucket), C prefill chunks (padded), B decode
@@ -226,6 +227,34 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
                              meta, "decode", cfg=cfg, backend=backend, act_dtype=act_dtype,
                              block_tokens=block_tokens)
   return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
+
+
+def multi_decode_step(params, lora, state: DeviceState, inp: DecodeInput,
+                      later_kv_index: jax.Array, allowed: jax.Array, *, cfg: ModelConfig,
+                      backend: str, act_dtype, block_tokens: int
+                      ) -> tuple[DeviceState, sampling.SampleOutput]:
+  """k = later_kv_index.shape[1] + 1 decode + sample iterations in one call
+  -> (state, SampleOutput with [B, k] fields: each row's k tokens in order).
+
+  Iteration i decodes each row at `positions + i` from the token iteration i - 1
+  sampled (`last_tokens`), writing its KV at `later_kv_index[:, i - 1]` (the
+  first at `inp.kv_index`); the block tables already hold the pages of all k
+  positions. Padding rows stay at length 0 and write to page 0. Sampling
+  draws output index `step + i`, as k single steps would. `allowed`: the
+  all-ones mask (multi-step rows have no output constraint).
+  """
+  kw = dict(cfg=cfg, backend=backend, act_dtype=act_dtype, block_tokens=block_tokens)
+  real = inp.seq_lens > 0
+  outs = []
+  for i in range(later_kv_index.shape[1] + 1):  # unrolled: k is small and static
+    step = inp if i == 0 else dataclasses.replace(
+        inp, positions=inp.positions + i, kv_index=later_kv_index[:, i - 1],
+        seq_lens=jnp.where(real, inp.seq_lens + i, 0),
+        sampling=dataclasses.replace(inp.sampling, step=inp.sampling.step + i))
+    state, logits = decode_step(params, lora, state, step, **kw)
+    state, out = sample_step(state, logits, inp.decode_slots, step.sampling, allowed)
+    outs.append(out)
+  return state, sampling.SampleOutput(*(jnp.stack(f, axis=1) for f in zip(*outs, strict=True)))
 
 
 def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.Array, *,
