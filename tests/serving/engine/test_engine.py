@@ -157,8 +157,10 @@ def test_randomized_workload_matches_alone(engine):
 
 
 # Speculation: off, and a draft model (the model itself, so drafts are kept and every
-# verify bucket runs; n-gram and suffix use the same verify programs, minus the draft's).
-SPECULATION = {"off": {}, "draft": dict(speculative_method="draft", num_speculative_tokens=3)}
+# verify bucket runs; n-gram and suffix use the same verify programs, minus the draft's);
+# and multi-step decoding, whose programs serve the small batches between arrivals.
+SPECULATION = {"off": {}, "draft": dict(speculative_method="draft", num_speculative_tokens=3),
+               "multi-step": dict(num_decode_steps=3, decode_steps_max_batch=4)}
 
 
 @pytest.mark.parametrize("speculation", sorted(SPECULATION))
@@ -167,15 +169,20 @@ def test_no_compilation_after_warm_up(tiny_dir, speculation):
   on it), with a pool small enough to force preemption and the prefix cache on."""
   jax.clear_caches()  # nothing jitted by earlier tests can stand in for this warm-up
   spec = dict(SPECULATION[speculation])
-  if spec:
+  if spec.get("speculative_method") == "draft":
     spec["speculative_model"] = tiny_dir
   eng = make_engine(tiny_dir, num_pages=16, enable_prefix_caching=True, **spec)
+  multi_steps = []
+  if "num_decode_steps" in spec:  # count its multi-step calls
+    run = eng.runner.run_multi_decode
+    eng.runner.run_multi_decode = lambda *a: multi_steps.append(1) or run(*a)
   with compile_events() as events:
     reqs = random_workload(np.random.default_rng(7), 18,
                            variants=SAMPLING_VARIANTS + CONSTRAINED_VARIANTS)
     results = drive(eng, reqs)
   assert events == [], f"compiled after warm-up: {sorted(set(events))}"
   # The workload had what it is meant to cover.
+  assert bool(multi_steps) == ("num_decode_steps" in spec)
   stats = eng.stats()
   assert stats.num_preemptions_total > 0, "pool too big: no preemption"
   assert stats.prefix_cache_hits_total > 0, "no prefix-cache hit"
@@ -184,7 +191,7 @@ def test_no_compilation_after_warm_up(tiny_dir, speculation):
   assert len({r["params"].max_tokens for r in reqs}) > 1
   assert len({r["arrival"] for r in reqs}) > 1
   assert any(r["params"].structured_outputs for r in reqs)
-  if spec:
+  if "speculative_method" in spec:
     assert stats.spec_decode.num_accepted_tokens > 0
 
 
