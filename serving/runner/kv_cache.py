@@ -23,7 +23,10 @@ each block they load.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import mmap
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +67,48 @@ def create_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str
   row = cfg.head_dim + (SCALE_BYTES if dtype in QUANTIZED_DTYPES else 0)
   shape = (cfg.num_layers * num_pages, page_size, cfg.num_kv_heads, row)
   make = jax.jit(lambda: jnp.zeros(shape, STORAGE_DTYPES[dtype]), out_shardings=sharding)
-  return KVCache(k=make(), v=make(), num_pages=num_pages, dtype=dtype)
+  kv = KVCache(k=make(), v=make(), num_pages=num_pages, dtype=dtype)
+  for pool in (kv.k, kv.v):
+    release_zero_pages(pool)
+  return kv
+
+
+def release_zero_pages(pool: jax.Array) -> int:
+  """Hands the memory pages of an all-zero host pool back to the OS; returns the bytes.
+
+  On XLA:CPU (Linux) a buffer is private anonymous memory: `madvise(MADV_DONTNEED)`
+  unmaps its pages and the next touch faults in a fresh zero page, so the pool
+  still reads as zeros while its resident memory grows only with the pages
+  attention writes, as llama.cpp's calloc'd cache does (creating the pool wrote
+  every byte). Only the page-aligned interior of each buffer is released; the
+  pool must be all zeros. Elsewhere (accelerators, other systems) a no-op."""
+  libc = _libc()
+  if libc is None or pool.is_deleted():
+    return 0
+  pool.block_until_ready()
+  released = 0
+  for shard in pool.addressable_shards:
+    if shard.device.platform != "cpu":
+      return released
+    start = shard.data.unsafe_buffer_pointer()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + shard.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first and libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first),
+                                    _MADV_DONTNEED) == 0:
+      released += end - first
+  return released
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def _libc():
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    return ctypes.CDLL(None, use_errno=True)
+  except OSError:
+    return None
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:

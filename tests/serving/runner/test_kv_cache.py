@@ -1,0 +1,66 @@
+"""Tests for serving.runner.kv_cache: the page pool's creation and its host memory."""
+
+import ctypes
+import mmap
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serving.models.model_config import ModelConfig
+from serving.runner.kv_cache import create_kv_cache, release_zero_pages
+
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=256,
+                  num_layers=8, num_heads=4, num_kv_heads=2, head_dim=64)
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, /proc")
+
+
+def _resident_fraction(pool: jax.Array) -> float:
+  """The share of the pool's whole memory pages that are resident (mincore)."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  start = pool.unsafe_buffer_pointer()
+  first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+  pages = (start + pool.nbytes - first) // mmap.PAGESIZE
+  vec = (ctypes.c_ubyte * pages)()
+  assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) == 0
+  return sum(b & 1 for b in vec) / pages
+
+
+@linux_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_new_pool_reads_zero_and_is_not_resident(dtype):
+  kv = create_kv_cache(CFG, num_pages=1025, page_size=16, dtype=dtype)
+  assert _resident_fraction(kv.k) < 0.01 and _resident_fraction(kv.v) < 0.01
+  assert not jnp.any(kv.k) and not jnp.any(kv.v)
+
+
+@linux_only
+def test_written_pages_keep_their_values_and_the_rest_stay_zero():
+  kv = create_kv_cache(CFG, num_pages=257, page_size=16, dtype="float32")
+  write = jax.jit(lambda pool, page, x: pool.at[page].set(x), donate_argnums=0)
+  rng = np.random.default_rng(0)
+  rows = {3: rng.standard_normal(kv.k.shape[1:], np.float32),
+          700: rng.standard_normal(kv.k.shape[1:], np.float32)}
+  k = kv.k
+  for page, x in rows.items():
+    k = write(k, page, x)
+  assert _resident_fraction(k) < 0.05  # the two written pages, a few KiB each
+  host = np.asarray(k)
+  for page, x in rows.items():
+    np.testing.assert_array_equal(host[page], x)
+  untouched = np.ones(host.shape[0], bool)
+  untouched[list(rows)] = False
+  assert not host[untouched].any()
+
+
+@linux_only
+def test_release_of_a_written_pool_zeroes_whole_pages_only():
+  """The contract: only for all-zero pools, since the released interior reads zero again
+  and the partial pages at the edges keep their bytes."""
+  pool = jnp.ones((256, 1024), jnp.float32)
+  released = release_zero_pages(pool)
+  assert 0 < released <= pool.nbytes
+  assert released % 4096 == 0
+  assert int(jnp.count_nonzero(pool == 0)) * 4 == released
