@@ -41,10 +41,10 @@ class ParallelConfig:
 
   @classmethod
   def of(cls, config) -> ParallelConfig:
-    """From anything with `tp`, `ep`, `dp` (and `pp`) attributes (EngineConfig, flags, a
-    namespace)."""
+    """From anything with `tp`, `ep`, `dp` and `pp` attributes (an engine config's
+    `parallel` group, a namespace)."""
     return cls(tp=int(config.tp or 1), ep=int(config.ep or 1), dp=int(config.dp or 1),
-               pp=int(getattr(config, "pp", 1) or 1))
+               pp=int(config.pp or 1))
 
 
 def make_mesh(parallel: ParallelConfig,
@@ -71,7 +71,7 @@ def make_mesh(parallel: ParallelConfig,
 
 
 def mesh_for(config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh | None:
-  """The mesh for an EngineConfig-like config, or None when tp*ep*dp*pp == 1."""
+  """The mesh for a parallel layout (`tp`, `ep`, `dp`, `pp`), or None when it is one device."""
   parallel = ParallelConfig.of(config)
   return make_mesh(parallel, devices) if parallel.num_devices > 1 else None
 

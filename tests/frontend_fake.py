@@ -69,13 +69,13 @@ def fake_engine(config: EngineConfig | None = None, step_s: float = 0.002,
                 model: str = "fake", **engine_kwargs) -> LLMEngine:
   """The real engine over a FakeRunner (see module doc); not started. With
   `max_loras`, adapters load through `fake_lora_loader`."""
-  config = config or EngineConfig(**engine_kwargs)
-  runner = FakeRunner(num_pages=config.num_pages or 64, page_size=config.page_size,
-                      max_num_seqs=config.max_num_seqs, vocab_size=VOCAB, step_s=step_s)
+  config = config or EngineConfig.of(**engine_kwargs)
+  runner = FakeRunner(num_pages=config.cache.num_pages or 64, page_size=config.cache.page_size,
+                      max_num_seqs=config.scheduler.max_num_seqs, vocab_size=VOCAB, step_s=step_s)
   faulty = FaultyRunner(runner, fail_request=_first_byte(0), dead_request=_first_byte(1),
                         block_request=_first_byte(2))
   return LLMEngine(runner=faulty, tokenizer=ByteTokenizer(), config=config, model_name=model,
-                   lora_loader=fake_lora_loader if config.max_loras else None)
+                   lora_loader=fake_lora_loader if config.lora.max_loras else None)
 
 
 def fake_engine_factory(model: str, config: EngineConfig) -> LLMEngine:

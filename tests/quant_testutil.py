@@ -32,7 +32,7 @@ def eval_config(**kw) -> EngineConfig:
   """A small engine config for one 512-token teacher-forced pass (scanned layers)."""
   base = dict(max_num_seqs=1, max_model_len=512, page_size=16, num_pages=34,
               max_num_batched_tokens=512, unroll_layers=False, compilation_cache=False)
-  return EngineConfig(**{**base, **kw})
+  return EngineConfig.of(**{**base, **kw})
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "block_tokens", "act_dtype"))
@@ -50,17 +50,18 @@ def teacher_forced_logits(runner: runner_lib.ModelRunner, tokens: np.ndarray) ->
   """Logits [T, V] (float32) of every position of `tokens`, one prefill, pages 1..n."""
   ec = runner.engine_cfg
   t = len(tokens)
-  padded = np.zeros((ec.max_num_batched_tokens,), np.int32)
+  padded = np.zeros((ec.scheduler.max_num_batched_tokens,), np.int32)
   padded[:t] = tokens
   pos = np.arange(len(padded))
-  kv_index = np.where(pos < t, (1 + pos // ec.page_size) * ec.page_size + pos % ec.page_size,
-                          0).astype(np.int32)
+  ps = ec.cache.page_size
+  kv_index = np.where(pos < t, (1 + pos // ps) * ps + pos % ps, 0).astype(np.int32)
   table = np.zeros((1, ec.block_table_width), np.int32)
-  used = -(-t // ec.page_size)
+  used = -(-t // ps)
   table[0, :used] = np.arange(1, used + 1)
   out = _forward(runner.params, runner.state.kv, padded, kv_index, table, np.int32(t),
                  cfg=runner.model_cfg, backend=runner.backend,
-                 block_tokens=ec.attention_block_tokens, act_dtype=jnp.dtype(runner.dtype_name))
+                 block_tokens=ec.cache.attention_block_tokens,
+                 act_dtype=jnp.dtype(runner.dtype_name))
   return np.asarray(out[:t], np.float32)
 
 
@@ -101,7 +102,7 @@ def engine_for(loaded, **engine_kw):
   from serving import LLM
   from serving.entrypoints.engine_builder import build_engine
 
-  config = EngineConfig(**{**DEFAULT_MODEL_TEST_CONFIG, **engine_kw})
+  config = EngineConfig.of(**{**DEFAULT_MODEL_TEST_CONFIG, **engine_kw})
   return LLM(engine=build_engine(loaded, config))
 
 

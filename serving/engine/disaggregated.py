@@ -95,11 +95,11 @@ class DisaggregatedEngine:
     self.prefill, self.decode = list(prefill), list(decode)
     first = self.decode[0]
     self.config, self.tokenizer, self.model_name = config, first.tokenizer, first.model_name
-    self.page_size = first.config.page_size
-    self.chunk_pages = first.config.kv_transfer_pages
+    self.page_size = first.config.cache.page_size
+    self.chunk_pages = first.config.parallel.kv_transfer_pages
     self.num_programs = sum(e.num_programs for e in self.engines)
     self.router = ReplicaRouter(len(self.decode), self.page_size,
-                                balance_slack=max(1, first.config.max_num_seqs // 4),
+                                balance_slack=max(1, first.config.scheduler.max_num_seqs // 4),
                                 max_blocks=first.allocator.num_usable)
     self._lock = threading.Lock()
     self._prefill_loads = [0] * len(self.prefill)

@@ -30,7 +30,7 @@ back to the queue; waiting requests are never touched. Anything else —
 `RunnerDeadError`, an exception escaping the loop — kills the engine: every
 request ends with an error, `add_request` raises `EngineDeadError`, and
 `health()` says why. `health()` also reports a step running longer than
-`config.step_timeout_s` (a wedged device call), so the server can give up on it.
+`config.scheduler.step_timeout_s` (a wedged device call), so the server can give up on it.
 """
 
 from __future__ import annotations
@@ -106,14 +106,15 @@ class LLMEngine:
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
     self.lora_loader = lora_loader
-    self.allocator = PageAllocator(runner.num_pages, config.page_size,
-                                   config.enable_prefix_caching)
-    self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None
-    proposer = make_proposer(config.speculative_method,
-                             prompt_lookup_min=config.prompt_lookup_min,
-                             prompt_lookup_max=config.prompt_lookup_max)
+    self.allocator = PageAllocator(runner.num_pages, config.cache.page_size,
+                                   config.cache.enable_prefix_caching)
+    self.lora_slots = LoraSlots(config.lora.max_loras) if config.lora.max_loras else None
+    proposer = make_proposer(config.speculative.speculative_method,
+                             prompt_lookup_min=config.speculative.prompt_lookup_min,
+                             prompt_lookup_max=config.speculative.prompt_lookup_max)
     self.scheduler = Scheduler(config, self.allocator, self.lora_slots, proposer)
-    self.spec = SpecBackoff(enabled=config.speculative, max_batch=config.speculative_max_batch)
+    self.spec = SpecBackoff(enabled=config.speculative.enabled,
+                            max_batch=config.speculative.speculative_max_batch)
     self.spec_counters = SpecDecodeCounters()
     self._loras: dict[str, LoraAdapter] = {}  # registered adapters by name
     self._lora_ids = itertools.count(1)
@@ -126,7 +127,7 @@ class LLMEngine:
     self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
     self._seqs: dict[str, Sequence] = {}
     self._inflight: tuple[StepPlan, Any] | None = None
-    seed = config.seed if config.seed is not None else secrets.randbits(63)
+    seed = config.scheduler.seed if config.scheduler.seed is not None else secrets.randbits(63)
     self._rng = np.random.default_rng(seed)
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
@@ -138,7 +139,7 @@ class LLMEngine:
   @property
   def num_slots(self) -> int:
     """Requests decoded at once (`max_num_seqs`)."""
-    return self.config.max_num_seqs
+    return self.config.scheduler.max_num_seqs
 
   # ---- requests (any thread) ----
 
@@ -274,7 +275,7 @@ class LLMEngine:
       raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if any(t >= vocab for t in params.stop_token_ids):
       raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-    limit = self.config.max_model_len
+    limit = self.config.scheduler.max_model_len
     if len(ids) >= limit:
       raise ValueError(f"prompt has {len(ids)} tokens; the maximum context length is {limit} "
                        "tokens including at least one generated token")
@@ -282,7 +283,7 @@ class LLMEngine:
       raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                        f"the maximum context length of {limit} tokens")
     total = len(ids) + (params.max_tokens or limit - len(ids))
-    need = -(-total // self.config.page_size)
+    need = -(-total // self.config.cache.page_size)
     if need > self.allocator.num_usable:
       raise ValueError(f"request needs {need} KV pages but the cache holds only "
                        f"{self.allocator.num_usable}; lower max_tokens or the prompt length")
@@ -354,7 +355,7 @@ class LLMEngine:
     for group, (masks, refused) in (
         (single, fill_masks([s.grammar for s in single], vocab)),
         (rows, fill_draft_masks([s.grammar for s in rows], [drafts[s.request_id] for s in rows],
-                                self.config.num_speculative_tokens + 1, vocab))):
+                                self.config.speculative.num_speculative_tokens + 1, vocab))):
       dead += [group[i] for i in refused]
       by_id.update({s.request_id: masks[i] for i, s in enumerate(group) if i not in refused})
     return by_id, dead
@@ -521,9 +522,9 @@ class LLMEngine:
     if self._thread is not None and not self._thread.is_alive() and not self._stop.is_set():
       return "the engine loop has stopped"
     started = self._step_started
-    if started is not None and time.monotonic() - started > self.config.step_timeout_s:
+    if started is not None and time.monotonic() - started > self.config.scheduler.step_timeout_s:
       return (f"a step has been running for {time.monotonic() - started:.0f} s "
-              f"(step_timeout_s={self.config.step_timeout_s:g}): the device looks wedged")
+              f"(step_timeout_s={self.config.scheduler.step_timeout_s:g}): the device looks wedged")
     return None
 
   def shutdown(self, timeout_s: float = 10.0) -> None:

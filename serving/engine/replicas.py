@@ -148,8 +148,10 @@ class ReplicatedEngine:
     first = self.replicas[0]
     self.config, self.tokenizer, self.model_name = config, first.tokenizer, first.model_name
     self.num_programs = sum(r.num_programs for r in self.replicas)
-    slack = balance_slack if balance_slack is not None else max(1, first.config.max_num_seqs // 4)
-    self.router = ReplicaRouter(len(self.replicas), first.config.page_size, balance_slack=slack,
+    slots = first.config.scheduler.max_num_seqs
+    slack = balance_slack if balance_slack is not None else max(1, slots // 4)
+    self.router = ReplicaRouter(len(self.replicas), first.config.cache.page_size,
+                                balance_slack=slack,
                                 max_blocks=first.allocator.num_usable)
     self._lock = threading.Lock()
     self._loads = [0] * len(self.replicas)  # requests in flight per replica

@@ -78,7 +78,7 @@ class Scheduler:
     self.proposer = proposer  # speculative decoding's draft source (serving/spec_decode)
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []
-    self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+    self.free_slots = list(range(config.scheduler.max_num_seqs - 1, -1, -1))
     self.num_preemptions = 0
     self.prefill_tokens_computed = 0
     self._order = itertools.count()
@@ -90,7 +90,7 @@ class Scheduler:
     """The next step's plan (host state only; see module doc). `speculate`: propose
     drafts for the decode rows (the engine's back-off decides)."""
     decodes = self._schedule_decodes(speculate, self._decode_steps(speculate))
-    budget = self.config.max_num_batched_tokens - sum(1 + r.num_drafts for r in decodes)
+    budget = self.config.scheduler.max_num_batched_tokens - sum(1 + r.num_drafts for r in decodes)
     prefills: list[PrefillChunk] = []
     for seq in sorted(self.running, key=lambda s: s.admit_order):
       if budget <= 0:
@@ -127,18 +127,18 @@ class Scheduler:
   def _decode_steps(self, speculate: bool) -> int:
     """Decode iterations for the next step's rows: `num_decode_steps` when nothing
     else needs the device soon (see module doc), else 1."""
-    k = self.config.num_decode_steps
+    k = self.config.scheduler.num_decode_steps
     if k == 1 or speculate or self.proposer is not None or self.waiting or not self.running:
       return 1
-    if len(self.running) > self.config.decode_steps_max_batch:
+    if len(self.running) > self.config.scheduler.decode_steps_max_batch:
       return 1
     for seq in self.running:
       if (seq.status is not Status.RUNNING or seq.grammar is not None
           or (seq.in_prefill and not _decodable(seq))):
         return 1
-      max_tokens = seq.params.max_tokens or self.config.max_model_len
+      max_tokens = seq.params.max_tokens or self.config.scheduler.max_model_len
       if (seq.num_generated + k > max_tokens
-          or seq.num_tokens + k > self.config.max_model_len):
+          or seq.num_tokens + k > self.config.scheduler.max_model_len):
         return 1
     return k
 
@@ -149,7 +149,7 @@ class Scheduler:
     candidates = sorted((s for s in self.running if not s.in_prefill or _decodable(s)),
                         key=lambda s: s.admit_order)
     speculate = (speculate and self.proposer is not None
-                 and len(candidates) <= self.config.speculative_max_batch)
+                 and len(candidates) <= self.config.speculative.speculative_max_batch)
     for seq in candidates:
       if seq.status is not Status.RUNNING or not self._wants_token(seq):
         continue
@@ -167,9 +167,9 @@ class Scheduler:
 
   def _propose(self, seq: Sequence) -> tuple[list[int], int]:
     """(host drafts, number of drafts) for a decode row whose tokens are all known."""
-    max_tokens = seq.params.max_tokens or self.config.max_model_len
-    k = min(self.config.num_speculative_tokens, max_tokens - seq.num_generated - 1,
-            self.config.max_model_len - seq.num_tokens - 1)
+    max_tokens = seq.params.max_tokens or self.config.scheduler.max_model_len
+    k = min(self.config.speculative.num_speculative_tokens, max_tokens - seq.num_generated - 1,
+            self.config.scheduler.max_model_len - seq.num_tokens - 1)
     if k <= 0:
       return [], 0
     if self.proposer.on_device:  # the runner's draft model fills them in
@@ -195,8 +195,8 @@ class Scheduler:
     return True
 
   def _wants_token(self, seq: Sequence) -> bool:
-    max_tokens = seq.params.max_tokens or self.config.max_model_len
-    return seq.num_generated < max_tokens and seq.num_tokens < self.config.max_model_len
+    max_tokens = seq.params.max_tokens or self.config.scheduler.max_model_len
+    return seq.num_generated < max_tokens and seq.num_tokens < self.config.scheduler.max_model_len
 
   def _admit(self, seq: Sequence) -> bool:
     """Moves the head of the queue into a slot, sharing cached prefix pages; False
@@ -214,7 +214,7 @@ class Scheduler:
     pages, hashes = ([], []) if _uses_penalties(seq.params) else self.allocator.match_prefix(
         seq.token_ids(), seq.cache_salt)
     seq.pages, seq.page_hashes = pages, hashes
-    seq.num_computed = len(pages) * self.config.page_size
+    seq.num_computed = len(pages) * self.config.cache.page_size
     seq.decode_slot = self.free_slots.pop()
     seq.status = Status.RUNNING
     seq.admit_order = next(self._order)
@@ -232,7 +232,7 @@ class Scheduler:
     return chunk
 
   def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
-    need = -(-num_tokens // self.config.page_size) - len(seq.pages)
+    need = -(-num_tokens // self.config.cache.page_size) - len(seq.pages)
     if need <= 0:
       return True
     pages = self.allocator.allocate(need)
@@ -244,7 +244,7 @@ class Scheduler:
   def _commit_full_pages(self, seq: Sequence, num_tokens: int) -> None:
     """Publishes the prefix hashes of pages whose first `num_tokens` positions hold
     written KV of known tokens (called only after the writing step completed)."""
-    ps = self.config.page_size
+    ps = self.config.cache.page_size
     tokens = seq.token_ids()
     for i in range(len(seq.page_hashes), min(num_tokens, len(tokens)) // ps):
       parent = seq.page_hashes[-1] if seq.page_hashes else seq.cache_salt
@@ -347,8 +347,8 @@ class Scheduler:
       return "stop"
     if not p.ignore_eos and token in seq.eos_ids:
       return "stop"
-    max_tokens = p.max_tokens or self.config.max_model_len
-    if len(seq.output_ids) >= max_tokens or seq.num_tokens >= self.config.max_model_len:
+    max_tokens = p.max_tokens or self.config.scheduler.max_model_len
+    if len(seq.output_ids) >= max_tokens or seq.num_tokens >= self.config.scheduler.max_model_len:
       return "length"
     return None
 

@@ -131,7 +131,7 @@ async def _watch(engine: LLMEngine, aengine: AsyncEngine, grpc_server: GrpcServe
                  stop: asyncio.Event, exit_delay_s: float) -> None:
   """Polls `engine.health()`; on the first failure, fails everything, reports unhealthy
   for `exit_delay_s`, then stops the server."""
-  interval = min(0.5, engine.config.step_timeout_s / 4)
+  interval = min(0.5, engine.config.scheduler.step_timeout_s / 4)
   while (reason := engine.health()) is None:
     await asyncio.sleep(interval)
   log.error("the engine cannot serve: %s", reason)

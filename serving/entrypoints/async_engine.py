@@ -116,7 +116,7 @@ class AsyncEngine:
 
   @property
   def max_model_len(self) -> int:
-    return self.engine.config.max_model_len
+    return self.engine.config.scheduler.max_model_len
 
   @property
   def capacity(self) -> int | None:

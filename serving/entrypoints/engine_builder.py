@@ -18,7 +18,6 @@ in lock-step: process 0 gets the engine, the others follow its steps.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -46,8 +45,8 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
   """The checkpoint on the host (a `LoadedModel` passes through)."""
   if isinstance(model, LoadedModel):
     return model
-  if config.quantization:  # GGUF blocks of the matching type stay quantized
-    return load_quantized(model, config.quantization)
+  if config.model.quantization:  # GGUF blocks of the matching type stay quantized
+    return load_quantized(model, config.model.quantization)
   return checkpoints.load_checkpoint(model)
 
 
@@ -66,9 +65,9 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   loaded = load_model(model, config)
   draft = load_draft(loaded, config)
   name = _model_name(model, loaded)
-  if config.disaggregated:
+  if config.parallel.disaggregated:
     engine = build_disaggregated(loaded, config, name, draft, wrap_runner)
-  elif config.dp > 1:
+  elif config.parallel.dp > 1:
     engine = build_replicas(loaded, config, name, draft, wrap_runner)
   else:
     runner = ModelRunner(loaded.params, loaded.config, config, draft=draft)
@@ -88,13 +87,14 @@ def replica_devices(config: EngineConfig, devices: Sequence[Any] | None = None
                     ) -> list[list[Any]]:
   """The device group of each of the `dp` replicas: consecutive `tp * ep * pp` devices."""
   devices = list(jax.devices() if devices is None else devices)
-  per = config.tp * config.ep * config.pp
-  if config.dp * per > len(devices):
-    raise ValueError(f"dp={config.dp} replicas of tp*ep*pp={per} devices need {config.dp * per} "
+  par = config.parallel
+  per = par.tp * par.ep * par.pp
+  if par.dp * per > len(devices):
+    raise ValueError(f"dp={par.dp} replicas of tp*ep*pp={per} devices need {par.dp * per} "
                      f"devices but only {len(devices)} are visible ({devices[0].platform}; on "
                      f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-                     f"{config.dp * per})")
-  return [devices[i * per:(i + 1) * per] for i in range(config.dp)]
+                     f"{config.parallel.dp * per})")
+  return [devices[i * per:(i + 1) * per] for i in range(config.parallel.dp)]
 
 
 def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
@@ -104,9 +104,9 @@ def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
   if jax.process_count() > 1:
     raise ValueError("dp replicas run in one process; with several processes start one "
                      "server per host and balance across them")
-  replica_cfg = dataclasses.replace(config, dp=1)
+  replica_cfg = config.replace(dp=1)
   engines = [_engine_on(loaded, replica_cfg, model_name, devices, draft, wrap_runner,
-                        f"replica {i} of {config.dp}")
+                        f"replica {i} of {config.parallel.dp}")
              for i, devices in enumerate(replica_devices(config))]
   return ReplicatedEngine(engines, config=config)
 
@@ -118,16 +118,16 @@ def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
   """One engine on its own device group (a mesh over `devices`), and its capacity line.
   `plain_single_device`: a group of just the default device runs without a mesh, as
   one engine does (unrolled layers, a dense copy beside quantized weights)."""
-  mesh = sharding.make_mesh(sharding.ParallelConfig.of(config), devices)
+  mesh = sharding.make_mesh(sharding.ParallelConfig.of(config.parallel), devices)
   if plain_single_device and list(devices) == jax.devices()[:1]:
     mesh = None
   runner = ModelRunner(loaded.params, loaded.config, config, mesh=mesh, draft=draft,
                        kv_transfer=kv_transfer)
   engine = _engine(loaded, config, model_name, runner, wrap_runner)
-  tokens = (runner.num_pages - 1) * config.page_size
+  tokens = (runner.num_pages - 1) * config.cache.page_size
   msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
-         f"tokens, max concurrency at max_model_len={config.max_model_len}: "
-         f"{tokens / config.max_model_len:.1f} requests")
+         f"tokens, max concurrency at max_model_len={config.scheduler.max_model_len}: "
+         f"{tokens / config.scheduler.max_model_len:.1f} requests")
   log.info(msg)
   print(msg, file=sys.stderr, flush=True)
   return engine
@@ -146,33 +146,32 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
   if draft is not None:
     raise ValueError("a draft model is not supported with prefill / decode workers yet; use "
                      "speculative_method='ngram' or 'suffix'")
-  n = config.prefill_workers + config.decode_workers
-  per = config.tp * config.ep * config.pp
+  par = config.parallel
+  n = par.prefill_workers + par.decode_workers
+  per = par.tp * par.ep * par.pp
   devices = jax.devices()
-  worker_cfg = dataclasses.replace(config, prefill_workers=0, decode_workers=0,
-                                   enable_prefix_caching=True)
+  worker_cfg = config.replace(prefill_workers=0, decode_workers=0, enable_prefix_caching=True)
   if n * per > len(devices):
     if devices[0].platform != "cpu" or per > len(devices):
-      raise ValueError(f"{config.prefill_workers} prefill + {config.decode_workers} decode "
+      raise ValueError(f"{par.prefill_workers} prefill + {par.decode_workers} decode "
                        f"workers of tp*ep*pp={per} devices need {n * per} devices but only "
                        f"{len(devices)} are visible")
     groups = [devices[(i * per) % len(devices):][:per] for i in range(n)]
     # One memory budget split n ways, sized once: every worker gets the same KV pool
     # (and so the same programs: the second loads what the first compiled).
-    worker_cfg = dataclasses.replace(
-        worker_cfg, kv_cache_memory_fraction=config.kv_cache_memory_fraction / n)
-    if worker_cfg.num_pages is None:
-      worker_cfg = dataclasses.replace(worker_cfg,
-                                       num_pages=capacity_pages(loaded.config, worker_cfg))
+    worker_cfg = worker_cfg.replace(
+        kv_cache_memory_fraction=config.cache.kv_cache_memory_fraction / n)
+    if worker_cfg.cache.num_pages is None:
+      worker_cfg = worker_cfg.replace(num_pages=capacity_pages(loaded.config, worker_cfg))
   else:
     groups = [devices[i * per:(i + 1) * per] for i in range(n)]
   engines = [_engine_on(loaded, worker_cfg, model_name, group, None, wrap_runner,
-                        f"{'prefill' if i < config.prefill_workers else 'decode'} worker "
-                        f"{i if i < config.prefill_workers else i - config.prefill_workers}",
+                        f"{'prefill' if i < par.prefill_workers else 'decode'} worker "
+                        f"{i if i < par.prefill_workers else i - par.prefill_workers}",
                         plain_single_device=True, kv_transfer=True)
              for i, group in enumerate(groups)]
-  return DisaggregatedEngine(engines[:config.prefill_workers],
-                             engines[config.prefill_workers:], config=config)
+  return DisaggregatedEngine(engines[:par.prefill_workers],
+                             engines[par.prefill_workers:], config=config)
 
 
 def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelConfig] | None:
@@ -181,15 +180,15 @@ def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelCo
   It must speak the target's tokenizer: the same ids for the same text (checked
   on a probe text) and no ids beyond the target's vocabulary.
   """
-  if config.speculative_method != "draft":
+  if config.speculative.speculative_method != "draft":
     return None
-  draft = load_model(config.speculative_model, config)
+  draft = load_model(config.speculative.speculative_model, config)
   probe = "Speculative decoding: 12 + 30 = 42, naïve café — def f(x): return x"
   if (draft.tokenizer.encode(probe, add_special_tokens=False)
       != target.tokenizer.encode(probe, add_special_tokens=False)):
-    raise ValueError(f"speculative_model {config.speculative_model!r} does not use the target "
-                     "model's tokenizer (the same text gives other token ids)")
-  log.info("draft model %s: %d layers, vocabulary %d", config.speculative_model,
+    raise ValueError(f"speculative_model {config.speculative.speculative_model!r} does not use "
+                     "the target model's tokenizer (the same text gives other token ids)")
+  log.info("draft model %s: %d layers, vocabulary %d", config.speculative.speculative_model,
            draft.config.num_layers, draft.config.vocab_size)
   return draft.params, draft.config
 
@@ -197,11 +196,11 @@ def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelCo
 def lora_loader(model_cfg: ModelConfig, config: EngineConfig
                 ) -> Callable[[str], tuple[int, Any]] | None:
   """path -> (rank, validated weights) for this model, or None when LoRA is off."""
-  if not config.max_loras:
+  if not config.lora.max_loras:
     return None
 
   def load(path: str) -> tuple[int, Any]:
-    weights = load_lora_adapter(path, model_cfg, max_rank=config.max_lora_rank)
+    weights = load_lora_adapter(path, model_cfg, max_rank=config.lora.max_lora_rank)
     return weights.rank, weights
 
   return load
@@ -211,7 +210,7 @@ def register_loras(engine: LLMEngine | ReplicatedEngine,
                    lora_modules: Mapping[str, str] | None) -> None:
   """Reads and registers each adapter; any failure raises (a server must not start
   without an adapter it was told to serve)."""
-  if lora_modules and not engine.config.max_loras:
+  if lora_modules and not engine.config.lora.max_loras:
     raise ValueError("lora_modules need max_loras >= 1 (LoRA slots on the device)")
   for name, path in (lora_modules or {}).items():
     engine.load_lora(name, path)
@@ -221,14 +220,14 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   """Every process calls this after `jax.distributed` start-up: process 0 gets the
   engine (its runner announces each step), the others run the steps until process 0
   shuts its engine down, then get None."""
-  devices = sharding.ParallelConfig.of(config).num_devices
+  devices = sharding.ParallelConfig.of(config.parallel).num_devices
   if devices != len(jax.devices()):
     raise ValueError(f"tp*ep*dp*pp = {devices} must equal the {len(jax.devices())} devices of all "
                      f"{jax.process_count()} processes (one global mesh runs every step)")
-  if config.max_loras:
+  if config.lora.max_loras:
     raise ValueError("LoRA adapters are not supported with several processes yet "
                      "(max_loras must be 0)")
-  if config.speculative_method == "draft":
+  if config.speculative.speculative_method == "draft":
     raise ValueError("a draft model is not supported with several processes yet; use "
                      "speculative_method='ngram' or 'suffix'")
   loaded = load_model(model, config)

@@ -9,7 +9,6 @@ defaults < the model preset's `engine` block < `--config` preset
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
@@ -168,7 +167,7 @@ def load_engine_preset(name_or_path: str) -> dict[str, Any]:
   with open(path, encoding="utf-8") as f:
     raw = json.load(f)
   values = raw.get("engine", raw) if "package" in raw else raw
-  known = {f.name for f in dataclasses.fields(EngineConfig)}
+  known = set(config_lib.OPTION_GROUPS)
   unknown = sorted(set(values) - known - {"description"})
   if unknown:
     raise app.UsageError(f"--config={name_or_path}: unknown engine options {unknown}")
@@ -191,7 +190,7 @@ def engine_config_from_flags() -> EngineConfig:
   if modules and not values.get("max_loras"):
     values["max_loras"] = config_lib.default_max_loras(len(modules))
   try:
-    return EngineConfig(**values)
+    return EngineConfig.of(**values)
   except (TypeError, ValueError) as e:
     raise app.UsageError(f"invalid engine options: {e}") from None
 
@@ -250,5 +249,5 @@ def batch_config_from_flags(config: EngineConfig) -> Any:
   return BatchConfig(
       input_path=FLAGS.input, output_path=FLAGS.output,
       served_model_name=FLAGS.served_model_name or FLAGS.model,
-      max_concurrency=FLAGS.max_concurrency or 2 * config.max_num_seqs,
+      max_concurrency=FLAGS.max_concurrency or 2 * config.scheduler.max_num_seqs,
       limits=limits_from_flags())

@@ -129,7 +129,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 for a in self.engine.engine.list_loras()]
     return pb.ModelInfo(model=self.model_name, max_model_len=self.engine.max_model_len,
                         vocab_size=self.serving.tokenizer.vocab_size,
-                        max_num_seqs=self.engine.engine.config.max_num_seqs,
+                        max_num_seqs=self.engine.engine.config.scheduler.max_num_seqs,
                         lora_adapters=adapters)
 
   async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,

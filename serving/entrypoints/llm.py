@@ -39,7 +39,7 @@ class LLM:
       options = merge_engine_options(engine_defaults(model), engine_kwargs)
       if lora_modules and not options.get("max_loras"):
         options["max_loras"] = default_max_loras(len(lora_modules))
-      engine = build_engine(model, EngineConfig(**options), lora_modules=lora_modules)
+      engine = build_engine(model, EngineConfig.of(**options), lora_modules=lora_modules)
     else:
       for name, path in (lora_modules or {}).items():
         engine.load_lora(name, path)

@@ -118,12 +118,13 @@ def pack_prefill_chunks(chunks: list[PrefillChunk],
                         config: EngineConfig) -> list[list[PrefillChunk]]:
   """The step's chunks grouped into prefill calls: as many as fit the largest token
   bucket and its chunk rows (the scheduler's budget makes that one call)."""
-  top = config.prefill_token_buckets[-1]
+  sched = config.scheduler
+  top = sched.prefill_token_buckets[-1]
   groups: list[list[PrefillChunk]] = []
   tokens = 0
   for chunk in chunks:
     n = chunk.end - chunk.start
-    if not groups or tokens + n > top or len(groups[-1]) >= config.prefill_chunk_rows(top):
+    if not groups or tokens + n > top or len(groups[-1]) >= sched.prefill_chunk_rows(top):
       groups.append([])
       tokens = 0
     groups[-1].append(chunk)
@@ -133,11 +134,11 @@ def pack_prefill_chunks(chunks: list[PrefillChunk],
 
 def prefill_bucket(sizes: list[int], config: EngineConfig) -> int:
   """The smallest token bucket holding chunks of `sizes` tokens (and their count)."""
-  for t in config.prefill_token_buckets:
-    if sum(sizes) <= t and len(sizes) <= config.prefill_chunk_rows(t):
+  for t in config.scheduler.prefill_token_buckets:
+    if sum(sizes) <= t and len(sizes) <= config.scheduler.prefill_chunk_rows(t):
       return t
   raise ValueError(f"{len(sizes)} prefill chunks of {sum(sizes)} tokens exceed the largest "
-                   f"bucket {config.prefill_token_buckets[-1]}")
+                   f"bucket {config.scheduler.prefill_token_buckets[-1]}")
 
 
 def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
@@ -145,8 +146,8 @@ def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
   """One prefill call of `chunks` (none: a padding-only call of `bucket` tokens) and
   the requests it samples, in sampler-row order (steps.PrefillInput)."""
   t = bucket or prefill_bucket([c.end - c.start for c in chunks], config)
-  c_rows, q = config.prefill_chunk_rows(t), attention.PREFILL_QUERY_BLOCK
-  nb, ps, dummy = -(-t // q) + c_rows, config.page_size, config.max_num_seqs
+  c_rows, q = config.scheduler.prefill_chunk_rows(t), attention.PREFILL_QUERY_BLOCK
+  nb, ps, dummy = -(-t // q) + c_rows, config.cache.page_size, config.scheduler.max_num_seqs
   tokens, positions, index = (np.zeros((t,), np.int32) for _ in range(3))
   is_output = np.zeros((t,), bool)
   token_slots, lora_rows = np.full((t,), dummy, np.int32), np.full((t,), -1, np.int32)
@@ -200,18 +201,18 @@ def build_multi_decode_input(rows: list[DecodeRow], steps: int,
                              config: EngineConfig) -> tuple[DecodeInput, np.ndarray]:
   """A multi-step decode's first iteration (DecodeInput) and the KV indices [B, steps-1]
   of its later ones; padded to a multi-step bucket."""
-  inp = build_decode_input(rows, config, buckets=config.multi_step_batch_buckets)
+  inp = build_decode_input(rows, config, buckets=config.scheduler.multi_step_batch_buckets)
   later = np.zeros((inp.positions.shape[0], steps - 1), np.int32)
   for i, row in enumerate(rows):
-    later[i] = kv_index(row.seq, row.position + np.arange(1, steps), config.page_size)
+    later[i] = kv_index(row.seq, row.position + np.arange(1, steps), config.cache.page_size)
   return inp, later
 
 
 def build_decode_input(rows: list[DecodeRow], config: EngineConfig,
                        buckets: tuple[int, ...] | None = None) -> DecodeInput:
-  b = bucket_for(len(rows), buckets or config.decode_batch_buckets)
+  b = bucket_for(len(rows), buckets or config.scheduler.decode_batch_buckets)
   width = config.block_table_width
-  slots = np.full((b,), config.max_num_seqs, np.int32)  # padding rows: the dummy slot
+  slots = np.full((b,), config.scheduler.max_num_seqs, np.int32)  # padding rows: the dummy slot
   positions = np.zeros((b,), np.int32)
   index = np.zeros((b,), np.int32)
   tables = np.zeros((b, width), np.int32)
@@ -221,7 +222,7 @@ def build_decode_input(rows: list[DecodeRow], config: EngineConfig,
     seq, pos = row.seq, row.position
     slots[i], positions[i], seq_lens[i] = seq.decode_slot, pos, pos + 1
     lora_slots[i] = _lora_slot(seq)
-    index[i] = kv_index(seq, np.array([pos]), config.page_size)[0]
+    index[i] = kv_index(seq, np.array([pos]), config.cache.page_size)[0]
     tables[i, :len(seq.pages)] = seq.pages
   return DecodeInput(
       decode_slots=slots, positions=positions, kv_index=index, block_tables=tables,
@@ -234,8 +235,8 @@ def build_verify_input(rows: list[DecodeRow],
                        config: EngineConfig) -> tuple[VerifyInput, np.ndarray]:
   """A speculative step's input and its host drafts [B, S-1] (S = drafts + 1 per row)."""
   b = bucket_for(len(rows), config.verify_batch_buckets)
-  s = config.num_speculative_tokens + 1
-  slots = np.full((b,), config.max_num_seqs, np.int32)  # padding rows: the dummy slot
+  s = config.speculative.num_speculative_tokens + 1
+  slots = np.full((b,), config.scheduler.max_num_seqs, np.int32)  # padding rows: the dummy slot
   positions = np.zeros((b,), np.int32)
   num_drafts = np.zeros((b,), np.int32)
   index = np.zeros((b, s), np.int32)  # positions past a row's drafts write to page 0
@@ -248,12 +249,12 @@ def build_verify_input(rows: list[DecodeRow],
     seq, pos, n = row.seq, row.position, row.num_drafts
     slots[i], positions[i], num_drafts[i] = seq.decode_slot, pos, n
     lora_slots[i] = _lora_slot(seq)
-    index[i, :n + 1] = kv_index(seq, pos + np.arange(n + 1), config.page_size)
+    index[i, :n + 1] = kv_index(seq, pos + np.arange(n + 1), config.cache.page_size)
     tables[i, :len(seq.pages)] = seq.pages
     drafts[i, :len(row.drafts)] = row.drafts
     if pos > 0:
       prev_tokens[i] = seq.token_ids()[pos - 1]
-      prev_index[i] = kv_index(seq, np.array([pos - 1]), config.page_size)[0]
+      prev_index[i] = kv_index(seq, np.array([pos - 1]), config.cache.page_size)[0]
   inp = VerifyInput(
       decode_slots=slots, positions=positions, num_drafts=num_drafts, kv_index=index,
       block_tables=tables, lora_slots=lora_slots, prev_tokens=prev_tokens,

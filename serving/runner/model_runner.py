@@ -82,10 +82,10 @@ log = logging.getLogger(__name__)
 
 def resolve_dtypes(engine_cfg: EngineConfig, platform: str) -> tuple[str, str]:
   """(compute dtype, kv dtype) names after resolving "auto"."""
-  dtype = engine_cfg.dtype
+  dtype = engine_cfg.model.dtype
   if dtype == "auto":
     dtype = "float32" if platform == "cpu" else "bfloat16"
-  kv = engine_cfg.kv_cache_dtype
+  kv = engine_cfg.cache.kv_cache_dtype
   if kv == "auto":
     kv = dtype
   return dtype, kv
@@ -99,7 +99,7 @@ def resolve_weight_dtype(engine_cfg: EngineConfig, compute_dtype: str) -> str:
   bytes and take XLA:CPU's faster bf16 dot, while norms, attention and the
   residual stream stay float32.
   """
-  return compute_dtype if engine_cfg.weight_dtype == "auto" else engine_cfg.weight_dtype
+  return compute_dtype if engine_cfg.model.weight_dtype == "auto" else engine_cfg.model.weight_dtype
 
 
 def put_params(params: dict, dtype) -> dict:
@@ -121,18 +121,20 @@ def capacity_pages(model_cfg: ModelConfig, config: EngineConfig,
   per_token = kv_bytes_per_token(model_cfg, kv_dtype)
   if draft_cfg is not None:
     per_token += kv_bytes_per_token(draft_cfg, kv_dtype)
-  page_bytes = config.page_size * per_token
+  page_bytes = config.cache.page_size * per_token
   device = jax.local_devices()[0]
   stats = device.memory_stats() if device.platform != "cpu" else None
   if stats and "bytes_limit" in stats:
-    budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * config.kv_cache_memory_fraction
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = free * config.cache.kv_cache_memory_fraction
   else:
-    budget = psutil.virtual_memory().available * config.kv_cache_memory_fraction
-  cap = config.max_num_seqs * config.max_pages_per_seq + 1
+    budget = psutil.virtual_memory().available * config.cache.kv_cache_memory_fraction
+  cap = config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
   pages = min(int(budget // page_bytes), cap)
   if pages < config.max_pages_per_seq + 1:
     raise ValueError(f"KV budget of {budget / 2**30:.2f} GiB holds {pages} pages; one request at "
-                     f"max_model_len={config.max_model_len} needs {config.max_pages_per_seq + 1}. "
+                     f"max_model_len={config.scheduler.max_model_len} needs "
+                     f"{config.max_pages_per_seq + 1}. "
                      "Raise kv_cache_memory_fraction or lower max_model_len.")
   return pages
 
@@ -183,14 +185,14 @@ class ModelRunner:
     prefill or decode worker, serving/engine/disaggregated.py)."""
     self.kv_transfer = kv_transfer
     # Sharded when tp*ep*dp*pp > 1 or a mesh is given (sharding/placement.py).
-    self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg)
+    self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg.parallel)
     placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
-    if (draft is not None) != (engine_cfg.speculative_method == "draft"):
+    if (draft is not None) != (engine_cfg.speculative.speculative_method == "draft"):
       raise ValueError("a draft model is needed exactly when speculative_method='draft'")
     if placement is not None and draft is not None:
       raise NotImplementedError("a draft model on a mesh (tp/ep/dp > 1) is not supported yet; "
                                 "use speculative_method='ngram' or 'suffix' there")
-    if placement is not None and placement.stages > 1 and engine_cfg.max_loras:
+    if placement is not None and placement.stages > 1 and engine_cfg.lora.max_loras:
       raise NotImplementedError("LoRA adapters with pipeline stages (pp > 1) are not "
                                 "supported yet; use tp")
     self.source_cfg = model_cfg  # before tp repeats KV heads: what adapters must fit
@@ -202,16 +204,16 @@ class ModelRunner:
     platform = jax.default_backend()
     self.dtype_name, self.kv_dtype_name = resolve_dtypes(engine_cfg, platform)
     self.weight_dtype_name = resolve_weight_dtype(engine_cfg, self.dtype_name)
-    self.backend = attention.resolve_backend(engine_cfg.attention_backend, platform)
+    self.backend = attention.resolve_backend(engine_cfg.model.attention_backend, platform)
     dtype = jnp.dtype(self.dtype_name)
-    if engine_cfg.quantization:  # on the host, before anything reaches the device
-      params = quantize_params(params, engine_cfg.quantization)
-    if engine_cfg.quantized_dense_copy and placement is None:  # a mesh splits no copy
+    if engine_cfg.model.quantization:  # on the host, before anything reaches the device
+      params = quantize_params(params, engine_cfg.model.quantization)
+    if engine_cfg.cpu.quantized_dense_copy and placement is None:  # a mesh splits no copy
       params = with_full_copies(params, jnp.dtype(self.weight_dtype_name))
     # The native kernel runs on one device only: a mesh places the params as loaded.
-    if engine_cfg.cpu_activation_bits != 32 and placement is None:
-      params = with_activation_bits(params, engine_cfg.cpu_activation_bits)
-    unroll = engine_cfg.unroll_layers
+    if engine_cfg.cpu.cpu_activation_bits != 32 and placement is None:
+      params = with_activation_bits(params, engine_cfg.cpu.cpu_activation_bits)
+    unroll = engine_cfg.model.unroll_layers
     unroll = unroll if unroll is not None else platform == "cpu"
     if unroll and (placement is None or placement.stages == 1):  # stages split stacked layers
       params = llama.unstack_layers(params)
@@ -220,7 +222,7 @@ class ModelRunner:
       self.params = placement.place_params(params, weight_dtype)
     else:
       self.params = put_params(params, weight_dtype)  # quantized leaves keep their dtypes
-    self.num_pages = num_pages or engine_cfg.num_pages or capacity_pages(
+    self.num_pages = num_pages or engine_cfg.cache.num_pages or capacity_pages(
         model_cfg, engine_cfg, draft[1] if draft is not None else None)
     self.state = self._initial_state(placement)
     self.mask_width = (model_cfg.vocab_size + 31) // 32  # int32 words of a token mask row
@@ -229,11 +231,12 @@ class ModelRunner:
     self.lora_dtype = weight_dtype  # adapters are stored like the weights they modify
     self.lora, self._write_lora = self._lora_slots(placement)
     kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
-              block_tokens=engine_cfg.attention_block_tokens)
+              block_tokens=engine_cfg.cache.attention_block_tokens)
     jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
     # Warm starts load the compiled steps from disk instead of tracing them.
-    store = ExecutableStore.for_runner(engine_cfg.compilation_cache,
-                                       engine_cfg.compilation_cache_dir, placement is not None)
+    compilation = engine_cfg.compilation
+    store = ExecutableStore.for_runner(compilation.compilation_cache,
+                                       compilation.compilation_cache_dir, placement is not None)
     self._store = store
     static = repr(sorted(kw.items()))
     # Arguments: params, LoRA slots, state (donated), the step's input.
@@ -265,17 +268,18 @@ class ModelRunner:
       if unroll:
         draft_params = llama.unstack_layers(draft_params)
       self.draft = DraftModel(put_params(draft_params, weight_dtype), draft_cfg,
-                              num_pages=self.num_pages, page_size=engine_cfg.page_size,
+                              num_pages=self.num_pages, page_size=engine_cfg.cache.page_size,
                               kv_dtype=self.kv_dtype_name, act_dtype=dtype, backend=self.backend,
-                              block_tokens=engine_cfg.attention_block_tokens, store=store)
+                              block_tokens=engine_cfg.cache.attention_block_tokens, store=store)
     self._log_capacity()
 
   def _initial_state(self, placement) -> DeviceState:
     ec, cfg = self.engine_cfg, self.model_cfg
-    slots = ec.max_num_seqs + 1  # + the dummy slot padding rows write to
+    slots = ec.scheduler.max_num_seqs + 1  # + the dummy slot padding rows write to
     kv_sharding = placement.kv_sharding if placement is not None else None
     state = DeviceState(
-        kv=create_kv_cache(cfg, self.num_pages, ec.page_size, self.kv_dtype_name, kv_sharding),
+        kv=create_kv_cache(cfg, self.num_pages, ec.cache.page_size, self.kv_dtype_name,
+                           kv_sharding),
         last_tokens=jnp.zeros((slots,), jnp.int32),
         prompt_mask=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
         output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
@@ -287,11 +291,11 @@ class ModelRunner:
   def _lora_slots(self, placement):
     """The LoRA slots (zero) and their jitted slot write; (None, None) when LoRA is off."""
     ec = self.engine_cfg
-    if not ec.max_loras:
+    if not ec.lora.max_loras:
       return None, None
     unrolled = isinstance(self.params["layers"], (list, tuple))
-    zeros = lora_state.lora_zeros(self.model_cfg, ec.max_loras, ec.max_lora_rank, unrolled,
-                                  self.lora_dtype)
+    zeros = lora_state.lora_zeros(self.model_cfg, ec.lora.max_loras, ec.lora.max_lora_rank,
+                                  unrolled, self.lora_dtype)
     if placement is None:
       return jax.tree.map(jnp.asarray, zeros), jax.jit(lora_state.write_slot, donate_argnums=0)
     shardings = jax.tree.map(
@@ -306,10 +310,10 @@ class ModelRunner:
   def load_lora(self, slot: int, weights) -> None:
     """Writes an adapter (checkpoints.lora.LoraWeights; None: zeros) into LoRA slot `slot`."""
     ec = self.engine_cfg
-    if self.lora is None or not 0 <= slot < ec.max_loras:
-      raise ValueError(f"no LoRA slot {slot} (max_loras={ec.max_loras})")
+    if self.lora is None or not 0 <= slot < ec.lora.max_loras:
+      raise ValueError(f"no LoRA slot {slot} (max_loras={ec.lora.max_loras})")
     contents = lora_state.slot_contents(
-        weights, self.source_cfg, ec.max_lora_rank, isinstance(self.lora, list),
+        weights, self.source_cfg, ec.lora.max_lora_rank, isinstance(self.lora, list),
         self.lora_dtype, self._kv_replicas)
     self.lora = self._write_lora(self.lora, jnp.int32(slot), contents)
 
@@ -422,7 +426,7 @@ class ModelRunner:
 
   def _chunk(self, pages: list[int]) -> np.ndarray:
     """The page ids of one transfer chunk, padded with the dummy page to its fixed size."""
-    chunk = self.engine_cfg.kv_transfer_pages
+    chunk = self.engine_cfg.parallel.kv_transfer_pages
     if not 0 < len(pages) <= chunk or not all(0 <= p < self.num_pages for p in pages):
       raise ValueError(f"a KV transfer moves 1..{chunk} pages in [0, {self.num_pages}), "
                        f"not {pages}")
@@ -567,11 +571,11 @@ class ModelRunner:
     if self.lora is not None:  # compiles the slot write; slot 0 stays zero
       self.load_lora(0, None)
     programs = self._bucket_programs()
-    ec = self.engine_cfg
-    for b in sorted({1, *ec.decode_batch_buckets, *ec.multi_step_batch_buckets}):
+    sched = self.engine_cfg.scheduler
+    for b in sorted({1, *sched.decode_batch_buckets, *sched.multi_step_batch_buckets}):
       self._unconstrained(b)  # the all-ones mask inputs
     for b in self.engine_cfg.verify_batch_buckets:
-      self._unconstrained(b, self.engine_cfg.num_speculative_tokens + 1)
+      self._unconstrained(b, self.engine_cfg.speculative.num_speculative_tokens + 1)
     background = 0
     if self._store is not None and all(step.is_stored(*args) for step, args in programs):
       # Warm start: the first program of each step now, the rest in the background.
@@ -610,22 +614,22 @@ class ModelRunner:
     """(step, arguments) of every program serving can run; logits as abstract values."""
     ec, vocab = self.engine_cfg, self.model_cfg.vocab_size
     out = []
-    for t in ec.prefill_token_buckets:
+    for t in ec.scheduler.prefill_token_buckets:
       out.append((self._prefill, (self.params, self.lora, self.state, self.dummy_prefill(t))))
-    for b in ec.decode_batch_buckets:
+    for b in ec.scheduler.decode_batch_buckets:
       out.append((self._decode, (self.params, self.lora, self.state, self.dummy_decode(b))))
-    for b in ec.multi_step_batch_buckets:
+    for b in ec.scheduler.multi_step_batch_buckets:
       inp = self.dummy_decode(b)
-      later = np.zeros((b, ec.num_decode_steps - 1), np.int32)
+      later = np.zeros((b, ec.scheduler.num_decode_steps - 1), np.int32)
       allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
       out.append((self._multi_decode, (self.params, self.lora, self.state, inp, later,
                                        allowed)))
-    for b in sorted({1, *ec.decode_batch_buckets}):
+    for b in sorted({1, *ec.scheduler.decode_batch_buckets}):
       inp = self.dummy_decode(b)
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
       allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
       out.append((self._sample, (self.state, logits, inp.decode_slots, inp.sampling, allowed)))
-    s = ec.num_speculative_tokens + 1
+    s = ec.speculative.num_speculative_tokens + 1
     verifies = [self.dummy_verify(b) for b in ec.verify_batch_buckets]
     for inp in verifies:
       b = inp.decode_slots.shape[0]
@@ -636,7 +640,7 @@ class ModelRunner:
       out.append((self._verify_sample, (self.state, logits, drafts, inp.num_drafts,
                                         inp.decode_slots, inp.sampling, allowed)))
     if self.draft is not None:
-      prefills = [self.dummy_prefill(t) for t in ec.prefill_token_buckets]
+      prefills = [self.dummy_prefill(t) for t in ec.scheduler.prefill_token_buckets]
       out += self.draft.programs(prefills, verifies, self.state.last_tokens)
     return out
 
@@ -662,8 +666,8 @@ class ModelRunner:
   def dummy_verify(self, b: int) -> VerifyInput:
     """A padding-only speculative batch of B rows."""
     ec = self.engine_cfg
-    z, s = np.zeros((b,), np.int32), ec.num_speculative_tokens + 1
-    return VerifyInput(decode_slots=np.full((b,), ec.max_num_seqs, np.int32), positions=z,
+    z, s = np.zeros((b,), np.int32), ec.speculative.num_speculative_tokens + 1
+    return VerifyInput(decode_slots=np.full((b,), ec.scheduler.max_num_seqs, np.int32), positions=z,
                        num_drafts=z, kv_index=np.zeros((b, s), np.int32),
                        block_tables=np.zeros((b, ec.block_table_width), np.int32),
                        lora_slots=np.full((b,), -1, np.int32), prev_tokens=z, prev_kv_index=z,
@@ -673,7 +677,7 @@ class ModelRunner:
     """A padding-only decode batch of B rows."""
     ec = self.engine_cfg
     z, w = np.zeros((b,), np.int32), ec.block_table_width
-    return DecodeInput(decode_slots=np.full((b,), ec.max_num_seqs, np.int32), positions=z,
+    return DecodeInput(decode_slots=np.full((b,), ec.scheduler.max_num_seqs, np.int32), positions=z,
                        kv_index=z, block_tables=np.zeros((b, w), np.int32), seq_lens=z,
                        lora_slots=np.full((b,), -1, np.int32),
                        sampling=sampling.SamplingTensors.build([], [], [], b))
@@ -681,12 +685,13 @@ class ModelRunner:
   def _log_capacity(self) -> None:
     c = self.engine_cfg
     per_tok = kv_bytes_per_token(self.model_cfg, self.kv_dtype_name)
-    tokens = (self.num_pages - 1) * c.page_size
+    tokens = (self.num_pages - 1) * c.cache.page_size
     fmt = weight_formats(self.params, self.weight_dtype_name)
-    for msg in (f"KV cache: {self.num_pages - 1} pages x {c.page_size} tokens = {tokens} tokens "
+    for msg in (f"KV cache: {self.num_pages - 1} pages x {c.cache.page_size} tokens = "
+                f"{tokens} tokens "
                 f"({tokens * per_tok / 2**30:.2f} GiB, {per_tok} B/token, {self.kv_dtype_name}); "
-                f"max concurrency at max_model_len={c.max_model_len}: "
-                f"{tokens / c.max_model_len:.1f} requests",
+                f"max concurrency at max_model_len={c.scheduler.max_model_len}: "
+                f"{tokens / c.scheduler.max_model_len:.1f} requests",
                 f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "
                 f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"):
       log.info(msg)
@@ -702,8 +707,8 @@ def _load_threads() -> int:
 def _enable_jax_compilation_cache(config: EngineConfig) -> None:
   """JAX's persistent cache, for sharded runners only: a single device uses the
   executable store, which must not see executables from JAX's cache."""
-  if config.compilation_cache and not jax.config.jax_compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+  if config.compilation.compilation_cache and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", config.compilation.compilation_cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

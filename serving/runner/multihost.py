@@ -41,10 +41,10 @@ STOP, PREFILL, DECODE, SAMPLE, VERIFY = 0, 1, 2, 3, 4
 
 def agree_config(model_cfg, config: EngineConfig) -> EngineConfig:
   """`config` with `num_pages` set to the smallest capacity any process can hold."""
-  if config.num_pages is not None:
+  if config.cache.num_pages is not None:
     return config
   pages = multihost_utils.process_allgather(np.int64(capacity_pages(model_cfg, config)))
-  return dataclasses.replace(config, num_pages=int(np.min(pages)))
+  return config.replace(num_pages=int(np.min(pages)))
 
 
 def _broadcast_header(op: int = STOP, size: int = 0, sample: bool = False,
@@ -119,7 +119,7 @@ def follower_loop(runner: ModelRunner) -> int:
       waiting.extend(c for c in handle.calls if c.out is None)
     elif op == VERIFY:
       inp = runner.dummy_verify(size)
-      drafts = np.zeros((size, runner.engine_cfg.num_speculative_tokens), np.int32)
+      drafts = np.zeros((size, runner.engine_cfg.speculative.num_speculative_tokens), np.int32)
       inp, drafts = multihost_utils.broadcast_one_to_all((inp, drafts))
       handle = runner.run(StepInputs(prefills=[], prefill_ids=[], decode=None,
                                      decode_ids=[""] * size, constrained=constrained,

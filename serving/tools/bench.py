@@ -293,7 +293,7 @@ def offline_main() -> dict[str, Any]:
     result["profile_top_ops"] = summarize_trace(FLAGS.profile_dir)
   else:
     result["offline"] = run_offline(llm, prompts, FLAGS.output_len, FLAGS.naive)
-  if llm.engine.config.speculative:
+  if llm.engine.config.speculative.enabled:
     result["spec_decode"] = spec_decode_summary(llm.engine.stats().spec_decode)
   return result
 
@@ -333,12 +333,13 @@ def _engine_summary(llm) -> dict[str, Any]:
   c = llm.engine.config
   return {"model": llm.engine.model_name, "dtype": r.dtype_name,
           "weight_dtype": r.weight_dtype_name, "kv_dtype": r.kv_dtype_name,
-          "quantization": c.quantization, "max_num_seqs": c.max_num_seqs,
-          "max_num_batched_tokens": c.max_num_batched_tokens,
-          "attention_block_tokens": c.attention_block_tokens,
-          "unroll_layers": c.unroll_layers, "programs": llm.engine.num_programs,
-          "speculative_method": c.speculative_method,
-          "num_speculative_tokens": c.num_speculative_tokens if c.speculative else None}
+          "quantization": c.model.quantization, "max_num_seqs": c.scheduler.max_num_seqs,
+          "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+          "attention_block_tokens": c.cache.attention_block_tokens,
+          "unroll_layers": c.model.unroll_layers, "programs": llm.engine.num_programs,
+          "speculative_method": c.speculative.speculative_method,
+          "num_speculative_tokens": (c.speculative.num_speculative_tokens
+                                     if c.speculative.enabled else None)}
 
 
 # ---- serve ----

@@ -151,7 +151,7 @@ def test_requested_quantization_keeps_checkpoint_codes(tmp_path):
 
 
 def _engine_config():
-  return EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
+  return EngineConfig.of(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=32,
                       max_num_batched_tokens=32, attention_block_tokens=16, unroll_layers=False,
                       compilation_cache=False)
 

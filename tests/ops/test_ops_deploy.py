@@ -187,7 +187,6 @@ def test_grafana_dashboard_queries_what_the_server_exports(fleet):
   """deploy/grafana: every metric a panel or variable queries is on a server's /metrics
   (two dp replicas, or a prefill and a decode worker, over fake engines, after one
   request), and the ones filtered by `replica` and `role` carry those labels."""
-  import dataclasses
   import json
   import re
 
@@ -208,14 +207,14 @@ def test_grafana_dashboard_queries_what_the_server_exports(fleet):
   exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
   exprs += [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
   if fleet == "dp":
-    config = EngineConfig(max_num_seqs=4, max_model_len=256, num_pages=64, dp=2,
+    config = EngineConfig.of(max_num_seqs=4, max_model_len=256, num_pages=64, dp=2,
                           compilation_cache=False)
-    replicas = [fake_engine(dataclasses.replace(config, dp=1)) for _ in range(2)]
+    replicas = [fake_engine(config.replace(dp=1)) for _ in range(2)]
     engine, roles = ReplicatedEngine(replicas, config=config), {"both"}
   else:
-    config = EngineConfig(max_num_seqs=4, max_model_len=256, num_pages=64, prefill_workers=1,
+    config = EngineConfig.of(max_num_seqs=4, max_model_len=256, num_pages=64, prefill_workers=1,
                           decode_workers=1, compilation_cache=False)
-    worker = dataclasses.replace(config, prefill_workers=0, decode_workers=0)
+    worker = config.replace(prefill_workers=0, decode_workers=0)
     engine = DisaggregatedEngine([fake_engine(worker)], [fake_engine(worker)], config=config)
     roles = {"prefill", "decode"}
   with InProcessServer(engine) as server:

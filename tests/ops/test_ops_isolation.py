@@ -48,7 +48,8 @@ def poison_unowned(engine) -> int:
   st = runner.state
   kv = dataclasses.replace(st.kv, k=st.kv.k.at[rows].set(jnp.nan),
                            v=st.kv.v.at[rows].set(jnp.nan))
-  free = np.array(sched.free_slots + [engine.config.max_num_seqs], np.int32)  # + dummy slot
+  dummy_slot = engine.config.scheduler.max_num_seqs
+  free = np.array(sched.free_slots + [dummy_slot], np.int32)
   vocab = engine.runner.model_cfg.vocab_size
   runner.state = dataclasses.replace(
       st, kv=kv, last_tokens=st.last_tokens.at[free].set(vocab - 1),

@@ -15,7 +15,7 @@ def test_given_options_override_the_preset():
 def test_explicit_dtype_takes_the_weights_too():
   merged = merge_engine_options(PRESET, {"dtype": "float32"})
   assert "weight_dtype" not in merged
-  assert EngineConfig(**merged).weight_dtype == "auto"  # follows dtype: float32 weights
+  assert EngineConfig.of(**merged).model.weight_dtype == "auto"  # follows dtype: float32 weights
   both = merge_engine_options(PRESET, {"dtype": "float32", "weight_dtype": "bfloat16"})
   assert both["weight_dtype"] == "bfloat16"
   assert merge_engine_options(PRESET, {"weight_dtype": "float32"})["weight_dtype"] == "float32"
@@ -29,25 +29,25 @@ def test_chosen_buckets_keep_the_cap_last():
   """A preset's bucket lists stay valid under a smaller or larger cap: entries above
   it are dropped, the cap itself is always the largest bucket."""
   preset = {"prefill_buckets": [64, 128, 256, 512], "decode_buckets": [1, 4, 8, 16, 32]}
-  c = EngineConfig(**preset)
-  assert c.prefill_token_buckets == (64, 128, 256, 512)
-  assert c.decode_batch_buckets == (1, 4, 8, 16, 32)
-  small = EngineConfig(**preset, max_num_batched_tokens=100, max_num_seqs=6)
-  assert small.prefill_token_buckets == (64, 100)
-  assert small.decode_batch_buckets == (1, 4, 6)
-  large = EngineConfig(**preset, max_num_batched_tokens=2048, max_num_seqs=64)
-  assert large.prefill_token_buckets == (64, 128, 256, 512, 2048)
-  assert large.decode_batch_buckets == (1, 4, 8, 16, 32, 64)
+  c = EngineConfig.of(**preset)
+  assert c.scheduler.prefill_token_buckets == (64, 128, 256, 512)
+  assert c.scheduler.decode_batch_buckets == (1, 4, 8, 16, 32)
+  small = EngineConfig.of(**preset, max_num_batched_tokens=100, max_num_seqs=6)
+  assert small.scheduler.prefill_token_buckets == (64, 100)
+  assert small.scheduler.decode_batch_buckets == (1, 4, 6)
+  large = EngineConfig.of(**preset, max_num_batched_tokens=2048, max_num_seqs=64)
+  assert large.scheduler.prefill_token_buckets == (64, 128, 256, 512, 2048)
+  assert large.scheduler.decode_batch_buckets == (1, 4, 8, 16, 32, 64)
   # a prefill call's chunk rows are a decode bucket: 256 tokens -> 16 rows
-  assert c.prefill_chunk_rows(256) == 16 and c.prefill_chunk_rows(64) == 4
+  assert c.scheduler.prefill_chunk_rows(256) == 16 and c.scheduler.prefill_chunk_rows(64) == 4
 
 
 def test_default_buckets_are_powers_of_two():
-  c = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32)
-  assert c.prefill_token_buckets == (16, 32, 64, 128, 256, 512)
-  assert c.decode_batch_buckets == (1, 2, 4, 8, 16, 32)
+  c = EngineConfig.of(max_num_batched_tokens=512, max_num_seqs=32)
+  assert c.scheduler.prefill_token_buckets == (16, 32, 64, 128, 256, 512)
+  assert c.scheduler.decode_batch_buckets == (1, 2, 4, 8, 16, 32)
 
 
 def test_bad_buckets_are_refused():
   with pytest.raises(ValueError, match="at least 1"):
-    EngineConfig(decode_buckets=(0, 4))
+    EngineConfig.of(decode_buckets=(0, 4))

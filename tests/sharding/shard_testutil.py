@@ -54,7 +54,7 @@ def worker_setup() -> None:
 def engine_config(**kw):
   from serving.config import EngineConfig
 
-  return EngineConfig(**{**ENGINE_KW, **kw})
+  return EngineConfig.of(**{**ENGINE_KW, **kw})
 
 
 def make_runner(loaded, **kw):
@@ -116,7 +116,7 @@ class Driver:
     from serving.types import PrefillChunk, SamplingParams, Sequence
 
     ec = self.runner.engine_cfg
-    ps, width, t = ec.page_size, ec.block_table_width, ec.prefill_token_buckets[-1]
+    ps, width, t = ec.cache.page_size, ec.block_table_width, ec.scheduler.prefill_token_buckets[-1]
     pages = [np.arange(PAGES_PER_SEQ, dtype=np.int32) + 1 + i * PAGES_PER_SEQ
              for i in range(len(prompts))]
     tables = np.zeros((len(prompts), width), np.int32)
@@ -130,14 +130,14 @@ class Driver:
                                    bucket=t)
       first.append(self._step("prefill", inp)[0])
     out = [[int(np.argmax(lg))] for lg in first]
-    b = ec.decode_batch_buckets[-1]
+    b = ec.scheduler.decode_batch_buckets[-1]
     decode_logits = []
     for _ in range(max_tokens - 1):
       self._set_last_tokens(list(range(len(prompts))), [o[-1] for o in out])
       pos = np.zeros(b, np.int32)
       lens = [len(p) + len(o) - 1 for p, o in zip(prompts, out, strict=True)]
       pos[:len(lens)] = lens
-      slots = np.full(b, ec.max_num_seqs, np.int32)  # padding rows: the dummy slot
+      slots = np.full(b, ec.scheduler.max_num_seqs, np.int32)  # padding rows: the dummy slot
       slots[:len(prompts)] = np.arange(len(prompts))
       bt = np.zeros((b, width), np.int32)
       bt[:len(prompts)] = tables

@@ -85,9 +85,9 @@ def _worker(path: str) -> None:
     return outs
 
   out = {}
-  one = build_engine(path, EngineConfig(**base))
+  one = build_engine(path, EngineConfig.of(**base))
   out["dp1_tokens"] = run(one, distinct, greedy)
-  two = build_engine(path, EngineConfig(**base, dp=2))
+  two = build_engine(path, EngineConfig.of(**base, dp=2))
   out["dp2_tokens"] = run(two, distinct, greedy)
   out["routed"] = list(two.router.routed)
   out["generated_per_replica"] = [s.generation_tokens_total for s in two.replica_stats()]
@@ -114,7 +114,7 @@ def _worker(path: str) -> None:
   out["dp1_hits"], out["dp2_hits"] = hits(one) - before1, hits(two) - before2
   out["prefix_routed"] = two.router.prefix_routed - routed2
   try:
-    build_engine(path, EngineConfig(**base, dp=8))
+    build_engine(path, EngineConfig.of(**base, dp=8))
     out["too_many"] = ""
   except ValueError as e:
     out["too_many"] = str(e)

@@ -36,14 +36,14 @@ CONFIG = dict(max_num_seqs=4, max_model_len=128, page_size=PAGE, num_pages=96,
 
 
 def _engine(config: EngineConfig, **faults) -> LLMEngine:
-  runner = FakeRunner(num_pages=config.num_pages, page_size=config.page_size,
-                      max_num_seqs=config.max_num_seqs, vocab_size=VOCAB)
+  runner = FakeRunner(num_pages=config.cache.num_pages, page_size=config.cache.page_size,
+                      max_num_seqs=config.scheduler.max_num_seqs, vocab_size=VOCAB)
   return LLMEngine(runner=FaultyRunner(runner, **faults), tokenizer=ByteTokenizer(),
                    config=config, model_name="fake")
 
 
 def pair(prefill_faults=None, decode_faults=None, decode_workers=1) -> DisaggregatedEngine:
-  config = EngineConfig(**CONFIG)
+  config = EngineConfig.of(**CONFIG)
   return DisaggregatedEngine([_engine(config, **(prefill_faults or {}))],
                              [_engine(config, **(decode_faults or {}))
                               for _ in range(decode_workers)], config=config)
@@ -195,9 +195,9 @@ def test_invalid_requests_are_refused_before_any_work():
 
 def test_config_needs_both_roles():
   with pytest.raises(ValueError, match="both prefill_workers"):
-    EngineConfig(prefill_workers=1)
+    EngineConfig.of(prefill_workers=1)
   with pytest.raises(ValueError, match="replace dp"):
-    EngineConfig(prefill_workers=1, decode_workers=1, dp=2)
+    EngineConfig.of(prefill_workers=1, decode_workers=1, dp=2)
 
 
 def test_requests_that_skip_the_prefix_cache_are_prefilled_by_the_decode_engine():

@@ -58,11 +58,11 @@ def referenced(engine) -> list[int]:
 
 @pytest.fixture(scope="module")
 def single(tiny_dir):
-  return generate(build_engine(tiny_dir, EngineConfig(**ENGINE)), PROMPTS)
+  return generate(build_engine(tiny_dir, EngineConfig.of(**ENGINE)), PROMPTS)
 
 
 def test_pair_matches_one_engine(tiny_dir, single):
-  pd = build_engine(tiny_dir, EngineConfig(**ENGINE, prefill_workers=1, decode_workers=1))
+  pd = build_engine(tiny_dir, EngineConfig.of(**ENGINE, prefill_workers=1, decode_workers=1))
   with compile_events() as events:
     assert generate(pd, PROMPTS) == single
   assert events == [], f"compiled after warm-up: {sorted(set(events))}"
@@ -78,7 +78,7 @@ def test_runner_page_copy_is_exact(tiny_dir, kv_dtype):
   from serving.runner.model_runner import ModelRunner
 
   loaded = checkpoints.load_checkpoint(tiny_dir)
-  cfg = EngineConfig(**{**ENGINE, "kv_cache_dtype": kv_dtype})
+  cfg = EngineConfig.of(**{**ENGINE, "kv_cache_dtype": kv_dtype})
   src, dst = (ModelRunner(loaded.params, loaded.config, cfg, num_pages=16, kv_transfer=True)
               for _ in range(2))
   rng = np.random.default_rng(0)
@@ -103,7 +103,7 @@ def test_prefill_worker_lost_mid_transfer(tiny_dir, single):
     made.append(faulty)
     return faulty
 
-  pd = build_engine(tiny_dir, EngineConfig(**ENGINE, prefill_workers=1, decode_workers=1),
+  pd = build_engine(tiny_dir, EngineConfig.of(**ENGINE, prefill_workers=1, decode_workers=1),
                     wrap_runner=wrap)
   got = generate(pd, [PROMPTS[2]])
   assert "prefill worker" in got[0]  # the error, not tokens

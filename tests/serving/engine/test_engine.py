@@ -40,7 +40,7 @@ def make_engine(path, **kw) -> LLMEngine:
   base = dict(max_num_seqs=4, max_model_len=MAX_LEN, page_size=8, num_pages=24,
               max_num_batched_tokens=32, attention_block_tokens=16, unroll_layers=False,
               compilation_cache=False)
-  return build_engine(path, EngineConfig(**{**base, **kw}))
+  return build_engine(path, EngineConfig.of(**{**base, **kw}))
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_no_compilation_after_warm_up(tiny_dir, speculation):
   assert stats.num_preemptions_total > 0, "pool too big: no preemption"
   assert stats.prefix_cache_hits_total > 0, "no prefix-cache hit"
   assert any(outs and outs[-1].finish_reason == "abort" for outs in results.values())
-  assert any(len(r["prompt"]) > eng.config.max_num_batched_tokens for r in reqs)
+  assert any(len(r["prompt"]) > eng.config.scheduler.max_num_batched_tokens for r in reqs)
   assert len({r["params"].max_tokens for r in reqs}) > 1
   assert len({r["arrival"] for r in reqs}) > 1
   assert any(r["params"].structured_outputs for r in reqs)

@@ -98,7 +98,7 @@ class _ForgetfulRunner(FakeRunner):
 
 
 def test_a_bug_in_the_loop_kills_the_engine_instead_of_limping_on():
-  config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=4, num_pages=32,
+  config = EngineConfig.of(max_num_seqs=2, max_model_len=64, page_size=4, num_pages=32,
                         compilation_cache=False)
   runner = _ForgetfulRunner(num_pages=32, page_size=4, max_num_seqs=2, vocab_size=300)
   engine = LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=config)
@@ -114,7 +114,7 @@ def test_a_bug_in_the_loop_kills_the_engine_instead_of_limping_on():
 
 def test_unattributed_step_failures_keep_the_engine_alive():
   runner = FakeRunner(num_pages=32, page_size=4, max_num_seqs=2, vocab_size=300)
-  config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=4, num_pages=32,
+  config = EngineConfig.of(max_num_seqs=2, max_model_len=64, page_size=4, num_pages=32,
                         compilation_cache=False)
   engine = LLMEngine(runner=FaultyRunner(runner, fail_steps=frozenset({0})),
                      tokenizer=ByteTokenizer(), config=config)

@@ -25,7 +25,7 @@ PAGE = 4
 
 
 def make_engine(*, max_loras=2, max_num_seqs=4, fail_request=None, **kw) -> LLMEngine:
-  config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=64, page_size=PAGE,
+  config = EngineConfig.of(max_num_seqs=max_num_seqs, max_model_len=64, page_size=PAGE,
                         num_pages=64, max_num_batched_tokens=32, compilation_cache=False,
                         max_loras=max_loras, **kw)
   runner = FakeRunner(num_pages=64, page_size=PAGE, max_num_seqs=max_num_seqs,

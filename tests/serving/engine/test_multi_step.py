@@ -29,7 +29,7 @@ def config(**kw) -> EngineConfig:
   base = dict(max_num_seqs=4, max_model_len=64, page_size=PAGE, num_pages=40,
               max_num_batched_tokens=16, compilation_cache=False, num_decode_steps=K,
               decode_steps_max_batch=4)
-  return EngineConfig(**{**base, **kw})
+  return EngineConfig.of(**{**base, **kw})
 
 
 class RecordingRunner(FakeRunner):
@@ -48,8 +48,8 @@ class RecordingRunner(FakeRunner):
 
 def engine(faults: dict | None = None, **kw) -> tuple[LLMEngine, RecordingRunner]:
   cfg = config(**kw)
-  inner = RecordingRunner(num_pages=cfg.num_pages, page_size=PAGE,
-                          max_num_seqs=cfg.max_num_seqs, vocab_size=300)
+  inner = RecordingRunner(num_pages=cfg.cache.num_pages, page_size=PAGE,
+                          max_num_seqs=cfg.scheduler.max_num_seqs, vocab_size=300)
   runner = FaultyRunner(inner, **faults) if faults is not None else inner
   return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=cfg), inner
 
@@ -170,7 +170,7 @@ def test_a_failed_multi_step_step_fails_only_its_request():
 
 def scheduler(**kw) -> Scheduler:
   cfg = config(**kw)
-  return Scheduler(cfg, PageAllocator(cfg.num_pages, PAGE, cfg.enable_prefix_caching))
+  return Scheduler(cfg, PageAllocator(cfg.cache.num_pages, PAGE, cfg.cache.enable_prefix_caching))
 
 
 def decoding(sched: Scheduler, rid: str, max_tokens: int = 20, **params) -> Sequence:
@@ -220,6 +220,6 @@ def test_config_validates_the_multi_step_options():
     config(num_decode_steps=0)
   with pytest.raises(ValueError, match="decode_steps_max_batch"):
     config(decode_steps_max_batch=0)
-  assert config(decode_steps_max_batch=3, decode_buckets=(1, 2, 4)).multi_step_batch_buckets \
-      == (1, 2, 4)
-  assert config(num_decode_steps=1).multi_step_batch_buckets == ()
+  capped = config(decode_steps_max_batch=3, decode_buckets=(1, 2, 4)).scheduler
+  assert capped.multi_step_batch_buckets == (1, 2, 4)
+  assert config(num_decode_steps=1).scheduler.multi_step_batch_buckets == ()

@@ -94,10 +94,10 @@ def test_merge_stats_sums_and_weights_usage_by_pages():
 # ---- ReplicatedEngine over fake engines ----
 
 def replicated(n=2, slots=4, pages=64, step_s=0.0, **kw) -> ReplicatedEngine:
-  config = EngineConfig(max_num_seqs=slots, max_model_len=128, page_size=PAGE, num_pages=pages,
+  config = EngineConfig.of(max_num_seqs=slots, max_model_len=128, page_size=PAGE, num_pages=pages,
                         compilation_cache=False, **kw)
   engines = [fake_engine(config, step_s=step_s) for _ in range(n)]
-  return ReplicatedEngine(engines, config=EngineConfig(
+  return ReplicatedEngine(engines, config=EngineConfig.of(
       max_num_seqs=slots, max_model_len=128, page_size=PAGE, num_pages=pages, dp=n,
       compilation_cache=False, **kw))
 

@@ -27,7 +27,7 @@ PAGE = 4
 def config(**kw) -> EngineConfig:
   base = dict(max_num_seqs=4, max_model_len=64, page_size=PAGE, num_pages=40,
               max_num_batched_tokens=16, compilation_cache=False)
-  return EngineConfig(**{**base, **kw})
+  return EngineConfig.of(**{**base, **kw})
 
 
 class Harness:
@@ -36,11 +36,11 @@ class Harness:
 
   def __init__(self, **kw):
     self.config = config(**kw)
-    self.allocator = PageAllocator(self.config.num_pages, PAGE,
-                                   self.config.enable_prefix_caching)
+    self.allocator = PageAllocator(self.config.cache.num_pages, PAGE,
+                                   self.config.cache.enable_prefix_caching)
     self.scheduler = Scheduler(self.config, self.allocator)
-    self.runner = FakeRunner(num_pages=self.config.num_pages, page_size=PAGE,
-                             max_num_seqs=self.config.max_num_seqs, vocab_size=300)
+    self.runner = FakeRunner(num_pages=self.config.cache.num_pages, page_size=PAGE,
+                             max_num_seqs=self.config.scheduler.max_num_seqs, vocab_size=300)
     self.inflight = None
 
   def add(self, rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
@@ -154,8 +154,8 @@ def test_the_kv_check_catches_a_page_bug():
 
 def engine(faults: dict | None = None, **kw) -> LLMEngine:
   cfg = config(**kw)
-  runner = FakeRunner(num_pages=cfg.num_pages, page_size=PAGE, max_num_seqs=cfg.max_num_seqs,
-                      vocab_size=300)
+  runner = FakeRunner(num_pages=cfg.cache.num_pages, page_size=PAGE,
+                      max_num_seqs=cfg.scheduler.max_num_seqs, vocab_size=300)
   if faults is not None:
     runner = FaultyRunner(runner, **faults)
   return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=cfg)

@@ -182,7 +182,7 @@ class _PlanRecorder(FakeRunner):
 
 
 def engine_over(tokenizer, plans, **kw):
-  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96, **kw)
+  config = EngineConfig.of(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96, **kw)
   runner = _PlanRecorder(plans, num_pages=96, page_size=4, max_num_seqs=4,
                          vocab_size=tokenizer.vocab_size)
   return LLMEngine(runner=runner, tokenizer=tokenizer, config=config)
@@ -192,7 +192,7 @@ def engine_over(tokenizer, plans, **kw):
 def test_a_failed_speculative_step_fails_only_its_request(fail_at):
   """"bad" fails in a speculative step (named by the runner): it alone ends with an error;
   "ok", in the same step, is rolled back, recomputed and ends as without speculation."""
-  config = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96,
+  config = EngineConfig.of(max_num_seqs=4, max_model_len=128, page_size=4, num_pages=96,
                         num_speculative_tokens=4, **METHODS[0])
   fake = FakeRunner(num_pages=96, page_size=4, max_num_seqs=4, vocab_size=VOCAB)
   plans = []

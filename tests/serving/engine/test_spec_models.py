@@ -89,7 +89,7 @@ def tiny_config(**kw) -> EngineConfig:
   base = dict(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=40,
               max_num_batched_tokens=16, attention_block_tokens=16, unroll_layers=False,
               compilation_cache=False, num_speculative_tokens=4)
-  return EngineConfig(**{**base, **kw})
+  return EngineConfig.of(**{**base, **kw})
 
 
 # Ragged, and more than max_num_seqs: one waits, then joins a running batch.

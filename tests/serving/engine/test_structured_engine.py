@@ -36,9 +36,9 @@ def tok(default_tokenizer):
 def make_engine(tok, runner=None, **kw):
   base = dict(max_num_seqs=4, max_model_len=256, page_size=4, num_pages=128,
               max_num_batched_tokens=16, compilation_cache=False)
-  config = EngineConfig(**{**base, **kw})
-  runner = runner or FakeRunner(num_pages=config.num_pages, page_size=config.page_size,
-                                max_num_seqs=config.max_num_seqs, vocab_size=V)
+  config = EngineConfig.of(**{**base, **kw})
+  runner = runner or FakeRunner(num_pages=config.cache.num_pages, page_size=config.cache.page_size,
+                                max_num_seqs=config.scheduler.max_num_seqs, vocab_size=V)
   return LLMEngine(runner=runner, tokenizer=tok, config=config)
 
 
@@ -172,7 +172,7 @@ def test_bad_constraints_are_refused_before_the_engine_takes_them(tok):
 def test_engines_without_structured_output_refuse_it(tok):
   runner = FakeRunner(num_pages=128, page_size=4, max_num_seqs=4, vocab_size=V)
   engine = LLMEngine(runner=runner, tokenizer=tok, structured_output=False,
-                     config=EngineConfig(max_num_seqs=4, max_model_len=256, page_size=4,
+                     config=EngineConfig.of(max_num_seqs=4, max_model_len=256, page_size=4,
                                          num_pages=128, compilation_cache=False))
   with pytest.raises(ValueError, match="not supported"):
     engine.add_request("x", "hi", SamplingParams(structured_outputs={"regex": "a"}),

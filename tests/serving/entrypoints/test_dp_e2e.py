@@ -47,7 +47,7 @@ async def _complete(url: str) -> list[str]:
 
 
 def test_two_replicas_serve_like_one_engine(tiny_dir):
-  one = build_engine(tiny_dir, EngineConfig(**ENGINE, compilation_cache=False))
+  one = build_engine(tiny_dir, EngineConfig.of(**ENGINE, compilation_cache=False))
   expected = []
   for i, p in enumerate(PROMPTS):
     outs = []

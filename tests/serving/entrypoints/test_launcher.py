@@ -21,6 +21,7 @@ from frontend_procs import (
   subprocess_env,
 )
 
+from serving.config import OPTION_GROUPS, EngineConfig
 from serving.entrypoints import flags as xlaserve_flags
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
@@ -37,31 +38,96 @@ def parsed_flags():
 def test_engine_options_layering():
   # Model preset engine block < --config preset < explicit flags.
   with flagsaver.flagsaver(model="smollm2-135m-instruct"):
-    assert xlaserve_flags.engine_config_from_flags().max_model_len == 2048  # model preset
+    assert xlaserve_flags.engine_config_from_flags().scheduler.max_model_len == 2048  # model preset
   with flagsaver.flagsaver(model="smollm2-135m-instruct", config="cpu-small", max_num_seqs=3,
                            enable_prefix_caching=False, quantization="none"):
     cfg = xlaserve_flags.engine_config_from_flags()
-  assert (cfg.max_model_len, cfg.num_pages, cfg.max_num_batched_tokens) == (512, 256, 128)
-  assert cfg.max_num_seqs == 3 and cfg.enable_prefix_caching is False
-  assert cfg.quantization is None
+  sched = cfg.scheduler
+  assert (sched.max_model_len, cfg.cache.num_pages, sched.max_num_batched_tokens) == (512, 256, 128)
+  assert cfg.scheduler.max_num_seqs == 3 and cfg.cache.enable_prefix_caching is False
+  assert cfg.model.quantization is None
 
 
 def test_explicit_dtype_flag_takes_the_weights_too():
   with flagsaver.flagsaver(model="smollm2-135m-instruct"):
-    assert xlaserve_flags.engine_config_from_flags().weight_dtype == "bfloat16"  # preset
+    assert xlaserve_flags.engine_config_from_flags().model.weight_dtype == "bfloat16"  # preset
   with flagsaver.flagsaver(model="smollm2-135m-instruct", dtype="float32"):
-    assert xlaserve_flags.engine_config_from_flags().weight_dtype == "auto"  # float32 weights
+    assert xlaserve_flags.engine_config_from_flags().model.weight_dtype == "auto"  # float32 weights
 
 
 def test_every_engine_option_has_a_flag():
-  import dataclasses
-
-  from serving.config import EngineConfig
-
-  fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  fields = set(OPTION_GROUPS)
   assert set(xlaserve_flags.ENGINE_FLAGS) == fields, (
       f"add launcher flags for {sorted(fields - set(xlaserve_flags.ENGINE_FLAGS))}, remove "
       f"{sorted(set(xlaserve_flags.ENGINE_FLAGS) - fields)}")
+
+
+# A non-default value for every engine option (as the flag parses it, as LLM(...) takes it),
+# with the options it needs alongside.
+OPTION_SAMPLES = {
+    "max_num_seqs": (3, {}), "max_model_len": (512, {}), "page_size": (32, {}),
+    "num_pages": (77, {}), "kv_cache_memory_fraction": (0.25, {}),
+    "max_num_batched_tokens": (256, {}), "enable_prefix_caching": (False, {}),
+    "attention_backend": ("xla", {}), "dtype": ("bfloat16", {}),
+    "weight_dtype": ("float32", {}), "kv_cache_dtype": ("int8", {}),
+    "quantization": ("int8", {}), "quantized_dense_copy": (True, {}),
+    "cpu_activation_bits": (8, {}), "tp": (2, {}), "ep": (2, {}), "dp": (2, {}), "pp": (2, {}),
+    "prefill_workers": (2, {"decode_workers": 1}), "decode_workers": (3, {"prefill_workers": 1}),
+    "kv_transfer_pages": (4, {}), "prefill_buckets": ((64, 256), {"max_num_batched_tokens": 256}),
+    "decode_buckets": ((1, 3), {"max_num_seqs": 3}), "attention_block_tokens": (256, {}),
+    "unroll_layers": (True, {}), "compilation_cache": (False, {}),
+    "compilation_cache_dir": ("/tmp/xlaserve-test-cache", {}), "seed": (1234, {}),
+    "step_timeout_s": (9.5, {}), "max_loras": (3, {}), "max_lora_rank": (32, {}),
+    "speculative_method": ("ngram", {}), "num_speculative_tokens": (4, {}),
+    "speculative_model": ("draft-model", {"speculative_method": "draft"}),
+    "prompt_lookup_min": (3, {}), "prompt_lookup_max": (7, {}), "speculative_max_batch": (2, {}),
+    "num_decode_steps": (4, {}), "decode_steps_max_batch": (2, {}),
+}
+
+
+def _grouped(config, name):
+  return getattr(getattr(config, OPTION_GROUPS[name]), name)
+
+
+def test_option_samples_cover_every_option():
+  assert set(OPTION_SAMPLES) == set(OPTION_GROUPS)
+  for name, (value, _) in OPTION_SAMPLES.items():
+    default = _grouped(EngineConfig(), name)
+    assert value != default, f"{name}: the sample must differ from the default {default!r}"
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_SAMPLES))
+def test_every_flag_lands_in_its_group(name):
+  value, companions = OPTION_SAMPLES[name]
+  as_flags = {k: list(map(str, v)) if isinstance(v, tuple) else v
+              for k, v in {name: value, **companions}.items()}
+  with flagsaver.flagsaver(model="fake", **as_flags):
+    config = xlaserve_flags.engine_config_from_flags()
+  assert _grouped(config, name) == value
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_SAMPLES))
+def test_every_llm_keyword_lands_in_its_group(name, monkeypatch):
+  from serving.entrypoints import llm as llm_module
+
+  built = {}
+
+  def capture(model, config, lora_modules=None):
+    built["config"] = config
+    return object()
+
+  monkeypatch.setattr(llm_module, "build_engine", capture)
+  value, companions = OPTION_SAMPLES[name]
+  llm_module.LLM("fake", **{name: value, **companions})
+  assert _grouped(built["config"], name) == value
+
+
+def test_an_unknown_llm_keyword_is_refused(monkeypatch):
+  from serving.entrypoints import llm as llm_module
+
+  monkeypatch.setattr(llm_module, "build_engine", lambda *a, **k: object())
+  with pytest.raises(TypeError, match="max_num_sequences"):
+    llm_module.LLM("fake", max_num_sequences=4)
 
 
 def test_config_preset_from_path_and_errors(tmp_path):
@@ -69,7 +135,7 @@ def test_config_preset_from_path_and_errors(tmp_path):
   path.write_text(json.dumps({"max_num_seqs": 5, "page_size": 32, "max_model_len": 256}))
   with flagsaver.flagsaver(model="fake", config=str(path)):
     cfg = xlaserve_flags.engine_config_from_flags()
-  assert (cfg.max_num_seqs, cfg.page_size) == (5, 32)
+  assert (cfg.scheduler.max_num_seqs, cfg.cache.page_size) == (5, 32)
   with flagsaver.flagsaver(config="no-such-preset"), pytest.raises(app.UsageError):
     xlaserve_flags.engine_config_from_flags()
   path.write_text(json.dumps({"max_num_sequences": 5}))
@@ -84,7 +150,7 @@ def test_flagfile(tmp_path):
   path.write_text("--config=cpu-small\n--max_num_seqs=2\n--model=fake\n")
   flags.FLAGS(["xlaserve", f"--flagfile={path}"])
   cfg = xlaserve_flags.engine_config_from_flags()
-  assert (cfg.max_num_seqs, cfg.max_model_len) == (2, 512)
+  assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len) == (2, 512)
 
 
 def _run(*args: str, timeout: float = 60, engine: str | None = None
@@ -103,10 +169,10 @@ def test_usage_errors():
 def test_lora_flags():
   with flagsaver.flagsaver(model="fake", lora_modules=["a=/x/a", "b=/x/b"]):
     assert xlaserve_flags.lora_modules_from_flags() == {"a": "/x/a", "b": "/x/b"}
-    assert xlaserve_flags.engine_config_from_flags().max_loras == 2  # one slot per adapter
+    assert xlaserve_flags.engine_config_from_flags().lora.max_loras == 2  # one slot per adapter
   with flagsaver.flagsaver(model="fake", lora_modules=["a=/x"], max_loras=3, max_lora_rank=64):
     cfg = xlaserve_flags.engine_config_from_flags()
-    assert (cfg.max_loras, cfg.max_lora_rank) == (3, 64)
+    assert (cfg.lora.max_loras, cfg.lora.max_lora_rank) == (3, 64)
   for bad in (["a"], ["=p"], ["a=/x", "a=/y"]):
     with flagsaver.flagsaver(lora_modules=bad), pytest.raises(app.UsageError):
       xlaserve_flags.lora_modules_from_flags()

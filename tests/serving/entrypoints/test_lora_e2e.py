@@ -32,7 +32,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 def served(tmp_path_factory):
   require_real_model()
   root = tmp_path_factory.mktemp("adapters")
-  config = EngineConfig(**{**DEFAULT_MODEL_TEST_CONFIG, "max_loras": 2, "max_lora_rank": 8})
+  config = EngineConfig.of(**{**DEFAULT_MODEL_TEST_CONFIG, "max_loras": 2, "max_lora_rank": 8})
   engine = build_engine(DEFAULT_MODEL, config)
   cfg = engine.runner.source_cfg
   paths = {}

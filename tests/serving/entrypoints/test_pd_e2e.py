@@ -45,7 +45,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_dir):
-  one = build_engine(tiny_dir, EngineConfig(**ENGINE, compilation_cache=False))
+  one = build_engine(tiny_dir, EngineConfig.of(**ENGINE, compilation_cache=False))
   out = {}
   for i, p in enumerate([*PROMPTS, LONG]):
     got = []

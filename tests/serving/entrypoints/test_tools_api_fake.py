@@ -47,7 +47,7 @@ class EchoTemplateTokenizer(ByteTokenizer):
 
 @pytest.fixture(scope="module")
 def server():
-  config = EngineConfig(max_num_seqs=4, max_model_len=512, num_pages=128, page_size=16,
+  config = EngineConfig.of(max_num_seqs=4, max_model_len=512, num_pages=128, page_size=16,
                         compilation_cache=False)
   runner = FakeRunner(num_pages=128, page_size=16, max_num_seqs=4, vocab_size=300)
   tok = EchoTemplateTokenizer()

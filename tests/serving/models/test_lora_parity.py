@@ -34,7 +34,7 @@ def test_lora_matches_peft(family, tmp_path):
   refs = {None: base}
   for i, (name, kw) in enumerate(specs.items()):
     refs[name] = save_random_adapter(base, str(tmp_path / name), seed=10 + i, scale=0.5, **kw)
-  config = EngineConfig(max_num_seqs=8, max_model_len=96, page_size=8, num_pages=96,
+  config = EngineConfig.of(max_num_seqs=8, max_model_len=96, page_size=8, num_pages=96,
                         max_num_batched_tokens=32, attention_block_tokens=16,
                         unroll_layers=family == "smollm2", compilation_cache=False,
                         max_loras=3, max_lora_rank=8)
@@ -72,7 +72,7 @@ def test_prefix_cache_is_keyed_by_adapter(tmp_path):
   its second run reuses its own."""
   base = save_tiny_model("llama", str(tmp_path / "base"))
   ref = save_random_adapter(base, str(tmp_path / "a"), rank=4, seed=3, scale=0.5)
-  config = EngineConfig(max_num_seqs=2, max_model_len=96, page_size=8, num_pages=48,
+  config = EngineConfig.of(max_num_seqs=2, max_model_len=96, page_size=8, num_pages=48,
                         max_num_batched_tokens=32, attention_block_tokens=16,
                         unroll_layers=False, compilation_cache=False, max_loras=1,
                         max_lora_rank=4, enable_prefix_caching=True)

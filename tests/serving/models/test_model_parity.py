@@ -26,7 +26,7 @@ def engine_config(**kw) -> EngineConfig:
   base = dict(max_num_seqs=4, max_model_len=96, page_size=8, num_pages=64,
               max_num_batched_tokens=32, attention_block_tokens=16, unroll_layers=False,
               compilation_cache=False)
-  return EngineConfig(**{**base, **kw})
+  return EngineConfig.of(**{**base, **kw})
 
 
 

@@ -30,7 +30,7 @@ def test_bf16_weights_f32_compute_quality_and_bytes(smollm):
   runners = {}
   for name, kw in (("f32", {}), ("bf16w", {"weight_dtype": "bfloat16"})):
     cfg = qt.eval_config(**kw)
-    runners[name] = ModelRunner(smollm.params, smollm.config, cfg, num_pages=cfg.num_pages)
+    runners[name] = ModelRunner(smollm.params, smollm.config, cfg, num_pages=cfg.cache.num_pages)
   r = runners["bf16w"]
   assert (r.dtype_name, r.weight_dtype_name, r.kv_dtype_name) == ("float32", "bfloat16",
                                                                    "float32")
@@ -43,4 +43,4 @@ def test_bf16_weights_f32_compute_quality_and_bytes(smollm):
 
 def test_weight_dtype_is_validated():
   with pytest.raises(ValueError, match="weight_dtype"):
-    EngineConfig(weight_dtype="float16")
+    EngineConfig.of(weight_dtype="float16")

@@ -107,7 +107,7 @@ def test_batched_prefill_matches_dense(window, h):
   """A step's chunks in one call (the engine's path): packed rows, per-chunk query
   blocks (one chunk spans two), chunks starting mid-sequence, NaN everywhere else."""
   rng = np.random.default_rng(3)
-  config = EngineConfig(page_size=4, max_model_len=128, attention_block_tokens=8,
+  config = EngineConfig.of(page_size=4, max_model_len=128, attention_block_tokens=8,
                         max_num_batched_tokens=128, max_num_seqs=8)
   nk, g = 2, 2
   kv_lens, q_lens = [6, 13, 70, 4, 1], [2, 5, 70, 4, 1]

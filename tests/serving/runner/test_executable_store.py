@@ -41,7 +41,7 @@ def toy_store_writes(monkeypatch):
 
 
 def make_engine(path, cache_dir) -> LLMEngine:
-  cfg = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=24,
+  cfg = EngineConfig.of(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=24,
                      max_num_batched_tokens=16, unroll_layers=False,
                      compilation_cache_dir=str(cache_dir))
   return build_engine(path, cfg)

@@ -7,7 +7,7 @@ from serving.config import EngineConfig
 from serving.runner.inputs import build_prefill_input, pack_prefill_chunks, prefill_bucket
 from serving.types import PrefillChunk, SamplingParams, Sequence
 
-CONFIG = EngineConfig(max_num_seqs=8, max_model_len=128, page_size=4, max_num_batched_tokens=64)
+CONFIG = EngineConfig.of(max_num_seqs=8, max_model_len=128, page_size=4, max_num_batched_tokens=64)
 
 
 def chunk(i: int, start: int, end: int, *, sample: bool = True, prompt: int | None = None,
@@ -22,8 +22,9 @@ def chunk(i: int, start: int, end: int, *, sample: bool = True, prompt: int | No
 
 def test_chunk_rows_per_bucket():
   # One chunk row per 16 tokens, as a decode batch bucket, up to max_num_seqs.
-  assert [CONFIG.prefill_chunk_rows(t) for t in CONFIG.prefill_token_buckets] == [1, 2, 4]
-  assert EngineConfig(max_num_seqs=6).prefill_chunk_rows(512) == 6
+  sched = CONFIG.scheduler
+  assert [sched.prefill_chunk_rows(t) for t in sched.prefill_token_buckets] == [1, 2, 4]
+  assert EngineConfig.of(max_num_seqs=6).scheduler.prefill_chunk_rows(512) == 6
 
 
 def test_packing_splits_only_past_the_largest_bucket():
@@ -43,7 +44,7 @@ def test_call_layout():
   inp, ids = build_prefill_input(chunks, CONFIG)
   assert ids == ["r1", "r2"]  # the chunk that stops mid-prompt samples nothing
   assert inp.tokens.shape == (64,) and inp.cu_q_lens.tolist()[:4] == [0, 5, 10, 13]
-  dummy = CONFIG.max_num_seqs
+  dummy = CONFIG.scheduler.max_num_seqs
   np.testing.assert_array_equal(inp.positions[:13], [0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 0, 1, 2])
   np.testing.assert_array_equal(inp.token_slots, [0] * 5 + [1] * 5 + [2] * 3 + [dummy] * 51)
   np.testing.assert_array_equal(inp.lora_rows, [-1] * 5 + [2] * 5 + [-1] * 54)

@@ -27,7 +27,7 @@ def config(**kw) -> EngineConfig:
   base = dict(max_num_seqs=2, max_model_len=128, page_size=8, num_pages=40,
               max_num_batched_tokens=32, attention_block_tokens=16, dtype="float32",
               compilation_cache=False)
-  return EngineConfig(**{**base, **kw})
+  return EngineConfig.of(**{**base, **kw})
 
 
 def count_multi_steps(engine) -> list[int]:

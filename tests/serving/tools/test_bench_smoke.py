@@ -54,7 +54,7 @@ def tiny_llm(tmp_path_factory):
 
   path = str(tmp_path_factory.mktemp("bench_tiny"))
   save_tiny_model("llama", path)
-  config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
+  config = EngineConfig.of(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
                         max_num_batched_tokens=32, attention_block_tokens=16,
                         unroll_layers=False, compilation_cache=False)
   return LLM(engine=build_engine(path, config, wrap_runner=bench.StepTimer))
@@ -87,7 +87,7 @@ def test_breakdown_with_speculation(tmp_path):
   from serving.entrypoints.llm import LLM
 
   save_tiny_model("llama", str(tmp_path))
-  config = EngineConfig(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=40,
+  config = EngineConfig.of(max_num_seqs=2, max_model_len=64, page_size=8, num_pages=40,
                         max_num_batched_tokens=16, attention_block_tokens=16,
                         unroll_layers=False, compilation_cache=False, num_speculative_tokens=3,
                         speculative_method="draft", speculative_model=str(tmp_path))
