@@ -10,6 +10,7 @@ versions come from the installed packages' metadata.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -72,10 +73,15 @@ def versions() -> dict[str, str | None]:
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-  """The command as typed: `python <script> <args>` (shell-quoted)."""
+  """The command as typed (shell-quoted): `python <script> <args>` for a script (its
+  path relative to the checkout), `<program> <args>` for a console script (`xlaserve`)."""
   argv = list(sys.argv if argv is None else argv)
-  script = os.path.relpath(argv[0], REPO_ROOT) if argv and os.path.isabs(argv[0]) else argv[0]
-  return shlex.join(["python", script, *argv[1:]])
+  program, rest = argv[0], argv[1:]
+  if not program.endswith(".py"):
+    return shlex.join([os.path.basename(program), *rest])
+  if os.path.isabs(program) and program.startswith(REPO_ROOT + os.sep):
+    program = os.path.relpath(program, REPO_ROOT)
+  return shlex.join(["python", program, *rest])
 
 
 def record_path(name: str, when: datetime.datetime, results_dir: str) -> str:
@@ -112,3 +118,21 @@ def write_record(name: str, command: str, setup: Mapping[str, Any], figures: Map
     f.write("\n")
   print(f"run record: {path}", flush=True)
   return path
+
+
+def add_flags(parser: argparse.ArgumentParser, record_by_default: bool = True) -> None:
+  """`--record` / `--no-record` and `--results_dir`, for a benchmark script's parser."""
+  parser.add_argument("--record", action=argparse.BooleanOptionalAction,
+                      default=record_by_default,
+                      help="write a run record (JSON) into --results_dir")
+  parser.add_argument("--results_dir", default=RESULTS_DIR, help="where run records go")
+
+
+def record_args(name: str, args: argparse.Namespace, figures: Mapping[str, Any],
+                skip: Sequence[str] = ()) -> str | None:
+  """`write_record` with a script's parsed arguments as the setup, when `args.record`
+  -> the record's path (None when not recording)."""
+  if not args.record:
+    return None
+  setup = {k: v for k, v in vars(args).items() if k not in ("record", "results_dir", *skip)}
+  return write_record(name, command_line(), setup, figures, results_dir=args.results_dir)

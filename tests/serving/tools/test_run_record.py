@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -46,3 +47,17 @@ def test_command_line_is_relative_to_the_repository():
   script = f"{run_record.REPO_ROOT}/benchmarks/quant_bench.py"
   assert (run_record.command_line([script, "--formats", "f32,int8", "--note", "a b"])
           == "python benchmarks/quant_bench.py --formats f32,int8 --note 'a b'")
+  assert (run_record.command_line(["/venv/bin/xlaserve", "bench", "offline", "--record"])
+          == "xlaserve bench offline --record")
+
+
+def test_record_args_uses_the_parsed_flags_as_setup(tmp_path):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--port", type=int, default=8000)
+  run_record.add_flags(parser)
+  args = parser.parse_args(["--reps", "2", f"--results_dir={tmp_path}"])
+  path = run_record.record_args("flags_bench", args, {"tok_s": 1.0}, skip=("port",))
+  record = json.loads(open(path, encoding="utf-8").read())
+  assert record["setup"] == {"reps": 2} and record["figures"] == {"tok_s": 1.0}
+  assert run_record.record_args("flags_bench", parser.parse_args(["--no-record"]), {}) is None
