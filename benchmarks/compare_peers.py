@@ -31,9 +31,11 @@ output length (`ignore_eos`, greedy) for everyone, in one run:
      records each server's RSS again after the sweeps.
   4. Runs transformers `generate` in a subprocess per dtype (float32, bfloat16):
      one request alone (TTFT, decode tok/s) and one static batch of the top level.
-  5. Writes medians and ratios (ours / peer) between the markers of `--doc`
-     (docs/performance.md; a section with the markers is appended when they are
-     absent) and everything to `--json`.
+  5. Prints medians and ratios (ours / peer) as a table, writes a run record
+     (benchmarks/results/<date>-compare_peers.json: date, machine, commit, command,
+     setup, every system's medians and per-repeat figures; `--no-record` skips it,
+     `--results_dir` puts it elsewhere) and the raw results to `--json`. It edits no
+     docs: docs/performance.md quotes the records.
 
 MBU (model bandwidth utilisation) counts weight bytes only: bytes of weights read
 per decode step (xlaserve: its start-up log line 'Weights: X MiB'; llama.cpp: the
@@ -59,14 +61,12 @@ import subprocess
 import sys
 import time
 
-from serving.tools import bench, bench_serve
+from serving.tools import bench, bench_serve, run_record
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_server  # noqa: E402 (benchmarks/ is not a package)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-BEGIN, END = "<!-- compare_peers:begin -->", "<!-- compare_peers:end -->"
 
 
 def parse_args() -> argparse.Namespace:
@@ -100,8 +100,8 @@ def parse_args() -> argparse.Namespace:
                  help="time a second start of each server (warm compilation cache)")
   p.add_argument("--merge", action="store_true",
                  help="merge into the results already in --json (e.g. two partial runs)")
-  p.add_argument("--json", default="/tmp/compare_peers.json")
-  p.add_argument("--doc", default=os.path.join(ROOT, "docs", "performance.md"))
+  p.add_argument("--json", default="/tmp/compare_peers.json", help="raw results (every request)")
+  run_record.add_flags(p)
   p.add_argument("--hf_worker", default=None, help=argparse.SUPPRESS)
   return p.parse_args()
 
@@ -460,16 +460,30 @@ def _ratio(a, b) -> str:
   return f"{a / b:.2f}×"
 
 
-def write_doc(path: str, text: str) -> None:
-  """Replaces the text between the markers (appends a section when they are absent)."""
-  doc = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Performance\n"
-  block = f"{BEGIN}\n{text}\n{END}"
-  if BEGIN in doc and END in doc:
-    doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-  else:
-    doc = doc.rstrip() + "\n\n## Side by side with the peers\n\n" + block + "\n"
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(doc)
+PER_REPEAT_KEYS = ("output_tok_s", "ttft_p50", "ttft_p95", "tpot_p50", "errors")
+
+
+def record_setup(args, date: str) -> dict:
+  """What the run measured, for its record."""
+  return {"model": args.model, "measured": date, "levels": args.levels,
+          "repeats": args.repeats, "input_len": args.input_len, "output_len": args.output_len,
+          "xlaserve_variants": args.ours or ["xlaserve="], "attached": args.attach,
+          "xlaserve_kv_tokens": args.xlaserve_kv_tokens, "hf_dtypes": args.hf_dtypes,
+          "llama_server": not args.skip_llama_server, "llama_cpp_python": not args.skip_llama_cpp,
+          "restart": args.restart}
+
+
+def record_figures(saved: dict) -> dict:
+  """Medians per system and each repeat's sweep, for the run record."""
+  per_repeat = {name: [[{"concurrency": row["concurrency"], **{k: row.get(k) for k in
+                                                             PER_REPEAT_KEYS}}
+                        for row in run] for run in res.get("runs", [])]
+                for name, res in saved.get("servers", {}).items()}
+  return {"copy_gb_s": saved.get("copy_gb_s"), "ours": saved.get("ours_names", []),
+          "systems": saved.get("figures", {}), "per_repeat": per_repeat,
+          "ready_s": {name: {"first_start": res.get("ready_s"),
+                             "restart": res.get("ready_warm_s")}
+                      for name, res in saved.get("servers", {}).items()}}
 
 
 def main() -> None:
@@ -511,7 +525,9 @@ def main() -> None:
   args.ours_names = saved["ours_names"]
   text = table(saved["figures"], levels[-1], date, args, saved.get("copy_gb_s"))
   print(text, flush=True)
-  write_doc(args.doc, text)
+  if args.record:
+    run_record.write_record("compare_peers", run_record.command_line(), record_setup(args, date),
+                            record_figures(saved), results_dir=args.results_dir)
 
 
 def _load(path: str) -> dict:

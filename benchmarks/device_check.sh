@@ -7,7 +7,8 @@
 #    8 kv heads, head dim 128, bf16, batch 64, context 2048) for ref and gpu,
 #    decode at batch 4 (split-K), a ragged prefill (8 x 2048 tokens) for the
 #    gpu kernel, and a small block-size sweep while time remains.
-# Writes everything and a summary to $OUT (default ./device_check_out).
+# Writes everything and a summary to $OUT (default ./device_check_out); the
+# benchmarks' run records go to $OUT/results (copy them into benchmarks/results/).
 # Needs a jax with CUDA support (jax[cuda12]) in the active environment.
 # Budget: < 8 minutes in all. The tests get at most 240 s; each benchmark gets
 # at most 120 s and never more than what is left of a 450 s budget (the rest
@@ -50,7 +51,8 @@ bench() {  # name, then kernel_bench.py arguments; skipped when the budget is sp
     return
   fi
   [ "$left" -gt 120 ] && left=120
-  if ! timeout "$left" python benchmarks/kernel_bench.py --output "$out/$name.json" "$@" \
+  if ! timeout "$left" python benchmarks/kernel_bench.py --output "$out/$name.json" \
+      --results_dir "$out/results" "$@" \
       > "$out/$name.txt" 2>&1; then
     status=1
   fi

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import BlockSizes, paged_decode_attention, ragged_paged_attention
+from serving.tools import run_record
 
 PEAK_GBPS = {"cpu": 27.0, "gpu": 4300.0}  # gpu: H200 measured copy bandwidth
 PEAK_TFLOPS = {"cpu": 0.08, "gpu": 790.0}  # cpu: f32 GEMM in jax; gpu: H200 bf16 dense
@@ -125,6 +126,7 @@ def main():
   parser.add_argument("--peak_gbps", type=float, default=PEAK_GBPS.get(backend, 27.0))
   parser.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS.get(backend, 0.08))
   parser.add_argument("--output", default="", help="write the results as JSON here")
+  run_record.add_flags(parser)
   opts = parser.parse_args()
   shape = {name: getattr(opts, name) for name in defaults}
   shape["dtype"] = jnp.dtype(shape["dtype"])
@@ -157,6 +159,13 @@ def main():
                   block_sizes=str(block_sizes or "tuned"), results=rows)
     with open(opts.output, "w") as f:
       json.dump(record, f, indent=2)
+  if opts.record:
+    setup = dict(op=opts.op, device=device, backend=backend, impls=opts.impls,
+                 interpret=opts.interpret, shape={k: str(v) for k, v in shape.items()},
+                 reps=opts.reps, block_sizes=str(block_sizes or "tuned"),
+                 peak=f"{peak:g} {unit}")
+    run_record.write_record("kernel_bench", run_record.command_line(), setup, {"impls": rows},
+                            results_dir=opts.results_dir)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ concurrent, in rounds that alternate the order of:
   * `1 adapter`: every request on adapter a;
   * `4 adapters`: 8 requests on each of a, b, c, d at once.
 Medians of output tok/s and TTFT / TPOT p50 per case, and the ratio to the
-no-LoRA server, are printed and written to `--json`.
+no-LoRA server, are printed, written as a run record (benchmarks/results/<date>-
+lora_bench_<what>.json; `--no-record` skips it) and to `--json`.
 """
 
 from __future__ import annotations
@@ -153,10 +154,12 @@ def main() -> None:
   p.add_argument("--output_len", type=int, default=128)
   p.add_argument("--port", type=int, default=8310)
   p.add_argument("--json", default=None)
+  from serving.tools import bench_serve, run_record
+  run_record.add_flags(p)
   args = p.parse_args()
   result = bench_kernels(args) if args.what == "kernels" else bench_serve_cases(args)
-  from serving.tools import bench_serve
   bench_serve.save_record(args.json, args, result)
+  run_record.record_args(f"lora_bench_{args.what}", args, result, skip=("json", "port"))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ is taken side by side with its comparison on the same noisy machine:
 - 32-concurrent output tok/s: 32 distinct 128-token prompts, 128 output tokens
   each, `ignore_eos`, greedy, prefix caching off.
 
-Medians over the rounds are printed as a table and as JSON (`--output`).
+Medians over the rounds are printed as a table, written as a run record
+(benchmarks/results/<date>-quant_bench.json; `--no-record` skips it) and as JSON
+with every round (`--output`).
 
   PYTHONPATH=. python benchmarks/quant_bench.py [--formats f32,bf16,int8,int4,int8+kv8] \
     [--reps 3] [--b1_only] [--output results.json]
@@ -33,6 +35,7 @@ import numpy as np
 
 from kernels_cpu import matvec
 from serving import LLM, SamplingParams
+from serving.tools import run_record
 
 FORMATS = {
     "f32": dict(dtype="float32", weight_dtype="float32"),
@@ -111,6 +114,7 @@ def main() -> None:
   ap.add_argument("--output_len", type=int, default=128)
   ap.add_argument("--b1_only", action="store_true", help="skip the concurrent workload")
   ap.add_argument("--output", default=None, help="write the results as JSON here")
+  run_record.add_flags(ap)
   args = ap.parse_args()
   formats = args.formats.split(",")
   llms, startup = {}, {}
@@ -151,6 +155,8 @@ def _report(results: dict, args) -> None:
   if args.output:
     with open(args.output, "w", encoding="utf-8") as f:
       json.dump({"meta": meta, "results": results}, f, indent=1)
+  run_record.record_args("quant_bench", args, {"backend": jax.default_backend(),
+                                               "formats": results}, skip=("output",))
 
 
 if __name__ == "__main__":

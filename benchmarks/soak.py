@@ -13,9 +13,10 @@ seconds, then waits for the server to go idle and reports:
 
 The report is JSON (stdout and `--output`); the exit code is 1 when a bound
 is broken (`--max_rss_growth_mib`, `--max_latency_drift`, any error, pages
-left in use). For the record run it for 30 minutes; CI runs 30-60 s:
+left in use). For the record run it for 30 minutes with `--record` (a run record in
+benchmarks/results/<date>-soak.json); CI runs 60 s (tests/ops/test_ops_load.py):
 
-  python benchmarks/soak.py --duration_s=1800 --concurrency=8 --output=soak.json
+  python benchmarks/soak.py --duration_s=1800 --concurrency=8 --record
   python benchmarks/soak.py --url=http://127.0.0.1:8000 --pid=1234 --duration_s=60
 """
 
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   ap.add_argument("--max_rss_growth_mib", type=float, default=256.0)
   ap.add_argument("--max_latency_drift", type=float, default=2.0)
   ap.add_argument("--output", help="also write the JSON report here")
+  ap.add_argument("--record", action="store_true",
+                  help="also write a run record into --results_dir (the record run)")
+  ap.add_argument("--results_dir", default=None,
+                  help="where run records go (default: benchmarks/results)")
   return ap.parse_args(argv)
 
 
@@ -257,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.output:
     with open(args.output, "w", encoding="utf-8") as f:
       f.write(text + "\n")
+  if args.record:  # imported here: CI runs this script without the package on its path
+    from serving.tools import run_record
+
+    args.results_dir = args.results_dir or run_record.RESULTS_DIR
+    run_record.record_args("soak", args, out,
+                           skip=("url", "pid", "output", "served_model_name"))
   return 0 if out["passed"] else 1
 
 

@@ -371,12 +371,14 @@ def main() -> None:
                  help="smoke run: 1 round, 2 prompts per case, 8 concurrent, 32 tokens")
   p.add_argument("--port", type=int, default=8330)
   p.add_argument("--json", default=None)
+  from serving.tools import bench_serve, run_record
+  run_record.add_flags(p)
   args = p.parse_args()
   if args.quick:
     args.repeats = 1
   result = bench(args)
-  from serving.tools import bench_serve
   bench_serve.save_record(args.json, args, result)
+  run_record.record_args("spec_bench", args, result, skip=("json", "port"))
 
 
 if __name__ == "__main__":

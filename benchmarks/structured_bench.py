@@ -98,10 +98,12 @@ def main() -> None:
   p.add_argument("--output_len", type=int, default=128)
   p.add_argument("--port", type=int, default=8320)
   p.add_argument("--json", default=None)
+  from serving.tools import bench_serve, run_record
+  run_record.add_flags(p)
   args = p.parse_args()
   result = bench(args)
-  from serving.tools import bench_serve
   bench_serve.save_record(args.json, args, result)
+  run_record.record_args("structured_bench", args, result, skip=("json", "port"))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Layout of a directory written by `save_orbax`:
                                            restored with `ocp.StandardCheckpointer`
   tokenizer/                               tokenizer.json + tokenizer_config.json
 
-Weight-quantized params (`serving.quant.QuantizedWeight` leaves) are saved
+Weight-quantized params (`serving.models.quantized.QuantizedWeight` leaves) are saved
 as plain `{q, scale[, offset]}` dicts with their kinds and group sizes in the
 marker's "quantization" entry (checkpoints/quantize.py), and come back as
 QuantizedWeights. Loading needs no dequantization or transposes, and `load_orbax` can restore

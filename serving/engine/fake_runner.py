@@ -1,6 +1,6 @@
 """`FakeRunner`: the engine's Runner interface with hand-computable tokens and no jax.
 
-It stands in for `serving.runner.ModelRunner` wherever the device is not the
+It stands in for `serving.runner.model_runner.ModelRunner` wherever the device is not the
 thing under test (scheduler and engine tests, front-end servers) and runs a
 step in microseconds. It keeps the device's bookkeeping on the host, so the
 tests exercise the same contract a real runner relies on:

@@ -2,7 +2,7 @@
 
 The engine decides *what* runs (a `StepPlan` from the scheduler); a runner
 decides *how*: it turns the plan into fixed-shape device arrays, dispatches
-the jitted steps and reports what was sampled. `serving.runner.ModelRunner`
+the jitted steps and reports what was sampled. `serving.runner.model_runner.ModelRunner`
 is the real one; `serving.engine.fake_runner.FakeRunner` computes tokens by
 hand with no jax, for scheduler, engine and front-end tests. Multi-host
 lock-step and the benchmark's step timer wrap a runner through this same

@@ -8,7 +8,7 @@ Lifecycle of one request:
      handed to the event loop with `call_soon_threadsafe` (never blocking the
      engine thread) and lands in the request's `asyncio.Queue`.
   3. The caller iterates the `RequestStream`; latencies are observed in
-     `serving.metrics` as deltas arrive. The stream ends after the delta whose
+     `serving.entrypoints.metrics` as deltas arrive. The stream ends after the delta whose
      `finish_reason` is set.
   4. If the caller stops early (task cancelled, client gone, deadline passed),
      `RequestStream.abort()` (called by `generate()` / `async with`) calls

@@ -8,7 +8,7 @@ Two sources, one per-server `CollectorRegistry` (no global state):
      stale and costs nothing between scrapes.
   2. Per-request latencies (time to first token, inter-token latency, time per
      output token, end-to-end) and `request_success_total{finish_reason}` are
-     observed by the async front end (`serving.async_engine`) through a
+     observed by the async front end (`serving.entrypoints.async_engine`) through a
      `RequestTimer` per request.
 """
 

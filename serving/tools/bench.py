@@ -8,7 +8,10 @@ The standard workload: `input_len`-token distinct prompts (random words that
 re-encode to exactly `input_len` tokens), `output_len` output tokens,
 `ignore_eos`, greedy. Engine options are the launcher's flags (`--dtype`,
 `--max_num_seqs`, `--quantization`, ...). Results print as one JSON object
-and go to `--result_json` when given; `serve` also draws `--plot`.
+and go to `--result_json` when given; `--record` also writes them as a run
+record (benchmarks/results/<date>-bench_<subcommand>.json, with the date, the
+machine, the commit and the command; serving/tools/run_record.py); `serve`
+also draws `--plot`.
 
 `offline` runs the prompts through `LLM.generate` (continuous batching);
 `--naive` runs them one request at a time. `--breakdown` times each step's
@@ -31,7 +34,7 @@ from typing import Any
 
 from absl import flags
 
-from serving.tools import bench_serve
+from serving.tools import bench_serve, run_record
 
 FLAGS = flags.FLAGS
 SUBCOMMANDS = ("offline", "serve", "roofline")
@@ -44,6 +47,10 @@ flags.DEFINE_bool("naive", False, "bench offline: one request at a time.")
 flags.DEFINE_bool("breakdown", False, "bench offline: time host / device / detokenize parts.")
 flags.DEFINE_string("profile_dir", None, "bench offline: write a jax.profiler trace here.")
 flags.DEFINE_string("result_json", None, "bench: write the results here as JSON.")
+flags.DEFINE_bool("record", False, "bench: also write a run record (JSON: date, machine, "
+                  "commit, command, figures) into --record_dir.")
+flags.DEFINE_string("record_dir", None, "bench: where --record writes (default: the "
+                    "checkout's benchmarks/results).")
 flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "bench serve: endpoint base URL.")
 flags.DEFINE_string("served_model", None, "bench serve: model id (default: first of /v1/models).")
 flags.DEFINE_string("tokenizer", None, "bench serve: model whose tokenizer sizes the prompts "
@@ -471,4 +478,9 @@ def main(argv: Sequence[str]) -> int:
   if FLAGS.result_json:
     with open(FLAGS.result_json, "w", encoding="utf-8") as f:
       f.write(text + "\n")
+  if FLAGS.record:
+    setup = {"subcommand": args[0], "model": FLAGS.model, "num_prompts": FLAGS.num_prompts,
+             "input_len": FLAGS.input_len, "output_len": FLAGS.output_len}
+    run_record.write_record(f"bench_{args[0]}", run_record.command_line(), setup,
+                            json.loads(text), results_dir=FLAGS.record_dir)
   return 0

@@ -72,7 +72,7 @@ def test_sharded_layouts_match(family, result):
 
 @pytest.mark.parametrize("family", list(LAYOUTS))
 def test_hf_read_per_device_block(family, result):
-  assert result[family]["hf_sliced_equal"]  # sharding.hf_slices at the last layout
+  assert result[family]["hf_sliced_equal"]  # checkpoints.hf_sharded at the last layout
 
 
 @pytest.mark.parametrize("family", list(LAYOUTS))

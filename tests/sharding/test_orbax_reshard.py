@@ -1,7 +1,7 @@
 """An orbax checkpoint saved from a tp=2 mesh restores onto tp=4 with identical outputs.
 
 The worker (8 simulated CPU devices) serves a tiny Llama at tp=2, saves the
-runner's sharded params with `sharding.checkpoint.save_sharded`, restores
+runner's sharded params with `checkpoints.sharded.save_sharded`, restores
 them with `restore_sharded` straight onto a tp=4 mesh (each device reads
 its own slice), checks the restored shardings, and serves again at tp=4.
 """
@@ -32,7 +32,7 @@ def test_restored_onto_tp4(result):
 
 
 def test_hf_read_per_device_block(result):
-  assert result["hf_sliced_equal"]  # sharding.hf_slices onto the tp=4 mesh
+  assert result["hf_sliced_equal"]  # checkpoints.hf_sharded onto the tp=4 mesh
 
 
 def test_outputs_identical(result):
