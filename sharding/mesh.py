@@ -40,11 +40,11 @@ class ParallelConfig:
     return self.tp * self.ep * self.dp * self.pp
 
   @classmethod
-  def of(cls, config) -> ParallelConfig:
+  def of(cls, layout) -> ParallelConfig:
     """From anything with `tp`, `ep`, `dp` and `pp` attributes (an engine config's
     `parallel` group, a namespace)."""
-    return cls(tp=int(config.tp or 1), ep=int(config.ep or 1), dp=int(config.dp or 1),
-               pp=int(config.pp or 1))
+    return cls(tp=int(layout.tp or 1), ep=int(layout.ep or 1), dp=int(layout.dp or 1),
+               pp=int(layout.pp or 1))
 
 
 def make_mesh(parallel: ParallelConfig,
@@ -70,9 +70,9 @@ def make_mesh(parallel: ParallelConfig,
   return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices[:n])
 
 
-def mesh_for(config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh | None:
+def mesh_for(layout, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh | None:
   """The mesh for a parallel layout (`tp`, `ep`, `dp`, `pp`), or None when it is one device."""
-  parallel = ParallelConfig.of(config)
+  parallel = ParallelConfig.of(layout)
   return make_mesh(parallel, devices) if parallel.num_devices > 1 else None
 
 
