@@ -282,7 +282,7 @@ def offline_main() -> dict[str, Any]:
   llm, runners, start_s = _build_llm(timed=FLAGS.breakdown)
   prompts = [ids for _, ids in make_prompts(llm.get_tokenizer(), FLAGS.num_prompts,
                                             FLAGS.input_len, FLAGS.prompt_seed)]
-  result = {"engine_start_s": start_s, "engine": _engine_summary(llm, runners)}
+  result = {"engine_start_s": start_s, "engine": engine_summary(llm, runners)}
   if FLAGS.breakdown:
     llm.generate([prompts[0]], standard_params(4))  # first-call effects, before the timers
     timer = runners.timer
@@ -355,7 +355,8 @@ def _build_llm(timed: bool = False):
   return LLM(engine=engine), runners, time.perf_counter() - start
 
 
-def _engine_summary(llm, runners: BuiltRunners) -> dict[str, Any]:
+def engine_summary(llm, runners: BuiltRunners) -> dict[str, Any]:
+  """The engine's settings and its model runner's dtypes (a result's `engine` entry)."""
   r = runners.model_runner
   c = llm.engine.config
   return {"model": llm.engine.model_name, "dtype": r.dtype_name,
@@ -478,7 +479,7 @@ def roofline_main() -> dict[str, Any]:
   prompts = [ids for _, ids in make_prompts(llm.get_tokenizer(), FLAGS.num_prompts + 1,
                                             FLAGS.input_len, FLAGS.prompt_seed)]
   result = roofline(llm, runners.model_runner, prompts[0], prompts[1:], FLAGS.output_len)
-  return {"engine_start_s": start_s, "engine": _engine_summary(llm, runners), **result}
+  return {"engine_start_s": start_s, "engine": engine_summary(llm, runners), **result}
 
 
 # ---- entry point ----
