@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from absl import app
 
@@ -37,16 +37,19 @@ from serving.entrypoints.flags import (
 
 COMMANDS = ("serve", "generate", "batch", "convert", "bench")
 EXIT_ENGINE_DEAD = 3  # `serve` exit status when the engine died or wedged
-EngineFactory = Callable[[str, EngineConfig], Any]
+if TYPE_CHECKING:  # the engine package is imported by the commands that build one
+  from serving.engine import EngineClient
+
+EngineFactory = Callable[[str, EngineConfig], "EngineClient"]
 
 
-def default_build_engine(model: str, config: EngineConfig) -> Any:
+def default_build_engine(model: str, config: EngineConfig) -> EngineClient:
   from serving.entrypoints.engine_builder import build_engine
 
   return build_engine(model, config)
 
 
-def build_with_loras(build_engine: EngineFactory, config: EngineConfig) -> Any:
+def build_with_loras(build_engine: EngineFactory, config: EngineConfig) -> EngineClient:
   """The engine of --model, with every --lora_modules adapter loaded (UsageError if one
   cannot be served: a server must not start without an adapter it was told to serve)."""
   modules = lora_modules_from_flags()
@@ -60,7 +63,7 @@ def build_with_loras(build_engine: EngineFactory, config: EngineConfig) -> Any:
 
 
 def cmd_serve(build_engine: EngineFactory) -> int:
-  from serving.engine.llm_engine import EngineDeadError
+  from serving.engine import EngineDeadError
   from serving.entrypoints.api_server import serve
 
   config = engine_config_from_flags()

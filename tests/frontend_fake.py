@@ -27,7 +27,7 @@ from runner_faults import FaultyRunner
 
 from checkpoints.lora import adapter_scaling, read_adapter_config
 from serving.config import EngineConfig
-from serving.engine import LLMEngine
+from serving.engine import EngineClient, LLMEngine
 from serving.engine.fake_runner import FakeRunner
 
 BOS, EOS, VOCAB = 256, 257, 300
@@ -95,12 +95,13 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
 
 
 class InProcessServer:
-  """`api_server.serve` over a fake engine in a background thread (ports picked free).
+  """`api_server.serve` over an engine (any `EngineClient`; default a fake one) in a
+  background thread (ports picked free).
 
   Use as a context manager; `.http` is the base URL, `.grpc` the gRPC target.
   """
 
-  def __init__(self, engine: LLMEngine | None = None, **serve_kwargs):
+  def __init__(self, engine: EngineClient | None = None, **serve_kwargs):
     from serving.entrypoints.api_server import ServeConfig
 
     self.engine = engine or fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64)

@@ -3,8 +3,11 @@
 With `prefill_workers = P` and `decode_workers = D` (EngineConfig) the builder
 (serving/entrypoints/engine_builder.py) makes P + D whole `LLMEngine`s, each
 with its own runner on its own device group, scheduler, KV pool and engine
-thread. `DisaggregatedEngine` stands in for one engine towards the front ends
-(`LLM`, HTTP, gRPC), like `ReplicatedEngine`. A request's life:
+thread. `DisaggregatedEngine` is an `EngineClient`
+(serving/engine/client.py) like `ReplicatedEngine`, so the front ends (`LLM`,
+HTTP, gRPC) serve it unchanged; `replica_stats()` / `replica_roles` give each
+worker's stats and role, `transfer_stats()` the KV transfer counters. A
+request's life:
 
   1. **Prefill.** The router sends the prompt to the least loaded live
      prefill engine as a one-token request (`<id>/prefill`). Its full pages
@@ -52,7 +55,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serving.engine.llm_engine import EngineDeadError, LLMEngine
+from serving.engine.client import EngineDeadError
+from serving.engine.llm_engine import LLMEngine
 from serving.engine.replicas import ReplicaRouter, merge_stats
 from serving.types import EngineStats, RequestOutput, SamplingParams
 
@@ -86,7 +90,7 @@ class KVTransfer:
 
 
 class DisaggregatedEngine:
-  """Prefill engines and decode engines as one engine (module doc)."""
+  """Prefill engines and decode engines as one `EngineClient` (module doc)."""
 
   def __init__(self, prefill: Sequence[LLMEngine], decode: Sequence[LLMEngine], *,
                config: Any):
@@ -114,16 +118,13 @@ class DisaggregatedEngine:
     return self.prefill + self.decode
 
   @property
-  def runner(self):
-    return self.decode[0].runner
-
-  @property
   def num_slots(self) -> int:
+    """Decode slots over the decode engines."""
     return sum(e.num_slots for e in self.decode)
 
   @property
-  def _thread(self):
-    return self.decode[0]._thread
+  def max_model_len(self) -> int:
+    return self.decode[0].max_model_len
 
   # ---- requests (any thread) ----
 
@@ -380,6 +381,11 @@ class DisaggregatedEngine:
   def start(self) -> None:
     for e in self.engines:
       e.start()
+
+  @property
+  def runs_in_background(self) -> bool:
+    """True while any worker's loop runs in its own thread."""
+    return any(e.runs_in_background for e in self.engines)
 
   def health(self) -> str | None:
     """None while every decode engine serves (dead prefill engines only cost speed:

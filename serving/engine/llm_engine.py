@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from serving.config import EngineConfig
+from serving.engine.client import EngineDeadError
 from serving.engine.lora_slots import LoraSlots
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.page_allocator import PageAllocator
@@ -89,12 +90,9 @@ def release_free_heap() -> None:
 _malloc_trim = None
 
 
-class EngineDeadError(RuntimeError):
-  """The engine cannot serve any more (its reason is the message)."""
-
-
 class LLMEngine:
-  """Continuous-batching engine over one runner (see module doc)."""
+  """Continuous-batching engine over one runner (see module doc); an `EngineClient`
+  (serving/engine/client.py), as are the composite engines built from it."""
 
   def __init__(self, *, runner: Runner, tokenizer: Any, config: EngineConfig,
                model_name: str = "", lora_loader: LoraLoader | None = None,
@@ -140,6 +138,10 @@ class LLMEngine:
   def num_slots(self) -> int:
     """Requests decoded at once (`max_num_seqs`)."""
     return self.config.scheduler.max_num_seqs
+
+  @property
+  def max_model_len(self) -> int:
+    return self.config.scheduler.max_model_len
 
   # ---- requests (any thread) ----
 
@@ -474,9 +476,15 @@ class LLMEngine:
       self.step()
 
   def start(self) -> None:
+    """Runs the step loop in the engine thread from now on (idempotent)."""
     if self._thread is None:
       self._thread = threading.Thread(target=self._loop, name="xlaserve-engine", daemon=True)
       self._thread.start()
+
+  @property
+  def runs_in_background(self) -> bool:
+    """True between `start()` and `shutdown()`: the engine thread owns the loop."""
+    return self._thread is not None
 
   def _loop(self) -> None:
     busy = False
@@ -549,3 +557,15 @@ class LLMEngine:
         lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
         spec_decode=dataclasses.replace(self.spec_counters,
                                         accepted_per_pos=list(self.spec_counters.accepted_per_pos)))
+
+  def replica_stats(self) -> list[EngineStats]:
+    """One engine, one row (EngineClient: composite engines give one per member)."""
+    return [self.stats()]
+
+  @property
+  def replica_roles(self) -> list[str]:
+    return ["both"]
+
+  def transfer_stats(self) -> dict[str, int]:
+    """No KV moves between engines here: no counters."""
+    return {}

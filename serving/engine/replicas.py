@@ -5,10 +5,11 @@ makes `dp` complete `LLMEngine`s, each with its own runner on its own
 `tp * ep` devices, its own scheduler, KV page pool, prefix cache and engine
 thread; they share only the tokenizer. Throughput then grows with the
 replicas, unlike a `dp` mesh axis inside one engine (which runs the same batch
-on every replica). `ReplicatedEngine` stands in for one `LLMEngine` towards
-the front ends (`LLM`, `AsyncEngine`, HTTP, gRPC, batch): the same methods,
-with every request sent to one replica and everything else (LoRA adapters,
-start, shutdown) to all of them.
+on every replica). `ReplicatedEngine` is an `EngineClient`
+(serving/engine/client.py) like one `LLMEngine`, so every front end (`LLM`,
+`AsyncEngine`, HTTP, gRPC, batch) serves it unchanged: every request is sent
+to one replica and everything else (LoRA adapters, start, shutdown) to all of
+them; `replica_stats()` gives each replica's own stats.
 
 Routing (`ReplicaRouter`), after SGLang's cache-aware router: the router
 remembers the page-aligned prompt blocks it sent to each replica (chained
@@ -35,7 +36,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serving.engine.llm_engine import EngineDeadError, LLMEngine
+from serving.engine.client import EngineDeadError
+from serving.engine.llm_engine import LLMEngine
 from serving.types import EngineStats, RequestOutput, SamplingParams, SpecDecodeCounters
 
 
@@ -133,8 +135,8 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
 
 
 class ReplicatedEngine:
-  """Several `LLMEngine` replicas as one engine (module doc); `replicas[i]` are whole
-  engines, built and warmed up by the caller."""
+  """Several `LLMEngine` replicas as one `EngineClient` (module doc); `replicas[i]` are
+  whole engines, built and warmed up by the caller."""
 
   def __init__(self, replicas: Sequence[LLMEngine], *, config: Any,
                balance_slack: int | None = None):
@@ -157,12 +159,7 @@ class ReplicatedEngine:
     self._loads = [0] * len(self.replicas)  # requests in flight per replica
     self._owner: dict[str, int] = {}  # request id -> replica, until it finishes
 
-  # ---- what the front ends read ----
-
-  @property
-  def runner(self):
-    """The first replica's runner (benchmarks read its programs and timers)."""
-    return self.replicas[0].runner
+  # ---- model information ----
 
   @property
   def num_slots(self) -> int:
@@ -170,8 +167,8 @@ class ReplicatedEngine:
     return sum(r.num_slots for r in self.replicas)
 
   @property
-  def _thread(self):
-    return self.replicas[0]._thread
+  def max_model_len(self) -> int:
+    return self.replicas[0].max_model_len
 
   # ---- requests (any thread) ----
 
@@ -256,6 +253,11 @@ class ReplicatedEngine:
     for r in self.replicas:
       r.start()
 
+  @property
+  def runs_in_background(self) -> bool:
+    """True while any replica's loop runs in its own thread."""
+    return any(r.runs_in_background for r in self.replicas)
+
   def health(self) -> str | None:
     """None while every replica can serve; otherwise which one cannot, and why."""
     for i, r in enumerate(self.replicas):
@@ -272,4 +274,14 @@ class ReplicatedEngine:
     return merge_stats(self.replica_stats())
 
   def replica_stats(self) -> list[EngineStats]:
+    """Each replica's stats, in replica order."""
     return [r.stats() for r in self.replicas]
+
+  @property
+  def replica_roles(self) -> list[str]:
+    """Every replica prefills and decodes its own requests."""
+    return ["both"] * len(self.replicas)
+
+  def transfer_stats(self) -> dict[str, int]:
+    """Replicas move no KV pages between them: no counters."""
+    return {}

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from serving.engine.llm_engine import EngineDeadError, LLMEngine
+from serving.engine import EngineClient, EngineDeadError
 from serving.entrypoints.async_engine import AsyncEngine
 from serving.entrypoints.grpc_server import GrpcServer
 from serving.entrypoints.http_server import (
@@ -78,14 +78,11 @@ class ServeConfig:
       raise ValueError("max_connections, body_timeout_s and header_timeout_s must be positive")
 
 
-async def serve(engine: LLMEngine, cfg: ServeConfig, stop: asyncio.Event,
+async def serve(engine: EngineClient, cfg: ServeConfig, stop: asyncio.Event,
                 ready: Callable[[int | None, int | None], None] | None = None) -> None:
   """Serves `engine` over HTTP and gRPC until `stop` is set, then drains."""
   engine.start()
-  metrics = Metrics(engine.stats, model_name=cfg.served_model_name,
-                    replica_stats_fn=getattr(engine, "replica_stats", None),
-                    replica_roles=getattr(engine, "replica_roles", None),
-                    transfer_stats_fn=getattr(engine, "transfer_stats", None))
+  metrics = Metrics.for_engine(engine, model_name=cfg.served_model_name)
   aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
   names = list(dict.fromkeys([cfg.served_model_name, engine.model_name]))
   serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits,
@@ -127,7 +124,7 @@ async def serve(engine: LLMEngine, cfg: ServeConfig, stop: asyncio.Event,
     raise EngineDeadError(aengine.unavailable)
 
 
-async def _watch(engine: LLMEngine, aengine: AsyncEngine, grpc_server: GrpcServer | None,
+async def _watch(engine: EngineClient, aengine: AsyncEngine, grpc_server: GrpcServer | None,
                  stop: asyncio.Event, exit_delay_s: float) -> None:
   """Polls `engine.health()`; on the first failure, fails everything, reports unhealthy
   for `exit_delay_s`, then stops the server."""

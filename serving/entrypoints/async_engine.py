@@ -1,4 +1,4 @@
-"""asyncio bridge over `LLMEngine` shared by the HTTP, gRPC and batch front ends.
+"""asyncio bridge over an `EngineClient` shared by the HTTP, gRPC and batch front ends.
 
 Lifecycle of one request:
   1. `submit()` checks admission (not draining, queue limit) and calls
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serving.engine.llm_engine import EngineDeadError, LLMEngine
+from serving.engine import EngineClient, EngineDeadError
 from serving.entrypoints.metrics import Metrics, RequestTimer
 from serving.types import RequestOutput, SamplingParams
 
@@ -47,15 +47,29 @@ class EngineUnavailableError(Exception):
 
 
 class RequestStream:
-  """Async iterator over one request's delta outputs; `abort()` if abandoned."""
+  """Async iterator over one request's delta outputs; `abort()` if abandoned.
 
-  def __init__(self, owner: AsyncEngine, request_id: str, timer: RequestTimer | None):
+  `abort_request(request_id)` aborts it in the engine; `on_close(request_id)` is
+  called once when the stream leaves the front end's accounting.
+  """
+
+  def __init__(self, request_id: str, timer: RequestTimer | None, *,
+               abort_request: Callable[[str], None], on_close: Callable[[str], None]):
     self.request_id = request_id
-    self._owner = owner
     self._timer = timer
+    self._abort_request, self._on_close = abort_request, on_close
     self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     self.finished = False  # the final delta was returned
     self._closed = False  # released from the front end's accounting
+
+  @property
+  def closed(self) -> bool:
+    """Released from the front end's accounting (finished, aborted or failed)."""
+    return self._closed
+
+  def put(self, out: RequestOutput) -> None:
+    """Queues a delta for the consumer (the event loop's thread only)."""
+    self._queue.put_nowait(out)
 
   def __aiter__(self) -> RequestStream:
     return self
@@ -68,7 +82,7 @@ class RequestStream:
       self._timer.on_tokens(len(out.token_ids))
     if out.finished:
       self.finished = True
-      self._close(out.finish_reason)
+      self.close(out.finish_reason)
     return out
 
   async def __aenter__(self) -> RequestStream:
@@ -80,26 +94,28 @@ class RequestStream:
   def abort(self) -> None:
     """Aborts the request in the engine unless it already finished (idempotent)."""
     if not self._closed:
-      self._owner.engine.abort(self.request_id)
-      self._close("abort")
+      self._abort_request(self.request_id)
+      self.close("abort")
 
-  def _close(self, finish_reason: str) -> None:
+  def close(self, finish_reason: str) -> None:
+    """Leaves the front end's accounting, counted as `finish_reason` (idempotent); the
+    engine is not told (see `abort`)."""
     if self._closed:
       return
     self._closed = True
     if self._timer is not None:
       self._timer.on_finish(finish_reason)
-    self._owner._release(self.request_id)
+    self._on_close(self.request_id)
 
 
 class AsyncEngine:
-  """Owns an `LLMEngine` and exposes `submit()` / `generate()` to asyncio code.
+  """Owns an `EngineClient` and exposes `submit()` / `generate()` to asyncio code.
 
   `max_queued_requests` bounds the requests admitted beyond the engine's
   decode slots (`max_num_seqs`); None means unbounded.
   """
 
-  def __init__(self, engine: LLMEngine, *, metrics: Metrics | None = None,
+  def __init__(self, engine: EngineClient, *, metrics: Metrics | None = None,
                max_queued_requests: int | None = None):
     self.engine = engine
     self.metrics = metrics
@@ -116,7 +132,7 @@ class AsyncEngine:
 
   @property
   def max_model_len(self) -> int:
-    return self.engine.config.scheduler.max_model_len
+    return self.engine.max_model_len
 
   @property
   def capacity(self) -> int | None:
@@ -148,13 +164,13 @@ class AsyncEngine:
     if request_id in self._streams:
       raise ValueError(f"duplicate request id {request_id!r}")
     timer = self.metrics.timer() if self.metrics is not None else None
-    stream = RequestStream(self, request_id, timer)
+    stream = RequestStream(request_id, timer, abort_request=self.engine.abort,
+                           on_close=self._release)
     loop = asyncio.get_running_loop()
-    queue = stream._queue
 
     def on_output(out: RequestOutput) -> None:  # engine thread
       try:
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+        loop.call_soon_threadsafe(stream.put, out)
       except RuntimeError:  # the loop is closed: nobody listens any more
         return
 
@@ -212,8 +228,8 @@ class AsyncEngine:
     now, without waiting for the engine (which may be stuck in a device call)."""
     self.unavailable = reason
     for stream in list(self._streams.values()):
-      stream._queue.put_nowait(RequestOutput(
+      stream.put(RequestOutput(
           request_id=stream.request_id, prompt_token_ids=[], text="", token_ids=[],
           finish_reason="error", error=f"the engine cannot serve: {reason}"))
       self.engine.abort(stream.request_id)
-      stream._close("error")
+      stream.close("error")

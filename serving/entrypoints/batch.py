@@ -34,7 +34,7 @@ from typing import Any, TextIO
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from serving.engine import LLMEngine
+from serving.engine import EngineClient
 from serving.entrypoints.async_engine import AsyncEngine
 from serving.entrypoints.limits import RequestLimits
 from serving.entrypoints.openai_protocol import (
@@ -66,7 +66,7 @@ class BatchConfig:
       raise ValueError("input and output must be different files")
 
 
-async def run_batch(engine: LLMEngine, cfg: BatchConfig) -> dict[str, int]:
+async def run_batch(engine: EngineClient, cfg: BatchConfig) -> dict[str, int]:
   """Runs every not-yet-done line of the input; returns a summary of counts
   (`failed`: lines the server could not answer, to be redone by a rerun)."""
   with open(cfg.input_path, encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""Model name + `EngineConfig` -> a ready `LLMEngine`: load, place, warm up.
+"""Model name + `EngineConfig` -> a ready engine (an `EngineClient`): load, place, warm up.
 
 The one place that wires the layers together for the entry points (`LLM`,
 `xlaserve serve | batch`, benchmarks):
@@ -8,7 +8,9 @@ The one place that wires the layers together for the entry points (`LLM`,
   2. `ModelRunner` puts it on the device(s) and sizes the KV cache; with
      `speculative_method="draft"` the draft model (`speculative_model`) is
      loaded the same way and checked against the target's tokenizer.
-  3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up.
+  3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up; with `dp`
+     or prefill / decode workers, several of them behind a `ReplicatedEngine`
+     or a `DisaggregatedEngine`. The front ends see only `EngineClient`.
   4. LoRA adapters given as `lora_modules` are read, validated against the
      model (checkpoints/lora.py) and registered; the engine keeps the reader
      (`lora_loader`) for adapters loaded at run time.
@@ -31,7 +33,7 @@ from checkpoints import load_quantized
 from checkpoints.layout import LoadedModel
 from checkpoints.lora import load_lora_adapter
 from serving.config import EngineConfig
-from serving.engine import LLMEngine, Runner
+from serving.engine import EngineClient, LLMEngine, Runner
 from serving.engine.disaggregated import DisaggregatedEngine
 from serving.engine.replicas import ReplicatedEngine
 from serving.models.model_config import ModelConfig
@@ -53,7 +55,7 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
 def build_engine(model: str | LoadedModel, config: EngineConfig, *,
                  wrap_runner: Callable[[ModelRunner], Runner] | None = None,
                  lora_modules: Mapping[str, str] | None = None
-                 ) -> LLMEngine | ReplicatedEngine | DisaggregatedEngine:
+                 ) -> EngineClient:
   """A single-controller engine over all the devices `config` asks for.
 
   `wrap_runner` puts another `Runner` around the model's (the benchmark's step
@@ -206,7 +208,7 @@ def lora_loader(model_cfg: ModelConfig, config: EngineConfig
   return load
 
 
-def register_loras(engine: LLMEngine | ReplicatedEngine,
+def register_loras(engine: EngineClient,
                    lora_modules: Mapping[str, str] | None) -> None:
   """Reads and registers each adapter; any failure raises (a server must not start
   without an adapter it was told to serve)."""

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from checkpoints.presets import engine_defaults
 from serving.config import EngineConfig, default_max_loras, merge_engine_options
-from serving.engine import LLMEngine
+from serving.engine import EngineClient
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import RequestOutput, SamplingParams, TokenLogprob
 
@@ -26,11 +26,12 @@ from serving.types import RequestOutput, SamplingParams, TokenLogprob
 class LLM:
   """Loads a model once and serves batched generate / chat calls."""
 
-  def __init__(self, model: str = "smollm2-135m-instruct", *, engine: LLMEngine | None = None,
+  def __init__(self, model: str = "smollm2-135m-instruct", *, engine: EngineClient | None = None,
                lora_modules: Mapping[str, str] | None = None, **engine_kwargs):
     """`engine_kwargs` override the preset's engine defaults (configs/<preset>.json).
 
-    `engine`: serve an engine built elsewhere instead (then `model` is unused).
+    `engine`: serve an engine built elsewhere instead (then `model` is unused): any
+    `EngineClient` not started in the background (`LLM` steps it itself).
     `lora_modules`: {name: PEFT adapter directory}, each requested by
     `generate(..., lora=name)`; LoRA slots (`max_loras`) default to one per
     adapter, at most 4.
@@ -56,6 +57,7 @@ class LLM:
 
     `lora` names a loaded adapter (`lora_modules`, `load_lora`); None: the base model.
     """
+    self._check_not_in_background()
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     params = sampling_params or SamplingParams()
@@ -68,10 +70,13 @@ class LLM:
       rid = f"llm-{next(self._ids)}"
       order.append(rid)
       self.engine.add_request(rid, prompt, p, _Accumulator(rid, results), lora=lora)
-    if self.engine._thread is not None:
-      raise RuntimeError("the engine runs in a background thread; use its async front end")
     self.engine.run_until_idle()
     return [results[rid] for rid in order]
+
+  def _check_not_in_background(self) -> None:
+    """`LLM` steps the engine in the caller's thread: not one a background loop owns."""
+    if self.engine.runs_in_background:
+      raise RuntimeError("the engine runs in a background thread; use its async front end")
 
   def load_lora(self, name: str, path: str) -> None:
     """Loads a PEFT adapter directory under `name` (ValueError saying why it cannot)."""
@@ -93,6 +98,7 @@ class LLM:
   def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
              lora: str | None = None) -> Iterator[RequestOutput]:
     """Yields delta outputs of one request as the engine produces them."""
+    self._check_not_in_background()
     deltas: list[RequestOutput] = []
     rid = f"llm-{next(self._ids)}"
     self.engine.add_request(rid, prompt, sampling_params or SamplingParams(), deltas.append,

@@ -5,7 +5,10 @@ Two sources, one per-server `CollectorRegistry` (no global state):
      prefix-cache counters, LoRA adapters in use and slot swaps, speculative
      decoding's drafts and accepted tokens per position) is read from
      `engine.stats()` at scrape time by a custom collector, so it is never
-     stale and costs nothing between scrapes.
+     stale and costs nothing between scrapes. An engine made of several
+     (dp replicas, prefill / decode workers) gets one series per member,
+     labelled `replica` and `role` (`EngineClient.replica_stats()`), and a
+     disaggregated one its KV transfer counters (`transfer_stats()`).
   2. Per-request latencies (time to first token, inter-token latency, time per
      output token, end-to-end) and `request_success_total{finish_reason}` are
      observed by the async front end (`serving.entrypoints.async_engine`) through a
@@ -22,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from serving.engine import EngineClient
 
 PREFIX = "xlaserve_"
 
@@ -126,7 +131,8 @@ def _spec_decode_families(rows: list[tuple[list[str], Any]], names: list[str]):
 
 
 class TransferCollector(Collector):
-  """KV transfers of a disaggregated engine (`transfer_stats_fn()`: name -> count)."""
+  """KV transfers of a disaggregated engine (`transfer_stats_fn()`: name -> count); the
+  counters it returns are exported (none for an engine that moves no KV)."""
 
   DOCS = {"kv_transfers_total": "Requests whose KV pages moved from a prefill to a decode "
                                 "worker.",
@@ -139,6 +145,8 @@ class TransferCollector(Collector):
   def collect(self) -> Iterator[CounterMetricFamily]:
     stats = self._fn()
     for name, doc in self.DOCS.items():
+      if name not in stats:
+        continue
       family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
       family.add_metric(list(self._labels.values()), float(stats[name]))
       yield family
@@ -158,7 +166,7 @@ class Metrics:
     self.registry = CollectorRegistry(auto_describe=True)
     labels = {"model_name": model_name}
     label_names = list(labels)
-    self._labels = labels
+    self.labels = labels  # the series labels every metric carries
     if stats_fn is not None:
       self.registry.register(EngineStatsCollector(stats_fn, labels, replica_stats_fn,
                                                   replica_roles))
@@ -190,11 +198,22 @@ class Metrics:
     for reason in REJECT_REASONS:
       self.request_rejected.labels(**labels, reason=reason)
 
+  @classmethod
+  def for_engine(cls, engine: EngineClient, model_name: str = "") -> Metrics:
+    """A server's metrics over `engine`: its stats (one series per member engine when it
+    has several) and its KV transfer counters."""
+    roles = engine.replica_roles
+    several = len(roles) > 1
+    return cls(engine.stats, model_name=model_name,
+               replica_stats_fn=engine.replica_stats if several else None,
+               replica_roles=roles if several else None,
+               transfer_stats_fn=engine.transfer_stats)
+
   def timer(self) -> RequestTimer:
     return RequestTimer(self)
 
   def reject(self, reason: str) -> None:
-    self.request_rejected.labels(**self._labels, reason=reason).inc()
+    self.request_rejected.labels(**self.labels, reason=reason).inc()
 
   def render(self) -> tuple[bytes, str]:
     """The Prometheus text exposition and its content type."""
@@ -216,7 +235,7 @@ class RequestTimer:
     if num_tokens <= 0:
       return
     now = time.perf_counter()
-    labels = self._m._labels
+    labels = self._m.labels
     if self._first is None:
       # Tokens of the first delta all count as "first"; there is no gap to observe.
       self._first = now
@@ -232,7 +251,7 @@ class RequestTimer:
 
   def on_finish(self, finish_reason: str) -> None:
     now = time.perf_counter()
-    labels = self._m._labels
+    labels = self._m.labels
     self._m.request_success.labels(**labels, finish_reason=finish_reason).inc()
     self._m.e2e.labels(**labels).observe(now - self._arrival)
     if self._first is not None and self._tokens > 1:

@@ -199,6 +199,10 @@ class StepTimer:
   def warm_up(self) -> int:
     return self.runner.warm_up()
 
+  def reset(self) -> None:
+    """Zeroes the totals (after first-call effects)."""
+    self.totals, self.steps = dict.fromkeys(self.PARTS, 0.0), 0
+
   def execute(self, *, plan):
     import jax
 
@@ -282,14 +286,14 @@ def summarize_trace(profile_dir: str, top: int = 15) -> list[dict[str, Any]]:
 
 
 def offline_main() -> dict[str, Any]:
-  llm, start_s = _build_llm(timed=FLAGS.breakdown)
+  llm, runners, start_s = _build_llm(timed=FLAGS.breakdown)
   prompts = [ids for _, ids in make_prompts(llm.get_tokenizer(), FLAGS.num_prompts,
                                             FLAGS.input_len, FLAGS.prompt_seed)]
-  result = {"engine_start_s": start_s, "engine": _engine_summary(llm)}
+  result = {"engine_start_s": start_s, "engine": engine_summary(llm, runners)}
   if FLAGS.breakdown:
     llm.generate([prompts[0]], standard_params(4))  # first-call effects, before the timers
-    timer = llm.engine.runner
-    timer.totals, timer.steps = dict.fromkeys(timer.PARTS, 0.0), 0
+    timer = runners.timer
+    timer.reset()
     result["offline"] = run_offline(llm, prompts, FLAGS.output_len, FLAGS.naive, warm_up=False)
     result["breakdown"] = timer.report(result["offline"]["elapsed_s"])
   elif FLAGS.profile_dir:
@@ -317,26 +321,50 @@ def spec_decode_summary(counters) -> dict[str, Any]:
                                       for n in counters.accepted_per_pos]}
 
 
+class BuiltRunners:
+  """`build_engine(wrap_runner=...)` that keeps the runners it is handed: the bench reads
+  the model's facts and its step timers from the runners it built, not through the
+  engine (an `EngineClient`, which exposes no runner). `timed`: each in a StepTimer."""
+
+  def __init__(self, timed: bool = False):
+    self.timed = timed
+    self.model_runners: list[Any] = []  # ModelRunners, in the order the engines were built
+    self.timers: list[StepTimer] = []
+
+  def __call__(self, runner):
+    self.model_runners.append(runner)
+    if not self.timed:
+      return runner
+    self.timers.append(StepTimer(runner))
+    return self.timers[-1]
+
+  @property
+  def model_runner(self):
+    """The first engine's ModelRunner (with dp or workers: every one holds the model)."""
+    return self.model_runners[0]
+
+  @property
+  def timer(self) -> StepTimer:
+    """The first engine's step timer (timed builds only)."""
+    return self.timers[0]
+
+
 def _build_llm(timed: bool = False):
-  """The engine of the flags behind `LLM`; `timed`: its runner wrapped in a StepTimer."""
+  """The engine of the flags behind `LLM`, the runners it was built with (in StepTimers
+  when `timed`), and the seconds it took."""
   from serving.entrypoints.engine_builder import build_engine
   from serving.entrypoints.flags import engine_config_from_flags
   from serving.entrypoints.llm import LLM
 
   start = time.perf_counter()
-  engine = build_engine(FLAGS.model, engine_config_from_flags(),
-                        wrap_runner=StepTimer if timed else None)
-  return LLM(engine=engine), time.perf_counter() - start
+  runners = BuiltRunners(timed)
+  engine = build_engine(FLAGS.model, engine_config_from_flags(), wrap_runner=runners)
+  return LLM(engine=engine), runners, time.perf_counter() - start
 
 
-def _model_runner(llm):
-  """The ModelRunner under the engine (inside the StepTimer when timed)."""
-  r = llm.engine.runner
-  return r.runner if isinstance(r, StepTimer) else r
-
-
-def _engine_summary(llm) -> dict[str, Any]:
-  r = _model_runner(llm)
+def engine_summary(llm, runners: BuiltRunners) -> dict[str, Any]:
+  """The engine's settings and its model runner's dtypes (a result's `engine` entry)."""
+  r = runners.model_runner
   c = llm.engine.config
   return {"model": llm.engine.model_name, "dtype": r.dtype_name,
           "weight_dtype": r.weight_dtype_name, "kv_dtype": r.kv_dtype_name,
@@ -414,13 +442,14 @@ def model_costs(model_cfg, weight_bytes: int, kv_bytes_per_token: int) -> dict[s
           "weight_bytes": float(weight_bytes), "kv_bytes_per_token": float(kv_bytes_per_token)}
 
 
-def roofline(llm, prompt: list[int], batch_prompts: Sequence[list[int]], output_len: int
-             ) -> dict[str, Any]:
-  """Machine peaks, model costs and the achieved MBU / MFU of three runs."""
+def roofline(llm, model_runner, prompt: list[int], batch_prompts: Sequence[list[int]],
+             output_len: int) -> dict[str, Any]:
+  """Machine peaks, model costs (`model_runner`: the engine's ModelRunner) and the
+  achieved MBU / MFU of three runs."""
   from serving.models.quantized import params_nbytes
   from serving.runner.kv_cache import kv_bytes_per_token
 
-  r = _model_runner(llm)
+  r = model_runner
   costs = model_costs(r.model_cfg, params_nbytes(r.params),
                       kv_bytes_per_token(r.model_cfg, r.kv_dtype_name))
   machine = {"copy_gb_s": measure_bandwidth(), "matmul_f32_gflop_s": measure_matmul("float32"),
@@ -454,11 +483,11 @@ def roofline(llm, prompt: list[int], batch_prompts: Sequence[list[int]], output_
 
 
 def roofline_main() -> dict[str, Any]:
-  llm, start_s = _build_llm()
+  llm, runners, start_s = _build_llm()
   prompts = [ids for _, ids in make_prompts(llm.get_tokenizer(), FLAGS.num_prompts + 1,
                                             FLAGS.input_len, FLAGS.prompt_seed)]
-  result = roofline(llm, prompts[0], prompts[1:], FLAGS.output_len)
-  return {"engine_start_s": start_s, "engine": _engine_summary(llm), **result}
+  result = roofline(llm, runners.model_runner, prompts[0], prompts[1:], FLAGS.output_len)
+  return {"engine_start_s": start_s, "engine": engine_summary(llm, runners), **result}
 
 
 # ---- entry point ----

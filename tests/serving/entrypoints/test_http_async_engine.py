@@ -92,7 +92,7 @@ def test_admission_errors(engine):
     assert not await ae.wait_idle(0.05)
     ae.abort_all()
     assert await ae.wait_idle(1.0)
-    assert all(s._closed for s in streams)
+    assert all(s.closed for s in streams)
     assert await _until(lambda: _idle(engine), 0.5)
 
   asyncio.run(main())

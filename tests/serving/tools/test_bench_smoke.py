@@ -46,8 +46,9 @@ def test_serve_sweep_against_fake_endpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tmp_path_factory):
-  """The bench's LLM with its runner inside a StepTimer (as `--breakdown` builds it)."""
+def tiny_bench(tmp_path_factory):
+  """The bench's LLM with its runner inside a StepTimer (as `--breakdown` builds it), and
+  the runners it was built with."""
   from serving.config import EngineConfig
   from serving.entrypoints.engine_builder import build_engine
   from serving.entrypoints.llm import LLM
@@ -57,14 +58,19 @@ def tiny_llm(tmp_path_factory):
   config = EngineConfig.of(max_num_seqs=4, max_model_len=64, page_size=8, num_pages=40,
                         max_num_batched_tokens=32, attention_block_tokens=16,
                         unroll_layers=False, compilation_cache=False)
-  return LLM(engine=build_engine(path, config, wrap_runner=bench.StepTimer))
+  runners = bench.BuiltRunners(timed=True)
+  return LLM(engine=build_engine(path, config, wrap_runner=runners)), runners
 
 
-def test_offline_naive_breakdown_and_costs(tiny_llm):
+def test_offline_naive_breakdown_and_costs(tiny_bench):
+  tiny_llm, runners = tiny_bench
   pairs = bench.make_prompts(tiny_llm.get_tokenizer(), 4, 16, seed=0)
   prompts = [ids for _, ids in pairs]
   assert all(len(p) == 16 for p in prompts) and len({tuple(p) for p in prompts}) == 4
-  timer = tiny_llm.engine.runner
+  timer = runners.timer
+  assert timer.runner is runners.model_runner
+  summary = bench.engine_summary(tiny_llm, runners)
+  assert summary["max_num_seqs"] == 4 and summary["programs"] == tiny_llm.engine.num_programs
   batched = bench.run_offline(tiny_llm, prompts, 8, warm_up=False)
   report = timer.report(batched["elapsed_s"])
   naive = bench.run_offline(tiny_llm, prompts[:2], 8, naive=True)
@@ -74,7 +80,7 @@ def test_offline_naive_breakdown_and_costs(tiny_llm):
   assert report["ms_per_step"]["prefill"] > 0 and report["ms_per_step"]["inputs"] > 0
   single = bench.time_single(tiny_llm, prompts[0], 8)
   assert single["output_tokens"] == 8 and single["ttft_s"] > 0
-  costs = bench.model_costs(timer.runner.model_cfg, 1000, 10)
+  costs = bench.model_costs(runners.model_runner.model_cfg, 1000, 10)
   assert costs["flops_per_token"] > costs["prefill_flops_per_token"] > 0
   assert bench.measure_bandwidth(nbytes=4 * 2**20, repeats=1) > 0
 
@@ -91,7 +97,8 @@ def test_breakdown_with_speculation(tmp_path):
                         max_num_batched_tokens=16, attention_block_tokens=16,
                         unroll_layers=False, compilation_cache=False, num_speculative_tokens=3,
                         speculative_method="draft", speculative_model=str(tmp_path))
-  timed = LLM(engine=build_engine(str(tmp_path), config, wrap_runner=bench.StepTimer))
+  runners = bench.BuiltRunners(timed=True)
+  timed = LLM(engine=build_engine(str(tmp_path), config, wrap_runner=runners))
   plain = LLM(engine=build_engine(str(tmp_path), config))
   prompts = [[5, 6, 7, 8], [9, 10, 11]]
   out = bench.run_offline(timed, prompts, 12, warm_up=False)
@@ -101,7 +108,7 @@ def test_breakdown_with_speculation(tmp_path):
           == [o.token_ids for o in plain.generate(prompts, params)])
   figures = bench.spec_decode_summary(timed.engine.stats().spec_decode)
   assert figures["acceptance_rate"] == 1.0  # the model drafts for itself
-  assert timed.engine.runner.report(1.0)["ms_per_step"]["decode"] > 0
+  assert runners.timer.report(1.0)["ms_per_step"]["decode"] > 0
 
 
 def test_summarize_trace_reads_perfetto_json(tmp_path):
