@@ -5,9 +5,12 @@ The one place that wires the layers together for the entry points (`LLM`,
   1. `load_model` reads the checkpoint on the host (checkpoints/): a preset,
      HF directory, GGUF file or orbax directory; with `quantization`, GGUF
      blocks of the matching type are kept as stored.
-  2. `ModelRunner` puts it on the device(s) and sizes the KV cache; with
+  2. `prepare_weights` (serving/runner/weights.py) makes the weights ready on
+     the host (quantized, unstacked, adapted to the mesh) and `ModelRunner`
+     puts them on the device(s) and sizes the KV cache; with
      `speculative_method="draft"` the draft model (`speculative_model`) is
-     loaded the same way and checked against the target's tokenizer.
+     loaded the same way, checked against the target's tokenizer and prepared
+     with it.
   3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up.
   4. LoRA adapters given as `lora_modules` are read, validated against the
      model (checkpoints/lora.py) and registered; the engine keeps the reader
@@ -38,6 +41,7 @@ from serving.engine.replicas import ReplicatedEngine
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
 from serving.runner.model_runner import ModelRunner, capacity_pages
+from serving.runner.weights import prepare_weights
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,7 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   elif config.dp > 1:
     engine = build_replicas(loaded, config, name, draft, wrap_runner)
   else:
-    runner = ModelRunner(loaded.params, loaded.config, config, draft=draft)
+    runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft))
     engine = _engine(loaded, config, name, runner, wrap_runner)
   register_loras(engine, lora_modules)
   return engine
@@ -121,8 +125,8 @@ def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
   mesh = sharding.make_mesh(sharding.ParallelConfig.of(config), devices)
   if plain_single_device and list(devices) == jax.devices()[:1]:
     mesh = None
-  runner = ModelRunner(loaded.params, loaded.config, config, mesh=mesh, draft=draft,
-                       kv_transfer=kv_transfer)
+  weights = prepare_weights(loaded.params, loaded.config, config, mesh=mesh, draft=draft)
+  runner = ModelRunner(weights, kv_transfer=kv_transfer)
   engine = _engine(loaded, config, model_name, runner, wrap_runner)
   tokens = (runner.num_pages - 1) * config.page_size
   msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
@@ -233,7 +237,7 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
                      "speculative_method='ngram' or 'suffix'")
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)
-  runner = ModelRunner(loaded.params, loaded.config, config)
+  runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config))
   if jax.process_index() == 0:
     return LLMEngine(runner=multihost.LeaderRunner(runner), tokenizer=loaded.tokenizer,
                      config=config, model_name=_model_name(model, loaded))
