@@ -98,7 +98,7 @@ def prefix_share(ref: list[list[int]], got: list[list[int]]) -> float:
 
 def evaluate(loaded, engine_kw, tokens):
   cfg = qt.eval_config(**engine_kw)
-  runner = ModelRunner(loaded.params, loaded.config, cfg, num_pages=cfg.cache.num_pages)
+  runner = ModelRunner.from_params(loaded.params, loaded.config, cfg, num_pages=cfg.cache.num_pages)
   logits = qt.teacher_forced_logits(runner, tokens)
   nbytes = quant.params_nbytes(runner.params)
   fmt = quant.weight_formats(runner.params, runner.weight_dtype_name)

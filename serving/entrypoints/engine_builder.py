@@ -5,9 +5,12 @@ The one place that wires the layers together for the entry points (`LLM`,
   1. `load_model` reads the checkpoint on the host (checkpoints/): a preset,
      HF directory, GGUF file or orbax directory; with `quantization`, GGUF
      blocks of the matching type are kept as stored.
-  2. `ModelRunner` puts it on the device(s) and sizes the KV cache; with
+  2. `prepare_weights` (serving/runner/weights.py) makes the weights ready on
+     the host (quantized, unstacked, adapted to the mesh) and `ModelRunner`
+     puts them on the device(s) and sizes the KV cache; with
      `speculative_method="draft"` the draft model (`speculative_model`) is
-     loaded the same way and checked against the target's tokenizer.
+     loaded the same way, checked against the target's tokenizer and prepared
+     with it.
   3. `LLMEngine(runner=, tokenizer=, config=)` warms the runner up; with `dp`
      or prefill / decode workers, several of them behind a `ReplicatedEngine`
      or a `DisaggregatedEngine`. The front ends see only `EngineClient`.
@@ -39,6 +42,7 @@ from serving.engine.replicas import ReplicatedEngine
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
 from serving.runner.model_runner import ModelRunner, capacity_pages
+from serving.runner.weights import prepare_weights
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   elif config.parallel.dp > 1:
     engine = build_replicas(loaded, config, name, draft, wrap_runner)
   else:
-    runner = ModelRunner(loaded.params, loaded.config, config, draft=draft)
+    runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft))
     engine = _engine(loaded, config, name, runner, wrap_runner)
   register_loras(engine, lora_modules)
   return engine
@@ -123,8 +127,8 @@ def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
   mesh = sharding.make_mesh(sharding.ParallelConfig.of(config.parallel), devices)
   if plain_single_device and list(devices) == jax.devices()[:1]:
     mesh = None
-  runner = ModelRunner(loaded.params, loaded.config, config, mesh=mesh, draft=draft,
-                       kv_transfer=kv_transfer)
+  weights = prepare_weights(loaded.params, loaded.config, config, mesh=mesh, draft=draft)
+  runner = ModelRunner(weights, kv_transfer=kv_transfer)
   engine = _engine(loaded, config, model_name, runner, wrap_runner)
   tokens = (runner.num_pages - 1) * config.cache.page_size
   msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
@@ -234,7 +238,7 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
                      "speculative_method='ngram' or 'suffix'")
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)
-  runner = ModelRunner(loaded.params, loaded.config, config)
+  runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config))
   if jax.process_index() == 0:
     return LLMEngine(runner=multihost.LeaderRunner(runner), tokenizer=loaded.tokenizer,
                      config=config, model_name=_model_name(model, loaded))

@@ -124,6 +124,14 @@ def jax_cache_active() -> bool:
   return bool(jax.config.jax_compilation_cache_dir) and jax.config.jax_enable_compilation_cache
 
 
+def enable_jax_cache(enabled: bool, cache_dir: str) -> None:
+  """Turns JAX's persistent cache on (`cache_dir`), for sharded runners only: a single
+  device uses the store, which must not see executables from JAX's cache (module doc)."""
+  if enabled and not jax.config.jax_compilation_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def _trusted(path: str) -> bool:
   """A stored file is loaded only if this user owns it and its directory, and neither is
   writable by group or others (loading an executable runs its code, as JAX's cache does)."""

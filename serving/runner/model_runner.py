@@ -2,8 +2,10 @@
 
 It implements the engine's `Runner` interface (serving/engine/runner_api.py).
 Lifecycle:
-  1. `ModelRunner(params, model_cfg, engine_cfg)` puts the weights on the
-     device(s) (a mesh when tp*ep*dp*pp > 1, sharding/placement.py), sizes and
+  1. `ModelRunner(prepare_weights(params, model_cfg, engine_cfg))` (or
+     `ModelRunner.from_params(...)`) takes weights made ready on the host
+     (weights.py: quantized, unstacked, adapted to a mesh when tp*ep*dp*pp > 1),
+     puts them on the device(s) (sharding/placement.py on a mesh), sizes and
      allocates the KV page pool and the per-slot sampler state.
   2. `warm_up()` compiles every (bucket) program once — prefill per token
      bucket, decode and sampling per batch bucket — and logs how many; the
@@ -35,19 +37,11 @@ import numpy as np
 import psutil
 
 import sharding
-from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
-from serving.models import llama
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import (
-  is_quantized,
-  params_nbytes,
-  weight_formats,
-  with_activation_bits,
-  with_full_copies,
-)
+from serving.models.quantized import params_nbytes, weight_formats
 from serving.runner import attention, lora_state, sampling
-from serving.runner.draft_model import DraftModel, check_vocabulary
+from serving.runner.draft_model import DraftModel
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.inputs import StepInputs, build_prefill_input, build_step_inputs
 from serving.runner.kv_cache import (
@@ -68,6 +62,7 @@ from serving.runner.steps import (
   verify_sample_step,
   verify_step,
 )
+from serving.runner.weights import PreparedWeights, prepare_weights, resolve_dtypes
 from serving.types import (
   RunnerDeadError,
   SampledToken,
@@ -78,39 +73,6 @@ from serving.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def resolve_dtypes(engine_cfg: EngineConfig, platform: str) -> tuple[str, str]:
-  """(compute dtype, kv dtype) names after resolving "auto"."""
-  dtype = engine_cfg.model.dtype
-  if dtype == "auto":
-    dtype = "float32" if platform == "cpu" else "bfloat16"
-  kv = engine_cfg.cache.kv_cache_dtype
-  if kv == "auto":
-    kv = dtype
-  return dtype, kv
-
-
-def resolve_weight_dtype(engine_cfg: EngineConfig, compute_dtype: str) -> str:
-  """Dtype of the unquantized weights: `weight_dtype`, or the compute dtype for "auto".
-
-  Matmuls cast activations to the weight dtype and accumulate in float32
-  (`llama.linear`), so bfloat16 weights under float32 compute read half the
-  bytes and take XLA:CPU's faster bf16 dot, while norms, attention and the
-  residual stream stay float32.
-  """
-  return compute_dtype if engine_cfg.model.weight_dtype == "auto" else engine_cfg.model.weight_dtype
-
-
-def put_params(params: dict, dtype) -> dict:
-  """Device-puts a params tree: float leaves as `dtype`, quantized leaves as stored."""
-  def put(a):
-    if is_quantized(a):
-      return jax.tree.map(jnp.asarray, a)
-    return jnp.asarray(a, dtype=dtype)
-
-  return jax.tree.map(put, params, is_leaf=is_quantized)
-
 
 
 def capacity_pages(model_cfg: ModelConfig, config: EngineConfig,
@@ -177,101 +139,86 @@ class StepHandle:
 class ModelRunner:
   """Holds weights and device state; runs bucketed, jitted steps (see module doc)."""
 
-  def __init__(self, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
-               num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None,
-               draft: tuple[dict, ModelConfig] | None = None, kv_transfer: bool = False):
-    """`draft`: (params, config) of the draft model (speculative_method="draft").
-    `kv_transfer`: warm up `export_pages` / `import_pages` too (a disaggregated
-    prefill or decode worker, serving/engine/disaggregated.py)."""
+  def __init__(self, weights: PreparedWeights, *, num_pages: int | None = None,
+               kv_transfer: bool = False):
+    """`weights`: from `prepare_weights` (weights.py), with the engine config and, for
+    speculative_method="draft", the draft model. `kv_transfer`: warm up `export_pages`
+    / `import_pages` too (a disaggregated prefill or decode worker,
+    serving/engine/disaggregated.py)."""
+    ec, cfg, placement = weights.engine_cfg, weights.model_cfg, weights.placement
     self.kv_transfer = kv_transfer
-    # Sharded when tp*ep*dp*pp > 1 or a mesh is given (sharding/placement.py).
-    self.mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg.parallel)
-    placement = sharding.Placement(self.mesh, model_cfg) if self.mesh is not None else None
-    if (draft is not None) != (engine_cfg.speculative.speculative_method == "draft"):
-      raise ValueError("a draft model is needed exactly when speculative_method='draft'")
-    if placement is not None and draft is not None:
-      raise NotImplementedError("a draft model on a mesh (tp/ep/dp > 1) is not supported yet; "
-                                "use speculative_method='ngram' or 'suffix' there")
-    if placement is not None and placement.stages > 1 and engine_cfg.lora.max_loras:
-      raise NotImplementedError("LoRA adapters with pipeline stages (pp > 1) are not "
-                                "supported yet; use tp")
-    self.source_cfg = model_cfg  # before tp repeats KV heads: what adapters must fit
-    if placement is not None:
-      _enable_jax_compilation_cache(engine_cfg)
-      params, model_cfg = placement.adapt(params), placement.model_cfg
-    self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
-    self.vocab_size = model_cfg.vocab_size
-    platform = jax.default_backend()
-    self.dtype_name, self.kv_dtype_name = resolve_dtypes(engine_cfg, platform)
-    self.weight_dtype_name = resolve_weight_dtype(engine_cfg, self.dtype_name)
-    self.backend = attention.resolve_backend(engine_cfg.model.attention_backend, platform)
-    dtype = jnp.dtype(self.dtype_name)
-    if engine_cfg.model.quantization:  # on the host, before anything reaches the device
-      params = quantize_params(params, engine_cfg.model.quantization)
-    if engine_cfg.cpu.quantized_dense_copy and placement is None:  # a mesh splits no copy
-      params = with_full_copies(params, jnp.dtype(self.weight_dtype_name))
-    # The native kernel runs on one device only: a mesh places the params as loaded.
-    if engine_cfg.cpu.cpu_activation_bits != 32 and placement is None:
-      params = with_activation_bits(params, engine_cfg.cpu.cpu_activation_bits)
-    unroll = engine_cfg.model.unroll_layers
-    unroll = unroll if unroll is not None else platform == "cpu"
-    if unroll and (placement is None or placement.stages == 1):  # stages split stacked layers
-      params = llama.unstack_layers(params)
-    weight_dtype = jnp.dtype(self.weight_dtype_name)
-    if placement is not None:
-      self.params = placement.place_params(params, weight_dtype)
-    else:
-      self.params = put_params(params, weight_dtype)  # quantized leaves keep their dtypes
-    self.num_pages = num_pages or engine_cfg.cache.num_pages or capacity_pages(
-        model_cfg, engine_cfg, draft[1] if draft is not None else None)
+    self.mesh = weights.mesh  # sharded when tp*ep*dp*pp > 1 or a mesh was given
+    self.source_cfg = weights.source_cfg  # before tp repeats KV heads: what adapters must fit
+    self.model_cfg, self.engine_cfg = cfg, ec
+    self.vocab_size = cfg.vocab_size
+    self.dtype_name, self.kv_dtype_name = weights.dtype, weights.kv_dtype
+    self.weight_dtype_name = weights.weight_dtype
+    self.backend = attention.resolve_backend(ec.model.attention_backend, jax.default_backend())
+    self.params = weights.place()  # before the KV pool is sized from the memory left
+    draft_cfg = weights.draft.config if weights.draft is not None else None
+    self.num_pages = num_pages or ec.cache.num_pages or capacity_pages(cfg, ec, draft_cfg)
     self.state = self._initial_state(placement)
-    self.mask_width = (model_cfg.vocab_size + 31) // 32  # int32 words of a token mask row
+    self.mask_width = (cfg.vocab_size + 31) // 32  # int32 words of a token mask row
     self._all_allowed: dict[int, jax.Array] = {}
     self._kv_replicas = placement.kv_replicas if placement is not None else 1
-    self.lora_dtype = weight_dtype  # adapters are stored like the weights they modify
+    self.lora_dtype = jnp.dtype(weights.weight_dtype)  # adapters: stored like the weights
     self.lora, self._write_lora = self._lora_slots(placement)
-    kw = dict(cfg=model_cfg, backend=self.backend, act_dtype=dtype,
-              block_tokens=engine_cfg.cache.attention_block_tokens)
-    jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
     # Warm starts load the compiled steps from disk instead of tracing them.
-    compilation = engine_cfg.compilation
-    store = ExecutableStore.for_runner(compilation.compilation_cache,
-                                       compilation.compilation_cache_dir, placement is not None)
-    self._store = store
-    static = repr(sorted(kw.items()))
-    # Arguments: params, LoRA slots, state (donated), the step's input.
-    self._prefill = StepProgram("prefill", jit(functools.partial(prefill_step, **kw),
-                                               donate_argnums=(2,)),
-                                static=static, num_fixed=3, store=store)
-    self._decode = StepProgram("decode", jit(functools.partial(decode_step, **kw),
-                                             donate_argnums=(2,)),
-                               static=static, num_fixed=3, store=store)
-    self._sample = StepProgram("sample", jit(sample_step, donate_argnums=(0,)), static="",
-                               num_fixed=1, store=store)
-    # Multi-step decoding: k decode + sample iterations per call, per multi-step bucket.
-    self._multi_decode = StepProgram("multi_decode", jit(functools.partial(multi_decode_step,
-                                                                           **kw),
-                                                         donate_argnums=(2,)),
-                                     static=static, num_fixed=3, store=store)
-    # Speculative decoding: the verify forward per batch bucket, and its sampler.
-    self._verify = StepProgram("verify", jit(functools.partial(verify_step, **kw),
-                                             donate_argnums=(2,)),
-                               static=static, num_fixed=3, store=store)
-    self._verify_sample = StepProgram("verify_sample", jit(verify_sample_step,
-                                                           donate_argnums=(0,)),
-                                      static="", num_fixed=1, store=store)
+    compilation = ec.compilation
+    self._store = ExecutableStore.for_runner(compilation.compilation_cache,
+                                             compilation.compilation_cache_dir,
+                                             placement is not None)
+    self._build_programs(placement)
     self._read_pages = self._write_pages = None  # jitted on first use (export_pages)
-    self.draft = None
-    if draft is not None:
-      draft_params, draft_cfg = draft
-      check_vocabulary(draft_cfg.vocab_size, model_cfg.vocab_size)
-      if unroll:
-        draft_params = llama.unstack_layers(draft_params)
-      self.draft = DraftModel(put_params(draft_params, weight_dtype), draft_cfg,
-                              num_pages=self.num_pages, page_size=engine_cfg.cache.page_size,
-                              kv_dtype=self.kv_dtype_name, act_dtype=dtype, backend=self.backend,
-                              block_tokens=engine_cfg.cache.attention_block_tokens, store=store)
+    self.draft = self._draft_model(weights)
     self._log_capacity()
+
+  @classmethod
+  def from_params(cls, params, model_cfg: ModelConfig, engine_cfg: EngineConfig, *,
+                  num_pages: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                  draft: tuple[dict, ModelConfig] | None = None,
+                  kv_transfer: bool = False) -> ModelRunner:
+    """A runner over params as loaded: `prepare_weights` (weights.py), then the runner.
+    `draft`: the draft model's (params, config) for speculative_method="draft"."""
+    weights = prepare_weights(params, model_cfg, engine_cfg, mesh=mesh, draft=draft)
+    return cls(weights, num_pages=num_pages, kv_transfer=kv_transfer)
+
+  def _build_programs(self, placement: sharding.Placement | None) -> None:
+    """The jitted steps as `StepProgram`s; their `static` strings key the executable store."""
+    kw = dict(cfg=self.model_cfg, backend=self.backend, act_dtype=jnp.dtype(self.dtype_name),
+              block_tokens=self.engine_cfg.cache.attention_block_tokens)
+    jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
+    static = repr(sorted(kw.items()))
+
+    def forward(name: str, step) -> StepProgram:
+      """Arguments: params, LoRA slots, state (donated), the step's input."""
+      return StepProgram(name, jit(functools.partial(step, **kw), donate_argnums=(2,)),
+                         static=static, num_fixed=3, store=self._store)
+
+    def sampler(name: str, step) -> StepProgram:
+      """Arguments: state (donated), logits, the rest of the sampler's input."""
+      return StepProgram(name, jit(step, donate_argnums=(0,)), static="", num_fixed=1,
+                         store=self._store)
+
+    self._prefill = forward("prefill", prefill_step)
+    self._decode = forward("decode", decode_step)
+    self._sample = sampler("sample", sample_step)
+    # Multi-step decoding: k decode + sample iterations per call, per multi-step bucket.
+    self._multi_decode = forward("multi_decode", multi_decode_step)
+    # Speculative decoding: the verify forward per batch bucket, and its sampler.
+    self._verify = forward("verify", verify_step)
+    self._verify_sample = sampler("verify_sample", verify_sample_step)
+
+  def _draft_model(self, weights: PreparedWeights) -> DraftModel | None:
+    """Speculative decoding's draft model on the device (its pool: the target's page
+    count), or None without one."""
+    if weights.draft is None:
+      return None
+    ec = self.engine_cfg
+    return DraftModel(weights.place_draft(), weights.draft.config, num_pages=self.num_pages,
+                      page_size=ec.cache.page_size, kv_dtype=self.kv_dtype_name,
+                      act_dtype=jnp.dtype(self.dtype_name), backend=self.backend,
+                      block_tokens=ec.cache.attention_block_tokens, store=self._store)
 
   def _initial_state(self, placement) -> DeviceState:
     ec, cfg = self.engine_cfg, self.model_cfg
@@ -702,14 +649,6 @@ def _load_threads() -> int:
   """Threads that load stored executables (XLA deserializes them with the GIL released;
   more threads than cores only contend)."""
   return max(1, min(4, os.cpu_count() or 1))
-
-
-def _enable_jax_compilation_cache(config: EngineConfig) -> None:
-  """JAX's persistent cache, for sharded runners only: a single device uses the
-  executable store, which must not see executables from JAX's cache."""
-  if config.compilation.compilation_cache and not jax.config.jax_compilation_cache_dir:
-    jax.config.update("jax_compilation_cache_dir", config.compilation.compilation_cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _sampled(token, logprob, top_ids, top_logprobs, n: int | None) -> SampledToken:

@@ -152,7 +152,7 @@ def _runner_logits(loaded, tokens):
   from serving.runner.model_runner import ModelRunner
 
   ec = eval_config(max_model_len=64, num_pages=8, max_num_batched_tokens=64)
-  return teacher_forced_logits(ModelRunner(loaded.params, loaded.config, ec), tokens)
+  return teacher_forced_logits(ModelRunner.from_params(loaded.params, loaded.config, ec), tokens)
 
 
 def test_mixed_k_quant_file_served_as_stored(tmp_path):

@@ -60,8 +60,8 @@ def engine_config(**kw):
 def make_runner(loaded, **kw):
   from serving.runner.model_runner import ModelRunner
 
-  return ModelRunner(loaded.params, loaded.config, engine_config(**kw),
-                     num_pages=ENGINE_KW["num_pages"])
+  return ModelRunner.from_params(loaded.params, loaded.config, engine_config(**kw),
+                                num_pages=ENGINE_KW["num_pages"])
 
 
 def hf_sliced_equal(path: str, loaded, parallel) -> bool:

@@ -95,8 +95,8 @@ def _worker(*specs: str) -> None:
       res["weight_shapes"][method] = sorted(stu.weight_shapes(params))
       runs = {}
       for tp, ep in layouts:
-        runner = ModelRunner(params, loaded.config, stu.engine_config(tp=tp, ep=ep),
-                             num_pages=stu.ENGINE_KW["num_pages"])
+        runner = ModelRunner.from_params(params, loaded.config, stu.engine_config(tp=tp, ep=ep),
+                                         num_pages=stu.ENGINE_KW["num_pages"])
         drv = stu.Driver(runner)
         tokens, first, dec = drv.generate(stu.PROMPTS, MAX_TOKENS)
         layers = runner.params["layers"]

@@ -79,7 +79,8 @@ def test_runner_page_copy_is_exact(tiny_dir, kv_dtype):
 
   loaded = checkpoints.load_checkpoint(tiny_dir)
   cfg = EngineConfig.of(**{**ENGINE, "kv_cache_dtype": kv_dtype})
-  src, dst = (ModelRunner(loaded.params, loaded.config, cfg, num_pages=16, kv_transfer=True)
+  src, dst = (ModelRunner.from_params(loaded.params, loaded.config, cfg, num_pages=16,
+                                      kv_transfer=True)
               for _ in range(2))
   rng = np.random.default_rng(0)
   k, v = src.export_pages([1, 2])

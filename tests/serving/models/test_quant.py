@@ -12,7 +12,7 @@ import pytest
 from checkpoints import quantizers
 from serving.models import quantized as quant
 from serving.runner import kv_cache
-from serving.runner.model_runner import put_params
+from serving.runner.weights import put_params
 
 RNG = np.random.default_rng(0)
 

@@ -30,7 +30,8 @@ def test_bf16_weights_f32_compute_quality_and_bytes(smollm):
   runners = {}
   for name, kw in (("f32", {}), ("bf16w", {"weight_dtype": "bfloat16"})):
     cfg = qt.eval_config(**kw)
-    runners[name] = ModelRunner(smollm.params, smollm.config, cfg, num_pages=cfg.cache.num_pages)
+    runners[name] = ModelRunner.from_params(smollm.params, smollm.config, cfg,
+                                           num_pages=cfg.cache.num_pages)
   r = runners["bf16w"]
   assert (r.dtype_name, r.weight_dtype_name, r.kv_dtype_name) == ("float32", "bfloat16",
                                                                    "float32")

@@ -43,7 +43,7 @@ def _evaluate(name, params, smollm, tokens, **kw):
   """Logits and params byte counts of one format (cached for the module)."""
   if name not in _RESULTS:
     cfg = qt.eval_config(**kw)
-    runner = ModelRunner(params, smollm.config, cfg, num_pages=cfg.cache.num_pages)
+    runner = ModelRunner.from_params(params, smollm.config, cfg, num_pages=cfg.cache.num_pages)
     nbytes = {"total": quant.params_nbytes(runner.params),
               "layers": quant.params_nbytes(runner.params["layers"])}
     _RESULTS[name] = (qt.teacher_forced_logits(runner, tokens), nbytes)
