@@ -16,6 +16,7 @@ from absl import flags
 FLAGS = flags.FLAGS
 COMMANDS = ("serve", "generate", "batch", "convert", "bench")
 HELP_ARGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+PARSER_FLAGS = ("flagfile",)  # absl's parser reads them; they are not defined flags
 SHORT_USAGE = (f"usage: xlaserve COMMAND [--flags]   (COMMAND: {', '.join(COMMANDS)})\n"
                "Run `xlaserve --help` for what each command does, `xlaserve COMMAND --help` "
                "for its flags.")
