@@ -86,16 +86,7 @@ def cmd_serve(build_engine: EngineFactory) -> int:
   serve_cfg = serve_config_from_flags()
   # Until the servers run, SIGTERM has nothing to drain: exit cleanly.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-  from sharding.distributed import DistributedConfig, initialize_from
-
-  try:
-    DistributedConfig.resolve(FLAGS)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  dist = initialize_from(FLAGS)
-  if dist.is_leader:  # the process that will listen: its ports, before the model loads
-    check_ports_free(serve_cfg.host, {"--http_port": serve_cfg.http_port,
-                                      "--grpc_port": serve_cfg.grpc_port})
+  dist = start_distributed(serve_cfg)
   if dist.num_processes > 1:
     # Every process runs the steps in lock-step; only process 0 serves.
     from serving.entrypoints.engine_builder import start_multihost
@@ -125,6 +116,23 @@ def cmd_serve(build_engine: EngineFactory) -> int:
     os._exit(EXIT_ENGINE_DEAD)
   print("xlaserve: drained, exiting", flush=True)
   return 0
+
+
+def start_distributed(serve_cfg: Any) -> Any:
+  """`jax.distributed` from the flags (one process unless they or the environment say
+  otherwise; UsageError when they do not add up). The process that will listen checks
+  its ports before any model loads."""
+  from sharding.distributed import DistributedConfig, initialize_from
+
+  try:
+    DistributedConfig.resolve(FLAGS)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  dist = initialize_from(FLAGS)
+  if dist.is_leader:
+    check_ports_free(serve_cfg.host, {"--http_port": serve_cfg.http_port,
+                                      "--grpc_port": serve_cfg.grpc_port})
+  return dist
 
 
 def cmd_generate(build_engine: EngineFactory) -> int:
@@ -188,6 +196,7 @@ def main(argv: list[str], build_engine: EngineFactory = default_build_engine) ->
 
 
 def run_command(argv: list[str], build_engine: EngineFactory = default_build_engine) -> int:
+  """Dispatches `argv[1]` (the command) to its `cmd_*`; returns the exit status."""
   if len(argv) < 2:
     print(cli_help.SHORT_USAGE, file=sys.stderr, flush=True)
     return EXIT_USAGE

@@ -33,7 +33,7 @@ class CommandHelp:
 
 
 MODEL: Section = ("Model and engine", (
-    ("model", "Preset name, Hugging Face directory, .gguf file or orbax directory."),
+    ("model", "Preset, HF dir, .gguf file or orbax dir."),
     ("config", "Engine preset: a name in configs/ (e.g. cpu-small) or a JSON file."),
     ("max_num_seqs", "Requests run together (decode slots)."),
     ("max_model_len", "Longest prompt + completion, in tokens."),
@@ -68,8 +68,8 @@ HELP = {
         )), GENERAL),
         examples=(
             "xlaserve serve --model=smollm2-135m-instruct --config=cpu-small",
-            "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
-            "-d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"Hello\", "
+            "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+            "    -d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"Hello\", "
             "\"max_tokens\": 16}'",
         )),
     "generate": CommandHelp(
@@ -89,9 +89,9 @@ HELP = {
     "batch": CommandHelp(
         summary="Run an OpenAI batch file (JSONL) offline.",
         about="Reads requests in the OpenAI batch format (one JSON object per line with "
-              "custom_id, method, url and body), runs them and writes one result per line. "
-              "Lines already in --output are skipped, so rerunning finishes an interrupted "
-              "job. Exits 1 when some lines failed.",
+              "custom_id, method, url and body), runs them and writes one result per line, in "
+              "input order. Rerunning the same command resumes after the lines already "
+              "written. Exits 1 when some lines failed on the server side.",
         sections=(("Batch", (
             ("input", "Input JSONL file (required)."),
             ("output", "Output JSONL file (required)."),
