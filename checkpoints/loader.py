@@ -32,6 +32,9 @@ def checkpoint_format(model: str, quantization: str | None = None) -> str:
   if quantization is not None and quantization not in METHODS:
     raise ValueError(f"unsupported quantization {quantization!r}; supported: {METHODS}")
   path = resolve_model_path(model)
+  if quantization == "gguf" and not (os.path.isfile(path) and path.endswith(".gguf")):
+    raise ValueError(f"quantization='gguf' serves a GGUF file's blocks as stored; {model!r} "
+                     "is not a .gguf file (use int8, int4 or fp8)")
   if os.path.isdir(path):
     if is_orbax_dir(path):
       fmt = "orbax"
@@ -48,9 +51,6 @@ def checkpoint_format(model: str, quantization: str | None = None) -> str:
   else:
     raise FileNotFoundError(f"{model!r} is not a preset ({presets.list_presets()}), "
                             "a directory or a .gguf file")
-  if quantization == "gguf" and fmt != "gguf":
-    raise ValueError(f"quantization='gguf' serves a GGUF file's blocks as stored; {model!r} "
-                     "is not a .gguf file (use int8, int4 or fp8)")
   return fmt
 
 
