@@ -9,11 +9,13 @@
 and returns a `LoadedModel(config, params, tokenizer, source)` with the params
 pytree of docs/structure.md as numpy arrays (float32 or bfloat16).
 Unsupported architectures, dtypes and quantization types raise ValueError
-naming the unsupported thing.
+naming the unsupported thing; `checkpoint_format(model)` finds the format (and
+raises the same errors) without reading any weights.
 """
 
 from checkpoints.layout import LoadedModel, ParamsBuilder
 from checkpoints.loader import (
+    checkpoint_format,
     load_checkpoint,
     load_gguf,
     load_hf_dir,
@@ -23,5 +25,6 @@ from checkpoints.loader import (
 from checkpoints.orbax_io import load_orbax, save_orbax
 from serving.models.layout import param_shapes
 
-__all__ = ["LoadedModel", "ParamsBuilder", "load_checkpoint", "load_gguf", "load_hf_dir",
-           "load_orbax", "load_quantized", "param_shapes", "resolve_model_path", "save_orbax"]
+__all__ = ["LoadedModel", "ParamsBuilder", "checkpoint_format", "load_checkpoint", "load_gguf",
+           "load_hf_dir", "load_orbax", "load_quantized", "param_shapes", "resolve_model_path",
+           "save_orbax"]

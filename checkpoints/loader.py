@@ -24,6 +24,36 @@ def resolve_model_path(model: str) -> str:
   return model
 
 
+def checkpoint_format(model: str, quantization: str | None = None) -> str:
+  """How `model` (a preset name or a path) loads: "orbax", "hf" or "gguf", found without
+  reading any weights (a HF directory's config.json is read: its architecture must be
+  supported). With `quantization`, also that the method applies to this format. Raises
+  the FileNotFoundError / ValueError that loading would."""
+  if quantization is not None and quantization not in METHODS:
+    raise ValueError(f"unsupported quantization {quantization!r}; supported: {METHODS}")
+  path = resolve_model_path(model)
+  if quantization == "gguf" and not (os.path.isfile(path) and path.endswith(".gguf")):
+    raise ValueError(f"quantization='gguf' serves a GGUF file's blocks as stored; {model!r} "
+                     "is not a .gguf file (use int8, int4 or fp8)")
+  if os.path.isdir(path):
+    if is_orbax_dir(path):
+      fmt = "orbax"
+    elif hf.is_hf_dir(path):
+      hf.load_hf_config(path)  # an unsupported architecture raises here
+      fmt = "hf"
+    else:
+      raise ValueError(f"unsupported model directory {path}: no config.json (HF) and no "
+                       f"{MARKER_FILE} (orbax)")
+  elif os.path.isfile(path):
+    if not path.endswith(".gguf"):
+      raise ValueError(f"unsupported checkpoint file {path}: expected a .gguf file")
+    fmt = "gguf"
+  else:
+    raise FileNotFoundError(f"{model!r} is not a preset ({presets.list_presets()}), "
+                            "a directory or a .gguf file")
+  return fmt
+
+
 def load_checkpoint(model: str, dtype: Any = np.float32) -> LoadedModel:
   """Loads a preset, orbax dir, HF dir or GGUF file (see module docstring).
 
@@ -34,37 +64,23 @@ def load_checkpoint(model: str, dtype: Any = np.float32) -> LoadedModel:
   auto = isinstance(dtype, str) and dtype == "auto"
   if not auto:
     resolve_dtype(dtype)
-  path = resolve_model_path(model)
-  if os.path.isdir(path) and is_orbax_dir(path):
+  fmt, path = checkpoint_format(model), resolve_model_path(model)
+  if fmt == "orbax":
     return load_orbax(path, dtype=None if auto else dtype)
-  if os.path.isdir(path):
-    if not hf.is_hf_dir(path):
-      raise ValueError(f"unsupported model directory {path}: no config.json (HF) and no "
-                       f"{MARKER_FILE} (orbax)")
+  if fmt == "hf":
     if auto:
       raw, _ = hf.load_hf_config(path)
       dtype = "bfloat16" if "bfloat16" in (raw.get("dtype"), raw.get("torch_dtype")) else "float32"
     return load_hf_dir(path, dtype)
-  if os.path.isfile(path):
-    if not path.endswith(".gguf"):
-      raise ValueError(f"unsupported checkpoint file {path}: expected a .gguf file")
-    return load_gguf(path, np.float32 if auto else dtype)
-  raise FileNotFoundError(f"{model!r} is not a preset ({presets.list_presets()}), "
-                          "a directory or a .gguf file")
+  return load_gguf(path, np.float32 if auto else dtype)
 
 
 def load_quantized(model: str, method: str) -> LoadedModel:
   """Loads `model` for serving with weight quantization `method`: GGUF blocks of the
   matching type stay as stored (checkpoints/quantize.py), anything else loads as usual
   and is quantized by the runner."""
-  if method not in METHODS:
-    raise ValueError(f"unsupported quantization {method!r}; supported: {METHODS}")
-  path = resolve_model_path(model)
-  if os.path.isfile(path) and path.endswith(".gguf"):
-    return load_gguf_quantized(path, method)
-  if method == "gguf":
-    raise ValueError(f"quantization='gguf' serves a GGUF file's blocks as stored; {model!r} "
-                     "is not a .gguf file (use int8, int4 or fp8)")
+  if checkpoint_format(model, method) == "gguf":
+    return load_gguf_quantized(resolve_model_path(model), method)
   return load_checkpoint(model)
 
 

@@ -241,6 +241,11 @@ class ParallelOptions:
     """Prefill and decode run on separate engines (prefill_workers / decode_workers)."""
     return self.prefill_workers > 0
 
+  @property
+  def devices_per_engine(self) -> int:
+    """Devices one engine (a replica, a prefill or decode worker) runs on: tp * ep * pp."""
+    return self.tp * self.ep * self.pp
+
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeOptions:

@@ -35,6 +35,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 MAX_LOGPROBS = 20
 # Integer fields travel to the device as int32.
 INT32_MAX = 2**31 - 1
+# Seeds are unsigned 64-bit (the gRPC field is uint64): the two 32-bit words of the
+# sampling key (serving/runner/sampling/tensors.py), so distinct seeds never collide.
+SEED_MAX = 2**64 - 1
 # Beyond these, sampling is indistinguishable from the limit (and stays finite in float32).
 MAX_TEMPERATURE = 1e4
 MAX_REPETITION_PENALTY = 1e4
@@ -177,7 +180,8 @@ class SamplingParams:
   `temperature == 0` means greedy. `top_k <= 0` (or -1) disables top-k;
   `top_p == 1` disables nucleus sampling; `min_p == 0` disables min-p.
   `logprobs=None` returns no logprobs; `logprobs=n` returns the sampled
-  token's logprob plus the top `n` alternatives (0 <= n <= 20).
+  token's logprob plus the top `n` alternatives (0 <= n <= 20). `seed`: any integer
+  in [0, 2^64) (`SEED_MAX`); None: the engine picks one.
   """
 
   max_tokens: int | None = 16
@@ -222,7 +226,7 @@ class SamplingParams:
     if self.logprobs is not None:
       _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
     if self.seed is not None:
-      _int_in("seed", self.seed, 0, 2**63 - 1)
+      _int_in("seed", self.seed, 0, SEED_MAX)
     if any(not isinstance(s, str) or not s for s in self.stop):
       raise ValueError("stop strings must be non-empty strings")
     for t in self.stop_token_ids:

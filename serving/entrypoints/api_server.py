@@ -107,10 +107,11 @@ async def serve(engine: EngineClient, cfg: ServeConfig, stop: asyncio.Event,
                                      header_timeout_s=cfg.header_timeout_s)
       http_task = asyncio.create_task(http_server.serve())
       http_port = await _wait_started(http_server, http_task)
-    log.info("serving %s: http port %s, grpc port %s", cfg.served_model_name, http_port,
-             grpc_port)
-    if ready is not None:
+    if ready is not None:  # the caller reports readiness (the launcher's ready line)
       ready(http_port, grpc_port)
+    else:
+      log.info("serving %s: http port %s, grpc port %s", cfg.served_model_name, http_port,
+               grpc_port)
     watchdog = asyncio.create_task(_watch(engine, aengine, grpc_server, stop,
                                           cfg.unhealthy_exit_delay_s))
     await stop.wait()

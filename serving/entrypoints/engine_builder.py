@@ -19,6 +19,12 @@ The one place that wires the layers together for the entry points (`LLM`,
      (`lora_loader`) for adapters loaded at run time.
 With several processes (`jax.distributed`), `start_multihost` does the same
 in lock-step: process 0 gets the engine, the others follow its steps.
+
+Before anything loads, `check_setup` checks what can be checked from the names
+and the options alone (the model and draft model can be found and read, the
+devices the layout asks for are visible) and raises `SetupError`
+(serving/entrypoints/startup.py), as do the later checks that are the input's
+fault (a draft model with another tokenizer, options that do not go together).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from serving.config import EngineConfig
 from serving.engine import EngineClient, LLMEngine, Runner
 from serving.engine.disaggregated import DisaggregatedEngine
 from serving.engine.replicas import ReplicatedEngine
+from serving.entrypoints.startup import SetupError
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
 from serving.runner.model_runner import ModelRunner, capacity_pages
@@ -56,6 +63,36 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
   return checkpoints.load_checkpoint(model)
 
 
+def check_model(model: str | LoadedModel, quantization: str | None = None) -> None:
+  """SetupError unless `model` names a checkpoint that loads (with `quantization`), found
+  without reading any weights."""
+  if isinstance(model, LoadedModel):
+    return
+  try:
+    checkpoints.checkpoint_format(model, quantization)
+  except (FileNotFoundError, ValueError) as e:
+    raise SetupError(str(e)) from e
+
+
+def check_setup(model: str | LoadedModel, config: EngineConfig) -> None:
+  """SetupError when `build_engine(model, config)` cannot work, found before anything loads:
+  the model (and the draft model) and the devices the layout needs."""
+  check_model(model, config.model.quantization)
+  if config.speculative.speculative_method == "draft":
+    check_model(config.speculative.speculative_model, config.model.quantization)
+  if config.parallel.disaggregated or config.parallel.dp > 1:
+    if jax.process_count() > 1:
+      raise SetupError("dp replicas and prefill / decode workers run in one process; with "
+                       "several processes start one server per host and balance across them")
+    if config.parallel.disaggregated and config.speculative.speculative_method == "draft":
+      raise SetupError("a draft model is not supported with prefill / decode workers yet; use "
+                       "speculative_method='ngram' or 'suffix'")
+  if config.parallel.disaggregated:
+    worker_device_groups(config)
+  else:
+    replica_devices(config)
+
+
 def build_engine(model: str | LoadedModel, config: EngineConfig, *,
                  wrap_runner: Callable[[ModelRunner], Runner] | None = None,
                  lora_modules: Mapping[str, str] | None = None
@@ -66,8 +103,10 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   timer, the tests' fault injection). `lora_modules`: adapter name -> PEFT
   directory, registered before the engine is returned (needs `max_loras`).
   With `dp` > 1: `dp` engine replicas, each on its own `tp * ep * pp` devices, behind
-  one router (serving/engine/replicas.py); the checkpoint is read once.
+  one router (serving/engine/replicas.py); the checkpoint is read once. Input that
+  cannot be served raises `SetupError` before anything loads (`check_setup`).
   """
+  check_setup(model, config)
   loaded = load_model(model, config)
   draft = load_draft(loaded, config)
   name = _model_name(model, loaded)
@@ -91,25 +130,24 @@ def _engine(loaded: LoadedModel, config: EngineConfig, model_name: str, runner: 
 
 def replica_devices(config: EngineConfig, devices: Sequence[Any] | None = None
                     ) -> list[list[Any]]:
-  """The device group of each of the `dp` replicas: consecutive `tp * ep * pp` devices."""
+  """The device group of each of the `dp` replicas: consecutive `tp * ep * pp` devices
+  (SetupError when there are too few)."""
   devices = list(jax.devices() if devices is None else devices)
   par = config.parallel
-  per = par.tp * par.ep * par.pp
+  per = par.devices_per_engine
   if par.dp * per > len(devices):
-    raise ValueError(f"dp={par.dp} replicas of tp*ep*pp={per} devices need {par.dp * per} "
-                     f"devices but only {len(devices)} are visible ({devices[0].platform}; on "
-                     f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-                     f"{config.parallel.dp * per})")
-  return [devices[i * per:(i + 1) * per] for i in range(config.parallel.dp)]
+    layout = (f"dp={par.dp} replicas of tp*ep*pp={per} devices need" if par.dp > 1
+              else f"tp*ep*pp = {par.tp}*{par.ep}*{par.pp} needs")
+    raise SetupError(f"{layout} {par.dp * per} devices but only {len(devices)} are visible "
+                     f"({devices[0].platform}; on CPU set XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={par.dp * per})")
+  return [devices[i * per:(i + 1) * per] for i in range(par.dp)]
 
 
 def build_replicas(loaded: LoadedModel, config: EngineConfig, model_name: str,
                    draft: tuple[dict, ModelConfig] | None,
                    wrap_runner: Callable[[ModelRunner], Runner] | None) -> ReplicatedEngine:
   """`dp` whole engines, one per device group, each with dp=1 and its own mesh."""
-  if jax.process_count() > 1:
-    raise ValueError("dp replicas run in one process; with several processes start one "
-                     "server per host and balance across them")
   replica_cfg = config.replace(dp=1)
   engines = [_engine_on(loaded, replica_cfg, model_name, devices, draft, wrap_runner,
                         f"replica {i} of {config.parallel.dp}")
@@ -134,7 +172,6 @@ def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
   msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
          f"tokens, max concurrency at max_model_len={config.scheduler.max_model_len}: "
          f"{tokens / config.scheduler.max_model_len:.1f} requests")
-  log.info(msg)
   print(msg, file=sys.stderr, flush=True)
   return engine
 
@@ -146,31 +183,17 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
   """`prefill_workers` + `decode_workers` engines, each on its own `tp * ep * pp` devices
   (serving/engine/disaggregated.py). On CPU, with fewer devices than that, the engines
   share them (each with its share of the KV memory budget)."""
-  if jax.process_count() > 1:
-    raise ValueError("prefill / decode workers run in one process; with several processes "
-                     "start one server per host")
-  if draft is not None:
-    raise ValueError("a draft model is not supported with prefill / decode workers yet; use "
-                     "speculative_method='ngram' or 'suffix'")
   par = config.parallel
   n = par.prefill_workers + par.decode_workers
-  per = par.tp * par.ep * par.pp
-  devices = jax.devices()
+  groups = worker_device_groups(config)
   worker_cfg = config.replace(prefill_workers=0, decode_workers=0, enable_prefix_caching=True)
-  if n * per > len(devices):
-    if devices[0].platform != "cpu" or per > len(devices):
-      raise ValueError(f"{par.prefill_workers} prefill + {par.decode_workers} decode "
-                       f"workers of tp*ep*pp={per} devices need {n * per} devices but only "
-                       f"{len(devices)} are visible")
-    groups = [devices[(i * per) % len(devices):][:per] for i in range(n)]
+  if n * par.devices_per_engine > len(jax.devices()):  # the groups share devices
     # One memory budget split n ways, sized once: every worker gets the same KV pool
     # (and so the same programs: the second loads what the first compiled).
     worker_cfg = worker_cfg.replace(
         kv_cache_memory_fraction=config.cache.kv_cache_memory_fraction / n)
     if worker_cfg.cache.num_pages is None:
       worker_cfg = worker_cfg.replace(num_pages=capacity_pages(loaded.config, worker_cfg))
-  else:
-    groups = [devices[i * per:(i + 1) * per] for i in range(n)]
   engines = [_engine_on(loaded, worker_cfg, model_name, group, None, wrap_runner,
                         f"{'prefill' if i < par.prefill_workers else 'decode'} worker "
                         f"{i if i < par.prefill_workers else i - par.prefill_workers}",
@@ -178,6 +201,23 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
              for i, group in enumerate(groups)]
   return DisaggregatedEngine(engines[:par.prefill_workers],
                              engines[par.prefill_workers:], config=config)
+
+
+def worker_device_groups(config: EngineConfig, devices: Sequence[Any] | None = None
+                         ) -> list[list[Any]]:
+  """The device group of each prefill / decode worker: consecutive `tp * ep * pp` devices;
+  on CPU, with fewer devices than that, the groups share them (SetupError elsewhere)."""
+  devices = list(jax.devices() if devices is None else devices)
+  par = config.parallel
+  n = par.prefill_workers + par.decode_workers
+  per = par.devices_per_engine
+  if n * per <= len(devices):
+    return [devices[i * per:(i + 1) * per] for i in range(n)]
+  if devices[0].platform != "cpu" or per > len(devices):
+    raise SetupError(f"{par.prefill_workers} prefill + {par.decode_workers} decode "
+                     f"workers of tp*ep*pp={per} devices need {n * per} devices but only "
+                     f"{len(devices)} are visible")
+  return [devices[(i * per) % len(devices):][:per] for i in range(n)]
 
 
 def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelConfig] | None:
@@ -192,7 +232,7 @@ def load_draft(target: LoadedModel, config: EngineConfig) -> tuple[dict, ModelCo
   probe = "Speculative decoding: 12 + 30 = 42, naïve café — def f(x): return x"
   if (draft.tokenizer.encode(probe, add_special_tokens=False)
       != target.tokenizer.encode(probe, add_special_tokens=False)):
-    raise ValueError(f"speculative_model {config.speculative.speculative_model!r} does not use "
+    raise SetupError(f"speculative_model {config.speculative.speculative_model!r} does not use "
                      "the target model's tokenizer (the same text gives other token ids)")
   log.info("draft model %s: %d layers, vocabulary %d", config.speculative.speculative_model,
            draft.config.num_layers, draft.config.vocab_size)
@@ -217,7 +257,7 @@ def register_loras(engine: EngineClient,
   """Reads and registers each adapter; any failure raises (a server must not start
   without an adapter it was told to serve)."""
   if lora_modules and not engine.config.lora.max_loras:
-    raise ValueError("lora_modules need max_loras >= 1 (LoRA slots on the device)")
+    raise SetupError("lora_modules need max_loras >= 1 (LoRA slots on the device)")
   for name, path in (lora_modules or {}).items():
     engine.load_lora(name, path)
 
@@ -228,14 +268,15 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   shuts its engine down, then get None."""
   devices = sharding.ParallelConfig.of(config.parallel).num_devices
   if devices != len(jax.devices()):
-    raise ValueError(f"tp*ep*dp*pp = {devices} must equal the {len(jax.devices())} devices of all "
+    raise SetupError(f"tp*ep*dp*pp = {devices} must equal the {len(jax.devices())} devices of all "
                      f"{jax.process_count()} processes (one global mesh runs every step)")
   if config.lora.max_loras:
-    raise ValueError("LoRA adapters are not supported with several processes yet "
+    raise SetupError("LoRA adapters are not supported with several processes yet "
                      "(max_loras must be 0)")
   if config.speculative.speculative_method == "draft":
-    raise ValueError("a draft model is not supported with several processes yet; use "
+    raise SetupError("a draft model is not supported with several processes yet; use "
                      "speculative_method='ngram' or 'suffix'")
+  check_model(model, config.model.quantization)
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)
   runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config))

@@ -26,6 +26,8 @@ FLAGS = flags.FLAGS
 # Shared.
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Model: preset name, HF dir, .gguf, orbax.")
 flags.DEFINE_string("config", None, "Engine preset: a name in configs/ (e.g. cpu-small) or a path.")
+flags.DEFINE_bool("verbose", False, "On an error in the command's input (a bad flag, model "
+                  "path, layout or port), also show the full traceback (or set XLASERVE_DEBUG=1).")
 # Engine (names and meaning of EngineConfig's fields; unset -> preset or default).
 flags.DEFINE_integer("max_num_seqs", None, "Decode slots (requests run together).")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt + completion, in tokens.")

@@ -46,6 +46,7 @@ from serving.entrypoints.openai_protocol import (
 from serving.entrypoints.openai_serving import OpenAIServing, admission_error
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
+from serving.entrypoints.startup import bind_error
 from serving.types import RequestOutput, SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -311,7 +312,8 @@ class GrpcServer:
     self.server = grpc.aio.server(
         interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=[("grpc.max_receive_message_length", max_message_bytes),
-                 *_KEEPALIVE_OPTIONS])
+                 # A port another server holds is an error, not shared with it.
+                 ("grpc.so_reuseport", 0), *_KEEPALIVE_OPTIONS])
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(serving, model_name), self.server)
     self.health = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -321,16 +323,20 @@ class GrpcServer:
 
   def bind(self, host: str, port: int, *, tls_cert: str | None = None,
            tls_key: str | None = None) -> int:
-    """Binds `host:port` (0 picks a free port); returns the bound port."""
+    """Binds `host:port` (0 picks a free port); returns the bound port (BindError when
+    it cannot be bound)."""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls_cert:
-      with open(tls_key, "rb") as f_key, open(tls_cert, "rb") as f_cert:
-        creds = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
-      self.port = self.server.add_secure_port(address, creds)
-    else:
-      self.port = self.server.add_insecure_port(address)
+    try:
+      if tls_cert:
+        with open(tls_key, "rb") as f_key, open(tls_cert, "rb") as f_cert:
+          creds = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
+        self.port = self.server.add_secure_port(address, creds)
+      else:
+        self.port = self.server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc's "Failed to bind to address ..."
+      raise bind_error(f"gRPC port {port}", host, port, "failed to bind") from e
     if not self.port:
-      raise OSError(f"could not bind gRPC to {address}")
+      raise bind_error(f"gRPC port {port}", host, port, "failed to bind")
     return self.port
 
   async def start(self) -> None:

@@ -49,6 +49,7 @@ from serving.entrypoints.openai_protocol import (
   validation_error,
 )
 from serving.entrypoints.openai_serving import OpenAIServing
+from serving.entrypoints.startup import bind_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -309,11 +310,19 @@ class _H11WithHeaderTimeout(H11Protocol):
 
 
 class UvicornServer(uvicorn.Server):
-  """uvicorn server that leaves signal handling to the launcher (graceful drain)."""
+  """uvicorn server that leaves signal handling to the launcher (graceful drain) and
+  raises BindError where uvicorn would exit the process because it cannot bind."""
 
   @contextlib.contextmanager
   def capture_signals(self):
     yield
+
+  async def startup(self, sockets: list | None = None) -> None:
+    try:
+      await super().startup(sockets=sockets)
+    except SystemExit:  # uvicorn logged the OSError and calls sys.exit
+      raise bind_error(f"HTTP port {self.config.port}", self.config.host, self.config.port,
+                       "failed to bind") from None
 
 
 def make_http_server(app: FastAPI, host: str, port: int, *, ssl_certfile: str | None = None,

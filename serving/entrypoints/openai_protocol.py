@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serving.types import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from serving.types import MAX_LOGPROBS, SEED_MAX, SamplingParams, StructuredOutputsParams
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -203,7 +203,8 @@ class _SamplingRequest(_Strict):
 
   def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    """SamplingParams for choice `index` (the seed is offset so choices differ)."""
+    """SamplingParams for choice `index` (the seed is offset so choices differ; taken modulo
+    2^64, the seed range)."""
     try:
       return SamplingParams(
           max_tokens=max_tokens,
@@ -214,7 +215,7 @@ class _SamplingRequest(_Strict):
           repetition_penalty=self.repetition_penalty or 1.0,
           presence_penalty=self.presence_penalty,
           frequency_penalty=self.frequency_penalty,
-          seed=None if self.seed is None else (self.seed + index) % 2**63,
+          seed=None if self.seed is None else (self.seed + index) % (SEED_MAX + 1),
           stop=self.stop,
           stop_token_ids=self.stop_token_ids,
           ignore_eos=self.ignore_eos,

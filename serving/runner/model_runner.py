@@ -641,8 +641,7 @@ class ModelRunner:
                 f"{tokens / c.scheduler.max_model_len:.1f} requests",
                 f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "
                 f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"):
-      log.info(msg)
-      print(msg, file=sys.stderr, flush=True)
+      print(msg, file=sys.stderr, flush=True)  # not logged too: the launcher shows logs on stderr
 
 
 def _load_threads() -> int:

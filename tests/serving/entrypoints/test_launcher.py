@@ -206,6 +206,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
     assert "drained" in srv.output()
+    # Readiness is reported once, by the ready line (not also by a log record).
+    assert srv.output().count("http_port=") == 1 and "http port" not in srv.output()
   finally:
     srv.kill()
 
@@ -269,3 +271,7 @@ def test_convert_then_generate(tiny_model, tmp_path):
            timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert r.stdout.endswith("\n")  # the completion (random weights: any text)
+  # Each start-up report once, as printed (not also as an absl log record).
+  reports = [x for x in r.stderr.splitlines() if "KV cache: " in x or "Weights: " in x]
+  assert len(reports) == 2 and all(x.startswith(("KV cache: ", "Weights: ")) for x in reports), (
+      r.stderr)

@@ -291,6 +291,23 @@ def test_seed_layout_is_jax_key():
   np.testing.assert_array_equal(t.seed[1], [2**8, 5])
 
 
+def test_seeds_take_the_whole_uint64_range():
+  """Seeds up to 2^64 - 1 (gRPC's uint64) are keys of their own: 2^64 - 1 draws the same
+  tokens twice, and other tokens than 2^63 - 1, the seed it would fold onto modulo 2^63."""
+  top = 2**64 - 1
+  t = SamplingTensors.build([SamplingParams()] * 3, [top, 2**63, 2**63 - 1], [0] * 3, 3)
+  np.testing.assert_array_equal(t.seed, [[2**32 - 1] * 2, [2**31, 0], [2**31 - 1, 2**32 - 1]])
+  rng = np.random.default_rng(11)
+  logits = np.repeat(make_logits(rng, 1, V, scale=0.1), B, 0)  # near-uniform over V tokens
+  zero = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+  seeds = [top, top, top % 2**63] + list(range(B - 3))
+  draws = [run(logits, [SamplingParams(temperature=1.0)] * B, *zero, seeds, [step] * B)[0]
+           for step in range(6)]
+  tokens = np.asarray([np.asarray(d.tokens) for d in draws])  # [step, row]
+  assert (tokens[:, 0] == tokens[:, 1]).all()
+  assert (tokens[:, 0] != tokens[:, 2]).any()
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=0.8), dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampling_frequencies_matchsoftmax(kw):
   """Chi-square of 4096 seeded draws against the reference distribution (16 live tokens)."""
