@@ -54,6 +54,8 @@ from server_procs import DEFAULT_MODEL_TEST_CONFIG
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # real servers on the default model, hostile input
+
 QUEUE = 24
 CAPACITY = DEFAULT_MODEL_TEST_CONFIG["max_num_seqs"] + QUEUE  # 32 requests in flight at most
 VOCAB = 49152  # the default model's vocabulary

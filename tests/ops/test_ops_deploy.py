@@ -21,6 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # deployment: real server processes
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(REPO, "deploy")
 K8S_VERSION = "1.37.0"

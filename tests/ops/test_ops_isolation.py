@@ -22,6 +22,8 @@ import pytest
 
 from serving.types import SamplingParams
 
+pytestmark = pytest.mark.slow  # real engines probed for cross-tenant reads
+
 PROMPTS = [list(range(40, 45)), list(range(60, 77)), list(range(80, 113)), list(range(120, 160)),
            list(range(200, 223)), list(range(30, 37))]
 

@@ -34,6 +34,8 @@ from server_procs import DEFAULT_MODEL_TEST_CONFIG
 
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # soak and load against real servers
+
 MAX_NUM_SEQS = DEFAULT_MODEL_TEST_CONFIG["max_num_seqs"]
 QUEUE = 200  # --max_queued_requests: capacity is MAX_NUM_SEQS + QUEUE in-flight requests
 CAPACITY = MAX_NUM_SEQS + QUEUE

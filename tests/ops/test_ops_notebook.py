@@ -13,6 +13,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # executes the notebook
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK = os.path.join(REPO, "notebooks", "quickstart.ipynb")
 

@@ -25,6 +25,8 @@ from ops_procs import MODEL, OpsServer
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # fuzzing and real servers
+
 API_KEY = secrets.token_urlsafe(24)
 MAX_BODY = 64 * 1024
 FUZZ_EXAMPLES = {"POST": 10, "GET": 4}  # per operation and generation mode (positive, negative)

@@ -30,6 +30,8 @@ from server_procs import REPO, launcher_cmd, subprocess_env
 
 from serving.entrypoints import cli_help
 
+pytestmark = pytest.mark.slow  # the xlaserve command as ~20 subprocesses
+
 TIMEOUT_S = 120
 TINY_LLAMA_CONFIG = {  # a config.json alone: enough for the checks made before loading
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300,

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import shard_testutil as stu
 
+pytestmark = pytest.mark.slow  # LoRA under tp in an 8-device worker process
+
 TPS = (1, 2, 4)
 
 

@@ -23,6 +23,8 @@ import sys
 import pytest
 import shard_testutil as stu
 
+pytestmark = pytest.mark.slow  # two processes with jax.distributed
+
 TIMEOUT_S = 240
 
 

@@ -34,6 +34,7 @@ def result(tmp_path_factory):
   return stu.run_worker(__file__, *paths, timeout=480)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_models_match_one_device(result, family):
   base = result[family]["1"]
@@ -45,6 +46,7 @@ def test_tiny_models_match_one_device(result, family):
     np.testing.assert_allclose(got["decode_logits"], base["decode_logits"], atol=stu.LOGIT_ATOL)
 
 
+@pytest.mark.slow
 def test_stages_hold_their_layers_only(result):
   got = result["llama"]
   assert got["pp2"]["wq_spec"] == "P('pp', None, None)"
@@ -57,6 +59,7 @@ def test_stages_hold_their_layers_only(result):
   assert got["pp2tp2"]["kv_spec"] == "P('pp', None, 'tp', None)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hlo_passes_activations_not_weights(result, family):
   weights = {tuple(s) for s in result[family]["weight_shapes"]}
@@ -76,6 +79,7 @@ def test_hlo_passes_activations_not_weights(result, family):
         assert sum(hlo["counts"].values()) == 0
 
 
+@pytest.mark.slow
 def test_default_model_matches_one_device(result):
   base = result["default"]["1"]
   assert all(len(t) == 12 for t in base)
@@ -83,6 +87,7 @@ def test_default_model_matches_one_device(result):
     assert result["default"][name] == base, name
 
 
+@pytest.mark.slow
 def test_no_compiles_after_warm_up(result):
   assert result["default_programs"] == [1, 1, 1]
 

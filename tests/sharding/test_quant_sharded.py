@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import shard_testutil as stu
 
+pytestmark = pytest.mark.slow  # quantized weights under tp/ep in an 8-device worker
+
 # family -> (group size, layouts as (tp, ep))
 CASES = {"llama": (32, ((1, 1), (2, 1), (4, 1))), "qwen3_moe": (16, ((1, 1), (1, 2), (2, 2)))}
 METHODS = ("int8", "int4")

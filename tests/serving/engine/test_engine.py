@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from compile_watch import compile_events
+from tiers import fast_first
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -163,7 +164,7 @@ SPECULATION = {"off": {}, "draft": dict(speculative_method="draft", num_speculat
                "multi-step": dict(num_decode_steps=3, decode_steps_max_batch=4)}
 
 
-@pytest.mark.parametrize("speculation", sorted(SPECULATION))
+@pytest.mark.parametrize("speculation", fast_first(sorted(SPECULATION), fast=("off", "multi-step")))
 def test_no_compilation_after_warm_up(tiny_dir, speculation):
   """A fresh engine, watched from the end of its warm-up (no earlier test has run anything
   on it), with a pool small enough to force preemption and the prefix cache on."""

@@ -47,6 +47,7 @@ def spec_llm():
   return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_default_model_greedy_output_is_unchanged(default_llm, spec_llm, method):
   llm = spec_llm(method)
@@ -68,6 +69,7 @@ def test_default_model_greedy_output_is_unchanged(default_llm, spec_llm, method)
   assert alloc.num_free == alloc.num_usable
 
 
+@pytest.mark.slow
 def test_default_model_constrained_requests_speculate(default_llm, spec_llm):
   """JSON that copies the prompt: n-gram drafts the grammar allows are verified with a
   mask per position; the output equals the plain engine's."""
@@ -123,6 +125,7 @@ def family_dirs(tmp_path_factory):
   return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_with_a_draft_model(family, family_dirs):
   target, model, draft = family_dirs(family)

@@ -179,6 +179,7 @@ def test_engines_without_structured_output_refuse_it(tok):
                        lambda o: None)
 
 
+@pytest.mark.slow
 def test_default_model_unconstrained_outputs_do_not_change_when_half_are_constrained(
     default_llm):
   """32 requests, half constrained by a JSON schema: the other half's greedy outputs equal a

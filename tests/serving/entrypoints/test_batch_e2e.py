@@ -14,6 +14,8 @@ from frontend_procs import (
   subprocess_env,
 )
 
+pytestmark = pytest.mark.slow  # real batch jobs on the default model
+
 MODEL = "smollm2-135m-instruct"
 N = 200
 

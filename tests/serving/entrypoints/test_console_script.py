@@ -25,6 +25,8 @@ from server_procs import (
   subprocess_env,
 )
 
+pytestmark = pytest.mark.slow  # the console script in fresh processes
+
 TIMEOUT_S = 600
 PROMPT = "The capital of France is"
 ENGINE_STDERR_LINES = ("KV cache: ", "Weights: ")  # LLMEngine._log_capacity prints these

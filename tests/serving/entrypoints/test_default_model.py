@@ -14,6 +14,8 @@ import torch
 from checkpoints import resolve_model_path
 from serving import SamplingParams
 
+pytestmark = pytest.mark.slow  # the default model against transformers
+
 CHAT = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -17,6 +17,8 @@ from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
 from tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.slow  # real servers over replicas
+
 ENGINE = dict(max_num_seqs=4, max_model_len=96, page_size=8, num_pages=48,
               max_num_batched_tokens=64, prefill_buckets=(64,), decode_buckets=(4,),
               unroll_layers=False)

@@ -11,6 +11,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow  # a real server on the default model
+
 
 @pytest.fixture(scope="module")
 def srv(request):

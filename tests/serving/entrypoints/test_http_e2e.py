@@ -5,6 +5,8 @@ import openai
 import pytest
 from frontend_procs import shared_real_server
 
+pytestmark = pytest.mark.slow  # a real server on the default model
+
 MODEL = "smollm2-135m-instruct"
 
 

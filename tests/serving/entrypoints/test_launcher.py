@@ -186,6 +186,7 @@ def test_generate_refuses_an_adapter_it_cannot_serve(tmp_path):
   assert "exceeds the server's max_lora_rank" in r.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0():
   srv = ServerProcess(*FAKE_ENGINE_FLAGS, env=subprocess_env(XLASERVE_FAKE_STEP_S="0.02"),
                       engine=FAKE_ENGINE)
@@ -212,6 +213,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
     srv.kill()
 
 
+@pytest.mark.slow
 def test_drain_deadline_aborts_what_is_left():
   srv = ServerProcess(*FAKE_ENGINE_FLAGS, "--drain_timeout_s=0.5",
                       env=subprocess_env(XLASERVE_FAKE_STEP_S="0.05"), engine=FAKE_ENGINE)
@@ -229,6 +231,7 @@ def test_drain_deadline_aborts_what_is_left():
     srv.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 def test_tls_on_http_and_grpc(tmp_path):
   cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -258,6 +261,7 @@ TINY_ENGINE_FLAGS = ("--max_num_seqs=2", "--max_model_len=128", "--num_pages=32"
                      "--max_num_batched_tokens=32", "--dtype=float32")
 
 
+@pytest.mark.slow
 def test_convert_then_generate(tiny_model, tmp_path):
   import numpy as np
 

@@ -24,6 +24,8 @@ from checkpoints.lora import module_dims
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 
+pytestmark = pytest.mark.slow  # the default model with adapters
+
 NAME = "smollm2"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 

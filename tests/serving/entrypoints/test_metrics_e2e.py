@@ -6,6 +6,8 @@ import httpx
 import pytest
 from frontend_procs import metric_value, shared_real_server
 
+pytestmark = pytest.mark.slow  # a real server on the default model
+
 MODEL = "smollm2-135m-instruct"
 COUNTED = ["xlaserve_prompt_tokens_total", "xlaserve_generation_tokens_total",
            "xlaserve_e2e_request_latency_seconds_count",

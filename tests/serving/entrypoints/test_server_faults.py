@@ -104,6 +104,7 @@ def _exits_non_zero(trigger: str, *flags: str) -> tuple[int, float, list[int]]:
     srv.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trigger,flags", [(DEAD, ()), (WEDGED, ("--step_timeout_s=1",))],
                          ids=["dead", "wedged"])
 def test_serve_process_exits_non_zero_when_the_engine_cannot_serve(trigger, flags):

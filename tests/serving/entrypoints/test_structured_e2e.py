@@ -24,6 +24,8 @@ import pytest
 from frontend_procs import shared_real_server
 from openai.lib._pydantic import to_strict_json_schema
 
+pytestmark = pytest.mark.slow  # a real server on the default model
+
 MODEL = "smollm2-135m-instruct"
 
 

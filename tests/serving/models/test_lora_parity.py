@@ -12,6 +12,7 @@ on their attention projections (experts have no slots).
 import numpy as np
 import pytest
 from lora_testutil import ALL_TARGETS, ATTENTION_TARGETS, save_random_adapter
+from tiers import fast_first
 
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
@@ -24,7 +25,7 @@ MOE = {"mixtral", "qwen3_moe"}
 
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", fast_first(sorted(FAMILIES), fast=("llama",)))
 def test_lora_matches_peft(family, tmp_path):
   base = save_tiny_model(family, str(tmp_path / "base"))
   full = ATTENTION_TARGETS if family in MOE else ALL_TARGETS

@@ -16,6 +16,8 @@ from serving.config import EngineConfig
 from serving.models.quantized import params_nbytes
 from serving.runner.model_runner import ModelRunner
 
+pytestmark = pytest.mark.slow  # the default model in two weight dtypes
+
 
 @pytest.fixture(scope="module")
 def smollm():

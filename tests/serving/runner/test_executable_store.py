@@ -110,6 +110,7 @@ def _run_worker(model_dir: str, cache_dir: str, engines: int, devices: int) -> d
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_processes_with_other_device_counts_share_a_store(tmp_path):
   """A process that sees 8 devices (serving on one) next to a one-device process with the
   same options: each gets executables for its own device set, and a warm restart of the

@@ -19,6 +19,7 @@ from serving.runner import attention, kv_cache
 PROMPTS = ["The capital of France is", "def add(a, b):"]
 
 
+@pytest.mark.slow
 def test_kernel_path_matches_xla_path(default_llm):
   params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
   kernel_llm = LLM("smollm2-135m-instruct", max_num_seqs=2, max_model_len=128, num_pages=24,

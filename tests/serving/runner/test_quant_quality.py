@@ -22,6 +22,8 @@ from serving.models import quantized as quant
 from serving.runner.model_runner import ModelRunner
 from serving.tools.gptq import calibrated_int4
 
+pytestmark = pytest.mark.slow  # quantized default model against float32
+
 PRESET = "smollm2-135m-instruct"
 _RESULTS: dict[str, tuple[np.ndarray, dict]] = {}
 

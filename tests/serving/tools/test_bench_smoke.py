@@ -14,6 +14,8 @@ from frontend_fake import InProcessServer, fake_engine
 from serving.tools import bench, bench_serve
 from tiny_models import save_tiny_model
 
+pytestmark = pytest.mark.slow  # the benchmark harness end to end
+
 
 def test_find_knee():
   rows = lambda *tps: [{"concurrency": 2**i, "output_tok_s": t} for i, t in enumerate(tps)]
