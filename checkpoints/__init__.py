@@ -13,18 +13,25 @@ naming the unsupported thing; `checkpoint_format(model)` finds the format (and
 raises the same errors) without reading any weights.
 """
 
-from checkpoints.layout import LoadedModel, ParamsBuilder
-from checkpoints.loader import (
-    checkpoint_format,
-    load_checkpoint,
-    load_gguf,
-    load_hf_dir,
-    load_quantized,
-    resolve_model_path,
-)
-from checkpoints.orbax_io import load_orbax, save_orbax
-from serving.models.layout import param_shapes
+import importlib
 
-__all__ = ["LoadedModel", "ParamsBuilder", "checkpoint_format", "load_checkpoint", "load_gguf",
-           "load_hf_dir", "load_orbax", "load_quantized", "param_shapes", "resolve_model_path",
-           "save_orbax"]
+# Exported name -> the module that defines it, imported on first use (PEP 562), so that
+# light users (`checkpoints.presets` from the launcher's flags) do not pay for numpy,
+# ml_dtypes and the loaders.
+_EXPORTS = {
+    "LoadedModel": "checkpoints.layout", "ParamsBuilder": "checkpoints.layout",
+    "checkpoint_format": "checkpoints.loader", "load_checkpoint": "checkpoints.loader",
+    "load_gguf": "checkpoints.loader", "load_hf_dir": "checkpoints.loader",
+    "load_quantized": "checkpoints.loader", "resolve_model_path": "checkpoints.loader",
+    "load_orbax": "checkpoints.orbax_io", "save_orbax": "checkpoints.orbax_io",
+    "param_shapes": "serving.models.layout",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'checkpoints' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
