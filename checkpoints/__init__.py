@@ -26,7 +26,9 @@ _EXPORTS = {
     "load_orbax": "checkpoints.orbax_io", "save_orbax": "checkpoints.orbax_io",
     "param_shapes": "serving.models.layout",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["LoadedModel", "ParamsBuilder", "checkpoint_format", "load_checkpoint", "load_gguf",
+           "load_hf_dir", "load_orbax", "load_quantized", "param_shapes", "resolve_model_path",
+           "save_orbax"]  # = sorted(_EXPORTS), written out for readers and static checks
 
 
 def __getattr__(name: str):
