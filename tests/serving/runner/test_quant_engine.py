@@ -20,6 +20,7 @@ def tiny_dir(tmp_path_factory):
   return path
 
 
+@pytest.mark.slow  # xlaserve convert, then a server over its output
 def test_convert_int4_then_serve_with_int8_kv(tiny_dir, tmp_path, capsys):
   out = tmp_path / "orbax-int4"
   cmd = launcher_cmd("convert", f"--model={tiny_dir}", f"--output={out}", "--quantization=int4")
