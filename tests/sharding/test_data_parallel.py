@@ -56,6 +56,28 @@ def test_too_many_replicas_are_refused(result):
   assert "xla_force_host_platform_device_count" in result["too_many"]
 
 
+def _run(engine, prompts, params) -> list[list[int]]:
+  outs = [[] for _ in prompts]
+  for i, ids in enumerate(prompts):
+    engine.add_request(f"r{i}", ids, params, lambda o, i=i: outs[i].extend(o.token_ids))
+  engine.run_until_idle()
+  return outs
+
+
+def _prefix_routing(one, two, shared) -> dict:
+  """Prefix-cache hits of one engine and of two replicas on prompts sharing 4 prefixes."""
+  from serving.types import SamplingParams
+
+  short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+  hits = lambda e: e.stats().prefix_cache_hits_total  # noqa: E731
+  before1, before2, routed2 = hits(one), hits(two), two.router.prefix_routed
+  for engine in (one, two):  # one request per prefix, then the other 28 at once
+    _run(engine, shared[:4], short)
+    _run(engine, shared[4:], short)
+  return {"dp1_hits": hits(one) - before1, "dp2_hits": hits(two) - before2,
+          "prefix_routed": two.router.prefix_routed - routed2}
+
+
 def _worker(path: str) -> None:
   import json
 
@@ -77,18 +99,11 @@ def _worker(path: str) -> None:
   shared = [prefixes[k] + [5 + j, 6 + j] for j in range(8) for k in range(4)]
   greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-  def run(engine, prompts, params):
-    outs = [[] for _ in prompts]
-    for i, ids in enumerate(prompts):
-      engine.add_request(f"r{i}", ids, params, lambda o, i=i: outs[i].extend(o.token_ids))
-    engine.run_until_idle()
-    return outs
-
   out = {}
   one = build_engine(path, EngineConfig.of(**base))
-  out["dp1_tokens"] = run(one, distinct, greedy)
+  out["dp1_tokens"] = _run(one, distinct, greedy)
   two = build_engine(path, EngineConfig.of(**base, dp=2))
-  out["dp2_tokens"] = run(two, distinct, greedy)
+  out["dp2_tokens"] = _run(two, distinct, greedy)
   out["routed"] = list(two.router.routed)
   out["generated_per_replica"] = [s.generation_tokens_total for s in two.replica_stats()]
   metrics = Metrics(two.stats, model_name="tiny", replica_stats_fn=two.replica_stats)
@@ -105,14 +120,7 @@ def _worker(path: str) -> None:
   out["param_devices"] = [device_ids(r.runner.params) for r in two.replicas]
   out["kv_devices"] = [device_ids(r.runner.state.kv) for r in two.replicas]
 
-  short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-  hits = lambda e: e.stats().prefix_cache_hits_total  # noqa: E731
-  before1, before2, routed2 = hits(one), hits(two), two.router.prefix_routed
-  for engine in (one, two):  # one request per prefix, then the other 28 at once
-    run(engine, shared[:4], short)
-    run(engine, shared[4:], short)
-  out["dp1_hits"], out["dp2_hits"] = hits(one) - before1, hits(two) - before2
-  out["prefix_routed"] = two.router.prefix_routed - routed2
+  out.update(_prefix_routing(one, two, shared))
   try:
     build_engine(path, EngineConfig.of(**base, dp=8))
     out["too_many"] = ""
