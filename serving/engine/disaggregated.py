@@ -53,8 +53,8 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.replicas import ReplicaRouter, merge_stats
@@ -93,7 +93,7 @@ class DisaggregatedEngine:
   """Prefill engines and decode engines as one `EngineClient` (module doc)."""
 
   def __init__(self, prefill: Sequence[LLMEngine], decode: Sequence[LLMEngine], *,
-               config: Any):
+               config: EngineConfig):
     if not prefill or not decode:
       raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
     self.prefill, self.decode = list(prefill), list(decode)

@@ -34,8 +34,8 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
 from serving.engine.llm_engine import LLMEngine
 from serving.types import EngineStats, RequestOutput, SamplingParams, SpecDecodeCounters
@@ -138,7 +138,7 @@ class ReplicatedEngine:
   """Several `LLMEngine` replicas as one `EngineClient` (module doc); `replicas[i]` are
   whole engines, built and warmed up by the caller."""
 
-  def __init__(self, replicas: Sequence[LLMEngine], *, config: Any,
+  def __init__(self, replicas: Sequence[LLMEngine], *, config: EngineConfig,
                balance_slack: int | None = None):
     """`config`: the EngineConfig asked for (its `dp` is the replica count); each
     replica's own config has dp=1. `balance_slack`: in-flight requests a replica may

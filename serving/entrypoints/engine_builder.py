@@ -111,7 +111,7 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   draft = load_draft(loaded, config)
   name = _model_name(model, loaded)
   if config.parallel.disaggregated:
-    engine = build_disaggregated(loaded, config, name, draft, wrap_runner)
+    engine = build_disaggregated(loaded, config, name, wrap_runner)  # no draft (check_setup)
   elif config.parallel.dp > 1:
     engine = build_replicas(loaded, config, name, draft, wrap_runner)
   else:
@@ -177,7 +177,6 @@ def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
 
 
 def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: str,
-                        draft: tuple[dict, ModelConfig] | None,
                         wrap_runner: Callable[[ModelRunner], Runner] | None
                         ) -> DisaggregatedEngine:
   """`prefill_workers` + `decode_workers` engines, each on its own `tp * ep * pp` devices
