@@ -2,9 +2,9 @@
 
 Times one jitted program holding the seven matmuls of every layer (q, k, v,
 o, gate, up, down; 30 layers) at each row count, for float32 weights, bfloat16
-weights with float32 accumulation (`llama.linear`'s formulation, without its
+weights with float32 accumulation (`layers.linear`'s formulation, without its
 one-row padding) and int8 weights with int8 activations accumulated in int32.
-It is the measurement behind `llama.dot_f32_accumulate` padding a single
+It is the measurement behind `layers.dot_f32_accumulate` padding a single
 bfloat16 row to two (docs/performance.md).
 
   python benchmarks/dot_rows_bench.py [--rows 1,2,4,8,32] [--calls 20]

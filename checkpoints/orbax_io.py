@@ -104,6 +104,7 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
   if d.get("rope_scaling"):
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
   d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+  d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}  # JSON lists
   known = {f.name for f in dataclasses.fields(ModelConfig)}
   return ModelConfig(**{k: v for k, v in d.items() if k in known})
 

@@ -18,7 +18,7 @@
 // (norms, RoPE, the K/V write, SiLU) run on the caller in between.
 //
 // Numerics: float32 throughout, the same operations as the XLA path
-// (serving/models/llama.py) up to summation order and transcendental
+// (serving/models/llama.py, serving/models/layers.py) up to summation order and transcendental
 // rounding; with integer activations, the same rounding points as the per-op
 // native path (each projection's input rounded once per group of 32).
 //

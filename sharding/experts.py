@@ -1,9 +1,9 @@
 """Expert-parallel MoE: the model's experts callback as a `shard_map` over experts.
 
-`llama.moe_mlp` routes tokens and hands the expert matmuls to a callback
+`layers.moe_mlp` routes tokens and hands the expert matmuls to a callback
 `experts(x[T,D], weights[T,k], ids[T,k], (we_gate, we_up, we_down)) ->
 [T, D]`. Under a mesh whose rules split experts over `ep` and/or expert
-columns over `tp`, `expert_parallel(cfg)` runs `llama.moe_experts` per
+columns over `tp`, `expert_parallel(cfg)` runs `layers.moe_experts` per
 device: every device routes all tokens (replicated), computes its local
 experts' column slice, and one psum over those axes adds the partial
 outputs. Outside a mesh, or when experts are replicated, it computes every
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from serving.models import llama
+from serving.models import layers
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import is_quantized
 from sharding import rules
@@ -23,13 +23,13 @@ from sharding.mesh import axis_size
 
 
 def expert_parallel(cfg: ModelConfig):
-  """The experts callback for `llama.forward` under the tracing mesh (see module doc)."""
+  """The experts callback for `causal_lm.forward` under the tracing mesh (see module doc)."""
 
   def experts_fn(x, weights, ids, experts):
     mesh = jax.sharding.get_abstract_mesh()
     axes = None if mesh.empty else rules.resolve_rules(cfg, mesh)
     if axes is None or not (axes["expert"] or axes["expert_mlp"]):
-      return llama.moe_experts(x, weights, ids, *experts).astype(x.dtype)
+      return layers.moe_experts(x, weights, ids, *experts).astype(x.dtype)
     return _sharded(mesh, axes["expert"], axes["expert_mlp"], x, weights, ids, experts)
 
   return experts_fn
@@ -48,7 +48,7 @@ def _sharded(mesh, ep_axis: str | None, tp_axis: str | None, x: jax.Array,
 
   def local(x, weights, ids, we_gate, we_up, we_down):
     first = jax.lax.axis_index(ep_axis) * we_gate.shape[0] if ep_axis else 0
-    return jax.lax.psum(llama.moe_experts(x, weights, ids, we_gate, we_up, we_down, first), axes)
+    return jax.lax.psum(layers.moe_experts(x, weights, ids, we_gate, we_up, we_down, first), axes)
 
   out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), gate_up, gate_up, down),
                       out_specs=P())(x, weights, ids, *experts)

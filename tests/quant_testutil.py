@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.config import EngineConfig
-from serving.models import llama
+from serving.models import causal_lm
 from serving.runner import model_runner as runner_lib
 from serving.runner import steps
 
@@ -42,8 +42,8 @@ def _forward(params, kv, tokens, kv_index, table, n, *, cfg, backend, block_toke
               cu_q_lens=jnp.stack([0, n]).astype(jnp.int32), kv_lens=n[None])
   attend = steps.attend_fn(backend, cfg, kv.num_pages, "prefill", meta, block_tokens)
   positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-  hidden, _ = llama.forward(params, cfg, tokens, positions, kv, attend, act_dtype=act_dtype)
-  return llama.logits(params, cfg, hidden)
+  hidden, _ = causal_lm.forward(params, cfg, tokens, positions, kv, attend, act_dtype=act_dtype)
+  return causal_lm.logits(params, cfg, hidden)
 
 
 def teacher_forced_logits(runner: runner_lib.ModelRunner, tokens: np.ndarray) -> np.ndarray:

@@ -1,33 +1,18 @@
 """Model architecture description, read from a Hugging Face `config.json`.
 
-One frozen dataclass covers the Llama family (Llama 2/3/3.1, Mistral, Qwen2,
-Qwen3, SmolLM2) and the MoE models (Mixtral, Qwen3-MoE). Checkpoint loaders
-(HF directories, GGUF metadata, orbax) all produce a HF-style config dict and
-call `ModelConfig.from_hf_config`, so architecture support is decided here.
+One frozen dataclass describes every family: the shape, and the generic
+switches the runner and the shared layers read (per-layer attention kinds,
+soft caps, sinks, score scale). Checkpoint loaders (HF directories, GGUF
+metadata, orbax) all produce a HF-style config dict and call
+`ModelConfig.from_hf_config`, which asks the family registry
+(serving/models/registry.py) for the family's own parser, so architecture
+support is decided there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-# model_type -> (qkv_bias, qk_norm, moe)
-SUPPORTED_MODEL_TYPES = {
-    "llama": (False, False, False),
-    "mistral": (False, False, False),
-    "qwen2": (True, False, False),
-    "qwen3": (False, True, False),
-    "mixtral": (False, False, True),
-    "qwen3_moe": (False, True, True),
-}
-ARCHITECTURE_TO_TYPE = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +27,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  """A model's architecture (see module doc); hashable, so jit can take it as static."""
+
   model_type: str
   vocab_size: int
   hidden_size: int
@@ -65,11 +52,40 @@ class ModelConfig:
   norm_topk_prob: bool = True
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  # The family module (serving/models/registry.py) that defines the layers.
+  family: str = "llama"
+  # Per layer "full_attention" | "sliding_attention"; () = every layer uses
+  # `sliding_window` (None: full attention everywhere).
+  layer_types: tuple[str, ...] = ()
+  attn_soft_cap: float | None = None  # tanh soft-capping of attention scores
+  final_soft_cap: float | None = None  # tanh soft-capping of the final logits
+  attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
+  attention_sinks: bool = False  # per-head learned sink logits (params "sinks" [L, N])
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of layer `layer` (None: full attention)."""
+    if not self.layer_types:
+      return self.sliding_window
+    return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+  @property
+  def layer_windows(self) -> tuple[int | None, ...]:
+    return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+  @property
+  def is_hybrid(self) -> bool:
+    """Both full-attention and sliding-window layers."""
+    return len(set(self.layer_windows)) > 1
+
+  @property
+  def scale(self) -> float:
+    """The attention score scale."""
+    return self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
 
   @property
   def is_moe(self) -> bool:
@@ -91,59 +107,13 @@ class ModelConfig:
 
   @classmethod
   def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-    """Builds a ModelConfig from a HF config dict; unsupported models raise."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-      archs = cfg.get("architectures") or []
-      model_type = next((ARCHITECTURE_TO_TYPE[a] for a in archs if a in ARCHITECTURE_TO_TYPE),
-                        None)
-    if model_type is None:
-      raise ValueError(
-          f"unsupported architecture: model_type={cfg.get('model_type')!r}, "
-          f"architectures={cfg.get('architectures')}; supported model types: "
-          f"{sorted(SUPPORTED_MODEL_TYPES)}")
-    qkv_bias, qk_norm, moe = SUPPORTED_MODEL_TYPES[model_type]
-    qkv_bias = bool(cfg.get("attention_bias", qkv_bias))
-    num_heads = cfg["num_attention_heads"]
-    hidden = cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // num_heads
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    rope_scaling = _parse_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
-    rope_theta = cfg.get("rope_theta")
-    if rope_theta is None:
-      rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    sliding = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
-      sliding = None
-    return cls(
-        model_type=model_type,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg.get("intermediate_size", 0),
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
-        sliding_window=sliding,
-        num_experts=(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if moe else 0,
-        num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
-        moe_intermediate_size=(cfg.get("moe_intermediate_size")
-                               or cfg.get("intermediate_size", 0)) if moe else 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+    """Builds a ModelConfig from a HF config dict through its family's parser;
+    an unsupported architecture raises ValueError naming the supported ones."""
+    from serving.models import registry  # the families import this module
+    return registry.family_for_hf(cfg).config_from_hf(cfg)
 
 
-def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+def parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
   if not rs:
     return None
   kind = rs.get("rope_type") or rs.get("type")
@@ -156,3 +126,17 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
       low_freq_factor=float(rs["low_freq_factor"]),
       high_freq_factor=float(rs["high_freq_factor"]),
       original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+
+
+def hf_rope_theta(cfg: dict[str, Any], key: str = "rope_theta") -> float:
+  """RoPE base `key` of a HF config, or transformers 5's `rope_parameters[key]`."""
+  theta = cfg.get(key)
+  if theta is None:
+    theta = (cfg.get("rope_parameters") or {}).get(key, 10000.0)
+  return float(theta)
+
+
+def hf_eos_token_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
+  """`eos_token_id` of a HF config (one id or a list) as a tuple."""
+  eos = cfg.get("eos_token_id")
+  return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

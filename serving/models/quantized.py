@@ -45,7 +45,7 @@ larger batches take XLA's GEMM on the copy. Memory for speed at both ends.
 
 A tied embedding is quantized as the LM head: `logical [D, V]`, stored
 `[V, D]` — exactly the embedding table, so `lookup(ids)` returns embedding
-rows (`serving.models.llama.embed_tokens`).
+rows (`serving.models.layers.embed_tokens`).
 
 Weights become `QuantizedWeight`s on the host: rounded by
 `checkpoints/quantizers.py`, kept as stored from GGUF blocks
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_cpu
-from serving.models.llama import dot_f32_accumulate
+from serving.models.layers import dot_f32_accumulate
 
 KINDS = ("int8", "int4", "int5", "int6", "fp8")
 METHODS = ("int8", "int4", "fp8", "gguf")  # values of `quantization=` (gguf: blocks as stored)

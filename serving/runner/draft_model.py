@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import sharding
-from serving.models import llama
+from serving.models import causal_lm
 from serving.models.model_config import ModelConfig
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.kv_cache import KVCache, create_kv_cache
@@ -42,7 +42,7 @@ def draft_prefill_step(params, kv: KVCache, inp: PrefillInput, *, cfg: ModelConf
                        act_dtype, block_tokens: int) -> KVCache:
   """Writes the draft's K/V of a step's prefill chunks (the target's `PrefillInput`)."""
   attend = attend_fn(backend, cfg, kv.num_pages, "prefill", prefill_meta(inp), block_tokens)
-  _, kv = llama.forward(params, cfg, inp.tokens, inp.positions, kv, attend, act_dtype=act_dtype,
+  _, kv = causal_lm.forward(params, cfg, inp.tokens, inp.positions, kv, attend, act_dtype=act_dtype,
                         experts_fn=sharding.expert_parallel(cfg))
   return kv
 
@@ -62,9 +62,9 @@ def draft_propose_step(params, kv: KVCache, last_tokens: jax.Array, inp: VerifyI
     meta = dict(kv_index=kv_index, block_tables=tables,
                 seq_lens=jnp.where(valid, positions + 1, 0))
     attend = attend_fn(backend, cfg, kv.num_pages, "decode", meta, block_tokens)
-    hidden, kv = llama.forward(params, cfg, tokens, positions, kv, attend, act_dtype=act_dtype,
+    hidden, kv = causal_lm.forward(params, cfg, tokens, positions, kv, attend, act_dtype=act_dtype,
                                experts_fn=sharding.expert_parallel(cfg))
-    return kv, argmax(llama.logits(params, cfg, hidden).astype(jnp.float32))
+    return kv, argmax(causal_lm.logits(params, cfg, hidden).astype(jnp.float32))
 
   # Catch up: positions p-1 and p as 2B rows; the draft after p comes from row p.
   latest = last_tokens[inp.decode_slots]

@@ -1,7 +1,7 @@
 """A decode step's layers in one native call (kernels_cpu.decoder), where they fit.
 
 `runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
-`rows` rows takes the fused custom call instead of `llama.run_layers`: on CPU,
+`rows` rows takes the fused custom call instead of `causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
 QKV bias or Q/K norms, no LoRA, unrolled layers whose seven linear weights
 all run the native matvec at this row count (quantized groups of 32 as
@@ -10,7 +10,7 @@ float32 or bfloat16 KV pool. Everything else (prefill, verification, larger
 batches, other models) runs op by op, as before; both paths compute the same
 values (tests/serving/runner/test_native_decode.py).
 
-`run_layers(...)` has `llama.run_layers`' contract for a decode step:
+`run_layers(...)` has `causal_lm.run_layers`' contract for a decode step:
 h [B, D] -> (h, kv), the K/V of each row written at its `kv_index`.
 """
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import kernels_cpu
 from kernels_cpu import decoder
-from serving.models import llama
+from serving.models import layers as model_layers
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import is_quantized
 from serving.runner.kv_cache import KVCache
@@ -73,7 +73,7 @@ def run_layers(layers: list, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
       formats.append(_format(w))
   h, k, v = decoder.decode_layers(
       x, positions, meta["kv_index"], meta["block_tables"], meta["seq_lens"],
-      jnp.asarray(llama.rope_inv_freq(cfg)), norms, kv.k, kv.v, weights, formats,
+      jnp.asarray(model_layers.rope_inv_freq(cfg)), norms, kv.k, kv.v, weights, formats,
       num_heads=cfg.num_heads, num_pages=kv.num_pages, window=cfg.sliding_window or 0,
       page_kind=decoder.PAGE_KINDS[kv.dtype], eps=cfg.rms_norm_eps,
       scale=cfg.head_dim ** -0.5)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharding
-from serving.models import llama
+from serving.models import causal_lm
 from serving.models.lora import LoraBatch
 from serving.models.model_config import ModelConfig
 from serving.runner import attention, native_decode, sampling
@@ -103,7 +103,7 @@ class VerifyInput:
 
 def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int,
               window: tuple[jax.Array | int, int] | None = None):
-  """Builds the per-layer attention callback for llama.forward.
+  """Builds the per-layer attention callback for causal_lm.forward.
 
   `window` (prefill only): (start, T) when the callback sees rows [start, start + T')
   of a T-row step (a pipeline microbatch, sharding/pipeline.py): `meta` describes the
@@ -144,7 +144,7 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
 def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.Array,
                   lora_rows: jax.Array, meta: dict, kind: str, *, cfg: ModelConfig,
                   backend: str, act_dtype, block_tokens: int) -> tuple[jax.Array, KVCache]:
-  """`llama.forward` with the attention of a `kind` step over its `meta`
+  """`causal_lm.forward` with the attention of a `kind` step over its `meta`
   -> (final-normed hidden [T, D], kv).
 
   The layers run through `sharding.pipeline_layers`: plain on one stage (a decode
@@ -154,7 +154,7 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   chunk metadata is shared by its microbatches, each writing its own rows' K/V
   (`attend_fn`'s `window`).
   """
-  x = llama.embed_tokens(params["embed"], tokens).astype(act_dtype)
+  x = causal_lm.embed_tokens(params, cfg, tokens, act_dtype)
   total = tokens.shape[0]
   shared = None
   if kind == "prefill":
@@ -173,13 +173,13 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
       meta = {**shared, **meta}
       window = None if x.shape[0] == total else (start, total)
     attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens, window)
-    return llama.run_layers(layers, cfg, x, positions, kv, attend,
+    return causal_lm.run_layers(layers, cfg, x, positions, kv, attend,
                             experts_fn=sharding.expert_parallel(cfg),
                             lora=lora_batch(lora, lora_rows))
 
   x, kv = sharding.pipeline_layers(stage, params["layers"], x, (positions, meta, lora_rows),
                                    shared, kv)
-  return llama.final_norm(params, cfg, x), kv
+  return causal_lm.final_norm(params, cfg, x), kv
 
 
 def lora_batch(lora, rows: jax.Array) -> LoraBatch | None:
@@ -202,7 +202,7 @@ def prefill_step(params, lora, state: DeviceState, inp: PrefillInput, *, cfg: Mo
   hidden, kv = model_forward(params, lora, state.kv, inp.tokens, inp.positions, inp.lora_rows,
                              prefill_meta(inp), "prefill", cfg=cfg, backend=backend,
                              act_dtype=act_dtype, block_tokens=block_tokens)
-  logits = llama.logits(params, cfg, hidden[inp.sample_rows])
+  logits = causal_lm.logits(params, cfg, hidden[inp.sample_rows])
   # Penalty state of the chunks' slots: cleared on a first chunk, then fed by the tokens.
   valid = jnp.arange(inp.tokens.shape[0]) < inp.cu_q_lens[-1]
   slots = inp.decode_slots
@@ -226,7 +226,7 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
   hidden, kv = model_forward(params, lora, state.kv, tokens, inp.positions, inp.lora_slots,
                              meta, "decode", cfg=cfg, backend=backend, act_dtype=act_dtype,
                              block_tokens=block_tokens)
-  return dataclasses.replace(state, kv=kv), llama.logits(params, cfg, hidden)
+  return dataclasses.replace(state, kv=kv), causal_lm.logits(params, cfg, hidden)
 
 
 def multi_decode_step(params, lora, state: DeviceState, inp: DecodeInput,
@@ -279,7 +279,7 @@ def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.
   hidden, kv = model_forward(params, lora, state.kv, tokens.reshape(-1), positions.reshape(-1),
                              jnp.repeat(inp.lora_slots, s), meta, "verify", cfg=cfg,
                              backend=backend, act_dtype=act_dtype, block_tokens=block_tokens)
-  logits = llama.logits(params, cfg, hidden)  # [B*S, V]
+  logits = causal_lm.logits(params, cfg, hidden)  # [B*S, V]
   return dataclasses.replace(state, kv=kv), logits.reshape(b, s, -1)
 
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import sharding
 from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
-from serving.models import llama
+from serving.models import causal_lm
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import is_quantized, with_activation_bits, with_full_copies
 from serving.runner.draft_model import check_vocabulary
@@ -60,7 +60,7 @@ def resolve_weight_dtype(engine_cfg: EngineConfig, compute_dtype: str) -> str:
   """Dtype of the unquantized weights: `weight_dtype`, or the compute dtype for "auto".
 
   Matmuls cast activations to the weight dtype and accumulate in float32
-  (`llama.linear`), so bfloat16 weights under float32 compute read half the
+  (`layers.linear`), so bfloat16 weights under float32 compute read half the
   bytes and take XLA:CPU's faster bf16 dot, while norms, attention and the
   residual stream stay float32.
   """
@@ -163,7 +163,7 @@ def prepare_weights(params: Params, model_cfg: ModelConfig, engine_cfg: EngineCo
   if draft is not None:
     draft_params, draft_cfg = draft
     check_vocabulary(draft_cfg.vocab_size, served_cfg.vocab_size)
-    draft_weights = DraftWeights(llama.unstack_layers(draft_params) if unroll else draft_params,
+    draft_weights = DraftWeights(causal_lm.unstack_layers(draft_params) if unroll else draft_params,
                                  draft_cfg)
   return PreparedWeights(params=params, model_cfg=served_cfg, source_cfg=model_cfg,
                          engine_cfg=engine_cfg, placement=placement, dtype=dtype,
@@ -181,5 +181,5 @@ def _transform(params: Params, engine_cfg: EngineConfig, weight_dtype, *, one_de
   if engine_cfg.cpu.cpu_activation_bits != 32 and one_device:
     params = with_activation_bits(params, engine_cfg.cpu.cpu_activation_bits)
   if unstack:
-    params = llama.unstack_layers(params)
+    params = causal_lm.unstack_layers(params)
   return params

@@ -47,6 +47,7 @@ import numpy as np
 
 from checkpoints import quantizers
 from checkpoints.layout import LoadedModel
+from serving.models import layers as model_layers
 from serving.models import llama
 from serving.models import quantized as quant
 from serving.models.model_config import ModelConfig
@@ -95,7 +96,7 @@ class Calibration:
 
 
 class _Recorder:
-  """Stands in for a weight in `llama.linear`: records `x^T x`, returns `x @ w`."""
+  """Stands in for a weight in `model_layers.linear`: records `x^T x`, returns `x @ w`."""
 
   def __init__(self, w: Any, name: str, stats: dict[str, jax.Array]):
     self.w, self.name, self.stats = w, name, stats
@@ -107,7 +108,7 @@ class _Recorder:
       self.stats[key] = x2.T @ x2
     if self.name == "wv":
       self.stats["_v_in"] = x
-    return llama.linear(x, self.w)
+    return model_layers.linear(x, self.w)
 
 
 def _dense_attend(cfg: ModelConfig, stats: dict[str, jax.Array] | None, layer, q, k, v, kv):
@@ -137,7 +138,7 @@ def _layer(lp, h, *, cfg: ModelConfig, collect: bool):
   if collect:
     lp = {k: _Recorder(w, k, stats) if k in INPUT_OF else w for k, w in lp.items()}
   positions = jnp.arange(h.shape[0], dtype=jnp.int32)
-  inv_freq = jnp.asarray(llama.rope_inv_freq(cfg))
+  inv_freq = jnp.asarray(model_layers.rope_inv_freq(cfg))
   attend = functools.partial(_dense_attend, cfg, stats if collect else None)
   h, _ = llama.decoder_layer(cfg, lp, h, positions, inv_freq, jnp.int32(0), None, attend)
   return h, stats
@@ -145,7 +146,7 @@ def _layer(lp, h, *, cfg: ModelConfig, collect: bool):
 
 @functools.partial(jax.jit, static_argnames=("act_dtype",))
 def _embed(embed, tokens, *, act_dtype):
-  return llama.embed_tokens(embed, tokens).astype(act_dtype)
+  return model_layers.embed_tokens(embed, tokens).astype(act_dtype)
 
 
 # ---- GPTQ ----

@@ -7,7 +7,7 @@ The tiny Llama has 4 query heads and 2 KV heads: tp=2 splits both, tp=4
 repeats each KV head twice (one per device), tp=8 cannot split 4 heads, so
 attention is replicated and only the MLP is split (vocab 300 is replicated
 at tp=8 too). tp=2 runs the per-layer params form the runner uses on CPU by
-default (`llama.unstack_layers`), the others the scanned stacked form.
+default (`causal_lm.unstack_layers`), the others the scanned stacked form.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`llama.dot_f32_accumulate` / `llama.linear`: every row count and dtype gives the reference.
+"""`layers.dot_f32_accumulate` / `layers.linear`: every row count and dtype gives the reference.
 
 A single row of bfloat16 operands is padded to two on CPU (XLA:CPU's one-row
 bf16 dot is a slow naive loop); the padding must not change shapes or values.
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.models import llama
+from serving.models import layers
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -18,7 +18,7 @@ def test_linear_matches_float64_reference(dtype, x_shape):
   rng = np.random.default_rng(0)
   x = rng.standard_normal(x_shape).astype(np.float32)
   w = jnp.asarray(rng.standard_normal((7, 5)), dtype)
-  got = jax.jit(llama.linear)(jnp.asarray(x), w)
+  got = jax.jit(layers.linear)(jnp.asarray(x), w)
   assert got.shape == x_shape[:-1] + (5,) and got.dtype == jnp.float32
   # The reference sees exactly what the kernel sees: x rounded to w's dtype.
   xr = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
@@ -31,7 +31,7 @@ def test_tied_head_spec(rows):
   rng = np.random.default_rng(1)
   hidden = jnp.asarray(rng.standard_normal((rows, 6)), jnp.float32)
   emb = jnp.asarray(rng.standard_normal((11, 6)), jnp.bfloat16)
-  got = llama.dot_f32_accumulate("bd,vd->bv", hidden, emb)
+  got = layers.dot_f32_accumulate("bd,vd->bv", hidden, emb)
   want = hidden.astype(jnp.bfloat16).astype(jnp.float32) @ emb.astype(jnp.float32).T
   assert got.shape == (rows, 11)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -42,8 +42,8 @@ def test_single_bf16_row_is_padded_on_cpu():
   if jax.default_backend() != "cpu":
     pytest.skip("the padding is a CPU-only workaround")
   w = jnp.zeros((64, 32), jnp.bfloat16)
-  hlo = jax.jit(llama.linear).lower(jnp.zeros((1, 64), jnp.float32), w).as_text()
+  hlo = jax.jit(layers.linear).lower(jnp.zeros((1, 64), jnp.float32), w).as_text()
   assert "tensor<2x64xbf16>" in hlo, hlo
-  hlo32 = jax.jit(llama.linear).lower(jnp.zeros((1, 64), jnp.float32),
+  hlo32 = jax.jit(layers.linear).lower(jnp.zeros((1, 64), jnp.float32),
                                       w.astype(jnp.float32)).as_text()
   assert "tensor<2x64x" not in hlo32

@@ -230,7 +230,7 @@ def _tiny_llama(stacked: bool):
 def test_gptq_quantize_params_tiny_model(stacked):
   """All dense linears become int4 g32 (GPTQ), the tied head int8; the model's output on
   the calibration tokens is closer to float than with rounding."""
-  from serving.models import llama
+  from serving.models import causal_lm
   from serving.tools import gptq as qc
   cfg, params = _tiny_llama(stacked)
 
@@ -251,7 +251,7 @@ def test_gptq_quantize_params_tiny_model(stacked):
 
   def hidden(p):
     attend = functools.partial(qc._dense_attend, cfg, None)
-    return np.concatenate([np.asarray(llama.forward(p, cfg, jnp.asarray(s), jnp.arange(128),
+    return np.concatenate([np.asarray(causal_lm.forward(p, cfg, jnp.asarray(s), jnp.arange(128),
                                                     None, attend)[0]) for s in cal.sequences])
 
   ref = hidden(params)

@@ -1,5 +1,5 @@
 """A decode step's layers in one native call (native_decode.py, kernels_cpu/decoder.cc)
-against the same layers op by op (llama.run_layers with the decode attention callback).
+against the same layers op by op (causal_lm.run_layers with the decode attention callback).
 
 The op-by-op path is the reference: the hidden states and the written K/V must
 match up to float32 summation order, for every weight format the kernel reads
@@ -19,7 +19,7 @@ import pytest
 
 import kernels_cpu
 from checkpoints import quantizers
-from serving.models import llama, quantized
+from serving.models import causal_lm, quantized
 from serving.models.model_config import ModelConfig
 from serving.runner import native_decode, steps
 from serving.runner.kv_cache import KVCache, create_kv_cache
@@ -95,7 +95,7 @@ def _step(rows):
 
 def _op_by_op(layers, cfg, x, positions, meta, kv):
   attend = steps.attend_fn("xla", cfg, kv.num_pages, "decode", meta, 128)
-  return llama.run_layers(layers, cfg, x, positions, kv, attend)
+  return causal_lm.run_layers(layers, cfg, x, positions, kv, attend)
 
 
 ROWS = [(6, [3, 5]), None, (13, [1, 2, 7, 9]), (0, [4])]
