@@ -20,10 +20,10 @@ See docs/sharding.md.
 from sharding.attention import head_parallel
 from sharding.experts import expert_parallel
 from sharding.mesh import AXES, ParallelConfig, make_mesh, mesh_for
-from sharding.pipeline import pipeline_layers
+from sharding.pipeline import layer_offset, pipeline_layers
 from sharding.placement import Placement
 from sharding.rules import LOGICAL_AXIS_RULES, PARAM_AXES, param_specs
 
 __all__ = ["AXES", "LOGICAL_AXIS_RULES", "PARAM_AXES", "ParallelConfig", "Placement",
            "expert_parallel", "head_parallel", "make_mesh", "mesh_for", "param_specs",
-           "pipeline_layers"]
+           "pipeline_layers", "layer_offset"]

@@ -92,6 +92,17 @@ def pad_layers(params: dict, cfg: ModelConfig, stages: int) -> tuple[dict, Model
   return {**params, "layers": layers}, dataclasses.replace(cfg, num_layers=total)
 
 
+def layer_offset(layers: Any) -> int | jax.Array:
+  """The global id of a stage's first layer: 0 without stages; inside
+  `pipeline_layers`' shard_map, the stage index times its layer count (traced)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if num_stages(mesh) == 1:
+    return 0
+  per_stage = len(layers) if isinstance(layers, (list, tuple)) else (
+      jax.tree.leaves(layers)[0].shape[0])
+  return jax.lax.axis_index("pp") * per_stage
+
+
 def microbatches(rows: int, stages: int) -> int:
   """M for a step of `rows` rows: `stages` when the rows cut evenly, else 1."""
   return stages if stages > 1 and rows % stages == 0 else 1

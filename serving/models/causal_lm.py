@@ -13,10 +13,11 @@ at trace time (`nnx.merge`), so the compiled program is what a plain
 function over the dict would give.
 
 `layers` is a list of per-layer dicts (unrolled) or one dict of stacked
-`[L', ...]` weights (a `lax.scan` over one bound layer; fast to compile);
-either way the attention callback sees layer ids counted from 0 within
-`layers` (a pipeline stage passes its own layers and its own slice of the KV
-cache). Attention is a callback
+`[L', ...]` weights (a `lax.scan` over one bound layer; fast to compile).
+Layer ids are global (a Python int when unrolled outside a pipeline, so
+per-layer settings stay static; traced otherwise): a pipeline stage passes
+its own layers, its first layer's id and its own slice of the KV cache, and
+its attention callback subtracts that id for the pages. Attention is a callback
 `attend(layer, q[T,N,H], k[T,K,H], v[T,K,H], kv, **extras) -> (out[T,N,H], kv)`
 that owns the KV cache write and the paged read, so the same forward serves
 prefill chunks and decode batches; `extras` carries a layer's own attention
@@ -152,8 +153,13 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
 
 def run_layers(layers: Any, cfg: ModelConfig, x: jax.Array, positions: jax.Array, kv: Any,
                attend: L.AttendFn, *, experts_fn: L.ExpertsFn | None = None,
-               lora: LoraBatch | None = None) -> tuple[jax.Array, Any]:
-  """The decoder layers `layers` (see module doc) over h [T, D] -> (h, kv)."""
+               lora: LoraBatch | None = None,
+               layer_offset: int | jax.Array = 0) -> tuple[jax.Array, Any]:
+  """The decoder layers `layers` (see module doc) over h [T, D] -> (h, kv).
+
+  Layer ids (what the modules and `attend` see) are global: `layer_offset` plus
+  the index within `layers` (a pipeline stage's first layer id; 0 otherwise).
+  """
   rope = model_class(cfg)(cfg).rope()
 
   def layer_fn(carry, xs):
@@ -168,9 +174,9 @@ def run_layers(layers: Any, cfg: ModelConfig, x: jax.Array, positions: jax.Array
     # Unrolled over per-layer arrays: fastest on XLA:CPU (no per-layer weight copies).
     for i, lp in enumerate(layers):
       lora_lp = None if lora is None else lora.weights[i]
-      (x, kv), _ = layer_fn((x, kv), (lp, i, lora_lp))
+      (x, kv), _ = layer_fn((x, kv), (lp, layer_offset + i, lora_lp))
     return x, kv
-  ids = jnp.arange(jax.tree.leaves(layers)[0].shape[0], dtype=jnp.int32)
+  ids = layer_offset + jnp.arange(jax.tree.leaves(layers)[0].shape[0], dtype=jnp.int32)
   lora_layers = None if lora is None else lora.weights
   (x, kv), _ = jax.lax.scan(layer_fn, (x, kv), (layers, ids, lora_layers))
   return x, kv

@@ -5,7 +5,7 @@ A family is one module file under serving/models/ that defines
 `Model` (a `causal_lm.CausalLM`). `FAMILIES` maps each family to the names
 checkpoints use for it: Hugging Face `architectures` and `model_type`, and
 GGUF `general.architecture`. Adding a family is one entry here plus its
-module (the models page of the docs).
+module (docs/models.md).
 """
 
 from __future__ import annotations

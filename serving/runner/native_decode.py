@@ -35,6 +35,8 @@ LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kerne
 def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: Any) -> bool:
   """Whether `run_layers` takes this decode step (see module doc); x [B, D]."""
   if (jax.default_backend() != "cpu" or not decoder.enabled() or lora is not None
+      or cfg.family != "llama" or cfg.is_hybrid or cfg.attention_sinks
+      or cfg.attn_soft_cap is not None or cfg.attn_scale is not None
       or cfg.is_moe or cfg.qkv_bias or cfg.qk_norm or x.dtype != jnp.float32
       or kv.dtype not in decoder.PAGE_KINDS or not isinstance(layers, (list, tuple))):
     return False

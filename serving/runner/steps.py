@@ -102,20 +102,27 @@ class VerifyInput:
 
 
 def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int,
-              window: tuple[jax.Array | int, int] | None = None):
+              window: tuple[jax.Array | int, int] | None = None,
+              layer_offset: int | jax.Array = 0):
   """Builds the per-layer attention callback for causal_lm.forward.
+
+  Layer ids are global; `layer_offset` is the first layer of the KV pool this
+  callback sees (a pipeline stage's), subtracted for the pages.
 
   `window` (prefill only): (start, T) when the callback sees rows [start, start + T')
   of a T-row step (a pipeline microbatch, sharding/pipeline.py): `meta` describes the
   whole step but `kv_index` only these rows; the attention runs over T rows with the
   others' queries zero and returns these rows.
   """
-  scale = cfg.head_dim ** -0.5
-
-  def attend(layer, q, k, v, kv):
-    kv = write_kv(kv, layer, k, v, meta["kv_index"])
-    tables = meta["block_tables"] + layer * num_pages
-    kw = dict(scale=scale, sliding_window=cfg.sliding_window)
+  def attend(layer, q, k, v, kv, sinks=None):
+    local = layer - layer_offset
+    kv = write_kv(kv, local, k, v, meta["kv_index"])
+    tables = meta["block_tables"] + local * num_pages
+    kw = dict(scale=cfg.scale, sliding_window=layer_window(cfg, layer))
+    if cfg.attn_soft_cap is not None:
+      kw["soft_cap"] = cfg.attn_soft_cap
+    if sinks is not None:
+      kw["sinks"] = sinks.astype(jnp.float32)
     if backend == "xla":
       kw["block_tokens"] = block_tokens
     if kind == "decode":
@@ -139,6 +146,23 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
   # Under a mesh, kernels run per head shard (no gather of the KV cache);
   # the XLA path lets jit partition it.
   return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
+
+
+FULL_WINDOW = 1 << 30  # a traced window this large masks nothing: a full-attention layer
+
+
+def layer_window(cfg: ModelConfig, layer) -> int | jax.Array | None:
+  """The sliding window of `layer` for the attention call: static (an int or None)
+  when every layer has the same one or the layer id is a Python int (unrolled
+  layers); under a scan over layers of different kinds, a traced int32 looked up
+  by layer (FULL_WINDOW for full-attention layers)."""
+  windows = cfg.layer_windows
+  if len(set(windows)) == 1:
+    return windows[0]
+  if isinstance(layer, int):
+    return windows[layer]
+  table = jnp.asarray([FULL_WINDOW if w is None else w for w in windows], jnp.int32)
+  return table[layer]
 
 
 def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.Array,
@@ -172,10 +196,11 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
     if shared is not None:
       meta = {**shared, **meta}
       window = None if x.shape[0] == total else (start, total)
-    attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens, window)
+    offset = sharding.layer_offset(layers)
+    attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens, window, offset)
     return causal_lm.run_layers(layers, cfg, x, positions, kv, attend,
-                            experts_fn=sharding.expert_parallel(cfg),
-                            lora=lora_batch(lora, lora_rows))
+                                experts_fn=sharding.expert_parallel(cfg),
+                                lora=lora_batch(lora, lora_rows), layer_offset=offset)
 
   x, kv = sharding.pipeline_layers(stage, params["layers"], x, (positions, meta, lora_rows),
                                    shared, kv)
