@@ -60,6 +60,7 @@ class LeaderRunner:
   def __init__(self, runner: ModelRunner):
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+    self.window_group = runner.window_group
 
   def warm_up(self) -> int:
     return self.runner.warm_up()

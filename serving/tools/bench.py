@@ -195,6 +195,7 @@ class StepTimer:
   def __init__(self, runner):
     self.runner, self.totals, self.steps = runner, dict.fromkeys(self.PARTS, 0.0), 0
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+    self.window_group = runner.window_group
 
   def warm_up(self) -> int:
     return self.runner.warm_up()
