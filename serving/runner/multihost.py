@@ -66,7 +66,8 @@ class LeaderRunner:
     return self.runner.warm_up()
 
   def execute(self, *, plan: StepPlan) -> StepHandle:
-    inputs = build_step_inputs(plan, self.runner.engine_cfg)
+    inputs = build_step_inputs(plan, self.runner.engine_cfg,
+                               window=self.runner.window_group is not None)
     defer = bool(inputs.constrained)
     prefills = []
     for inp, ids in zip(inputs.prefills, inputs.prefill_ids, strict=True):

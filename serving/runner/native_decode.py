@@ -3,9 +3,10 @@
 `runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
 `rows` rows takes the fused custom call instead of `causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
-QKV bias or Q/K norms, no LoRA, unrolled layers whose seven linear weights
-all run the native matvec at this row count (quantized groups of 32 as
-stored: GGUF Q4_1 / Q4_0 / Q8_0, our int8), float32 activations and a
+QKV bias, Q/K norms or hybrid attention (one window for every layer), no
+LoRA, unrolled layers whose seven linear weights all run the native matvec
+at this row count (quantized groups of 32 as stored: GGUF Q4_1 / Q4_0 /
+Q8_0, our int8), float32 activations and a
 float32 or bfloat16 KV pool. Everything else (prefill, verification, larger
 batches, other models) runs op by op, as before; both paths compute the same
 values (tests/serving/runner/test_native_decode.py).
@@ -35,7 +36,7 @@ LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kerne
 def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: Any) -> bool:
   """Whether `run_layers` takes this decode step (see module doc); x [B, D]."""
   if (jax.default_backend() != "cpu" or not decoder.enabled() or lora is not None
-      or cfg.is_moe or cfg.qkv_bias or cfg.qk_norm or x.dtype != jnp.float32
+      or cfg.is_moe or cfg.qkv_bias or cfg.qk_norm or cfg.is_hybrid or x.dtype != jnp.float32
       or kv.dtype not in decoder.PAGE_KINDS or not isinstance(layers, (list, tuple))):
     return False
   mesh = jax.sharding.get_abstract_mesh()

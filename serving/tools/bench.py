@@ -210,7 +210,8 @@ class StepTimer:
     from serving.runner.inputs import StepInputs, build_step_inputs
 
     t0 = time.perf_counter()
-    inputs = build_step_inputs(plan, self.runner.engine_cfg)
+    inputs = build_step_inputs(plan, self.runner.engine_cfg,
+                               window=self.runner.window_group is not None)
     self.totals["inputs"] += time.perf_counter() - t0
     parts = [("prefill", StepInputs([p], [rid], None, [], constrained=inputs.constrained))
              for p, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True)]
