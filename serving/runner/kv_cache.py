@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import logging
 import mmap
 import sys
 
@@ -49,8 +48,6 @@ import jax.numpy as jnp
 
 from serving.config import EngineConfig
 from serving.models.model_config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 STORAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.uint16, "int8": jnp.uint8,
                   "fp8": jnp.uint8}
@@ -107,24 +104,28 @@ class KVCache:
     return self.k.shape[-1] - (SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0)
 
 
-def kv_layout(cfg: ModelConfig, config: EngineConfig, num_pages: int) -> KVLayout | None:
-  """The pool's page groups for `num_pages` full-attention pages (None: one group).
-
-  A hybrid model gets a sliding-window group of `window_group_pages` pages, unless its
-  window covers max_model_len (every layer then sees the whole sequence: one group, said
-  in a log line) or it runs pipeline stages (they split the pool evenly by layer: one
-  group, every page kept, said in a log line)."""
+def layout_note(cfg: ModelConfig, config: EngineConfig) -> str | None:
+  """Why a model with a sliding window keeps every page in one group, if it does for a
+  reason worth a log line: its window covers max_model_len (every layer then sees the
+  whole sequence), or a hybrid model runs pipeline stages (they split the pool evenly
+  by layer)."""
   window, max_len = cfg.sliding_window, config.scheduler.max_model_len
   if window is not None and window >= max_len:
-    log.info("sliding window %d >= max_model_len %d: served as full attention (one KV page "
-             "group)", window, max_len)
+    return (f"sliding window {window} >= max_model_len {max_len}: served as full attention "
+            "(one KV page group)")
+  if cfg.is_hybrid and config.parallel.pp > 1:
+    return (f"hybrid attention with pipeline stages (pp={config.parallel.pp}): one KV page "
+            "group, the pages behind the window are kept")
+  return None
+
+
+def kv_layout(cfg: ModelConfig, config: EngineConfig, num_pages: int) -> KVLayout | None:
+  """The pool's page groups for `num_pages` full-attention pages (None: one group): a
+  hybrid model's sliding-window group of `window_group_pages` pages, unless
+  `layout_note` gives a reason to keep one group."""
+  if not cfg.is_hybrid or layout_note(cfg, config) is not None:
     return None
-  if not cfg.is_hybrid:
-    return None
-  if config.parallel.pp > 1:
-    log.info("hybrid attention with pipeline stages (pp=%d): one KV page group, pages behind "
-             "the window are kept", config.parallel.pp)
-    return None
+  window = cfg.sliding_window
   sliding = tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
   return KVLayout(sliding=sliding, num_pages=num_pages, window=window,
                   window_pages=window_group_pages(window, config, num_pages))

@@ -49,6 +49,7 @@ from serving.runner.kv_cache import (
   create_kv_cache,
   kv_bytes_per_token,
   kv_layout,
+  layout_note,
   read_pages,
   window_group_pages,
   write_pages,
@@ -190,6 +191,11 @@ class ModelRunner:
     self.num_pages = num_pages or ec.cache.num_pages or capacity_pages(cfg, ec, draft_cfg)
     # A hybrid model's sliding-window layers: their own, smaller page group (kv_cache.py).
     self.kv_layout: KVLayout | None = kv_layout(cfg, ec, self.num_pages)
+    if (note := layout_note(cfg, ec)) is not None:
+      log.info(note)
+    if kv_transfer and self.kv_layout is not None:
+      raise ValueError("KV page transfer (prefill / decode workers) does not move a hybrid "
+                       "model's sliding-window pages yet")
     self.window_group = None if self.kv_layout is None else WindowGroup(
         self.kv_layout.window, self.kv_layout.window_pages)
     self.state = self._initial_state(placement)

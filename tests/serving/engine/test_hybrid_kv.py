@@ -338,3 +338,28 @@ def test_kv_cache_usage_is_the_fuller_group():
   full, window = eng.allocator.usage, eng.window.allocator.usage
   assert window > full > 0
   assert eng.stats().kv_cache_usage == window
+
+
+@pytest.mark.parametrize("options", [dict(num_decode_steps=4),
+                                     dict(speculative_method="ngram", num_speculative_tokens=3)],
+                         ids=["multi_step", "ngram"])
+def test_engine_decodes_ahead_within_the_window_pages(options):
+  """Multi-step decoding and speculation give rows pages past their input: those positions
+  need window pages too, and their reads are checked like any other."""
+  eng = engine(**options)
+  prompts = [prompt(i, 6 + 5 * i) for i in range(3)]
+  outs = [submit(eng, f"r{i}", p, max_tokens=40) for i, p in enumerate(prompts)]
+  while eng.has_unfinished():
+    eng.step()
+    check_ownership(eng.scheduler)
+  for p, o in zip(prompts, outs, strict=True):
+    assert tokens_of(o) == echo(p, 40)
+  assert_all_pages_free(eng)
+
+
+def test_disaggregated_serving_refuses_a_window_group():
+  from serving.engine.disaggregated import DisaggregatedEngine
+
+  engines = [engine(), engine()]
+  with pytest.raises(ValueError, match="hybrid-attention"):
+    DisaggregatedEngine(engines[:1], engines[1:], config=engines[0].config)

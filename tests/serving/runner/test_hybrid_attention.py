@@ -142,7 +142,7 @@ def test_prefix_hits_and_preemption_keep_the_hybrid_output(hybrid_model):
 
 def test_a_window_spanning_max_model_len_is_served_as_full_attention(hybrid_model, caplog):
   path, model = hybrid_model
-  with caplog.at_level(logging.INFO, logger="serving.runner.kv_cache"):
+  with caplog.at_level(logging.INFO, logger="serving.runner.model_runner"):
     engine = build_engine(path, engine_config(max_model_len=WINDOW))
   assert engine.runner.kv_layout is None and engine.window is None
   assert "served as full attention" in caplog.text
