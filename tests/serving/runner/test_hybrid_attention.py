@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from compile_watch import compile_events
 
 import kernels_cpu
 from serving.config import EngineConfig
@@ -122,17 +123,25 @@ def test_hybrid_engine_matches_transformers_and_releases_window_pages(hybrid_mod
     assert alloc.num_free == alloc.num_usable
 
 
-def test_prefix_hits_and_preemption_keep_the_hybrid_output(hybrid_model):
-  """A shared prefix longer than the window, a pool small enough to preempt: every
-  request still gets transformers' tokens."""
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="plain"),
+    pytest.param(dict(num_decode_steps=4), id="multi_step", marks=pytest.mark.slow),
+    pytest.param(dict(speculative_method="ngram", num_speculative_tokens=3), id="ngram",
+                 marks=pytest.mark.slow)])
+def test_prefix_hits_and_preemption_keep_the_hybrid_output(hybrid_model, options):
+  """A shared prefix longer than the window, a pool small enough to preempt, decoding
+  ahead (multi-step, drafts): every request still gets transformers' tokens, and
+  nothing compiles after warm-up."""
   path, model = hybrid_model
-  engine = build_engine(path, engine_config(num_pages=40, max_num_seqs=4))
+  engine = build_engine(path, engine_config(num_pages=40, max_num_seqs=4, **options))
   rng = np.random.default_rng(1)
   system = rng.integers(0, VOCAB, 36).tolist()
   prompts = [system + rng.integers(0, VOCAB, 3 + i).tolist() for i in range(4)]
   params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-  first, _, _ = run(engine, prompts[:1], params)  # publishes the prefix
-  tokens, _, _ = run(engine, prompts, params)
+  with compile_events() as events:
+    first, _, _ = run(engine, prompts[:1], params)  # publishes the prefix
+    tokens, _, _ = run(engine, prompts, params)
+  assert events == [], f"compiled after warm-up: {sorted(set(events))}"
   assert tokens[0] == first[0]
   for prompt, got in zip(prompts, tokens, strict=True):
     assert got == torch_greedy(model, prompt, 40)[0]
