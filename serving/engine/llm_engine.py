@@ -109,6 +109,12 @@ class LLMEngine:
     group = runner.window_group  # a hybrid model's sliding-window layers: their own pages
     self.window = None if group is None else WindowPages(
         group.num_pages, config.cache.page_size, group.window, config.cache.enable_prefix_caching)
+    if group is not None:  # one sequence's window and two prefill chunks must fit
+      ps, chunk = config.cache.page_size, config.scheduler.max_num_batched_tokens
+      need = min(-(-(group.window + 2 * chunk) // ps) + 2, config.max_pages_per_seq)
+      if group.num_pages - 1 < need:
+        raise ValueError(f"the sliding-window page group has {group.num_pages - 1} pages; one "
+                         f"sequence can need {need} (window {group.window}, chunks of {chunk})")
     self.lora_slots = LoraSlots(config.lora.max_loras) if config.lora.max_loras else None
     proposer = make_proposer(config.speculative.speculative_method,
                              prompt_lookup_min=config.speculative.prompt_lookup_min,

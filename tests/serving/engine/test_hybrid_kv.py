@@ -331,7 +331,7 @@ def test_engine_failed_step_leaves_no_window_hash_and_frees_both_groups():
 
 
 def test_kv_cache_usage_is_the_fuller_group():
-  eng = engine(window_pages=9, num_pages=100)
+  eng = engine(window_pages=13, num_pages=100)
   submit(eng, "a", prompt(1, 30), max_tokens=40)
   eng.step()
   eng.step()
@@ -363,3 +363,8 @@ def test_disaggregated_serving_refuses_a_window_group():
   engines = [engine(), engine()]
   with pytest.raises(ValueError, match="hybrid-attention"):
     DisaggregatedEngine(engines[:1], engines[1:], config=engines[0].config)
+
+
+def test_a_window_group_too_small_for_one_sequence_is_refused():
+  with pytest.raises(ValueError, match="sliding-window page group has 5 pages"):
+    engine(window_pages=6)
