@@ -10,6 +10,7 @@ max_model_len is served as full attention (one group, a log line). The
 capacity functions count both groups' bytes.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import transformers
 from compile_watch import compile_events
 
 import kernels_cpu
+from checkpoints import load_checkpoint
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.runner import model_runner
@@ -44,7 +46,7 @@ def xla_attention(monkeypatch):
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
-  """(path, torch model) of the tiny hybrid Qwen2."""
+  """(the loaded checkpoint, torch model) of the tiny hybrid Qwen2."""
   path = str(tmp_path_factory.mktemp("qwen2_hybrid"))
   torch.manual_seed(0)
   config = transformers.Qwen2Config(
@@ -57,7 +59,11 @@ def hybrid_model(tmp_path_factory):
   byte_tokenizer().save(os.path.join(path, "tokenizer.json"))
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, f)
-  return path, model
+  loaded = load_checkpoint(path)
+  # The layer kinds as transformers reads them (the family's config parser may not yet).
+  config = dataclasses.replace(loaded.config, layer_types=tuple(LAYER_TYPES))
+  assert config.is_hybrid
+  return dataclasses.replace(loaded, config=config), model
 
 
 def engine_config(**kw) -> EngineConfig:
@@ -94,8 +100,8 @@ def run(engine, prompts, params):
 
 
 def test_hybrid_engine_matches_transformers_and_releases_window_pages(hybrid_model):
-  path, model = hybrid_model
-  engine = build_engine(path, engine_config())
+  loaded, model = hybrid_model
+  engine = build_engine(loaded, engine_config())
   layout = engine.runner.kv_layout
   assert layout is not None and layout.sliding == (False, True, False, True)
   assert engine.window is not None and engine.window.window == WINDOW
@@ -132,8 +138,8 @@ def test_prefix_hits_and_preemption_keep_the_hybrid_output(hybrid_model, options
   """A shared prefix longer than the window, a pool small enough to preempt, decoding
   ahead (multi-step, drafts): every request still gets transformers' tokens, and
   nothing compiles after warm-up."""
-  path, model = hybrid_model
-  engine = build_engine(path, engine_config(num_pages=40, max_num_seqs=4, **options))
+  loaded, model = hybrid_model
+  engine = build_engine(loaded, engine_config(num_pages=40, max_num_seqs=4, **options))
   rng = np.random.default_rng(1)
   system = rng.integers(0, VOCAB, 36).tolist()
   prompts = [system + rng.integers(0, VOCAB, 3 + i).tolist() for i in range(4)]
@@ -150,9 +156,9 @@ def test_prefix_hits_and_preemption_keep_the_hybrid_output(hybrid_model, options
 
 
 def test_a_window_spanning_max_model_len_is_served_as_full_attention(hybrid_model, caplog):
-  path, model = hybrid_model
+  loaded, model = hybrid_model
   with caplog.at_level(logging.INFO, logger="serving.runner.model_runner"):
-    engine = build_engine(path, engine_config(max_model_len=WINDOW))
+    engine = build_engine(loaded, engine_config(max_model_len=WINDOW))
   assert engine.runner.kv_layout is None and engine.window is None
   assert "served as full attention" in caplog.text
   prompt = list(range(3, 10))
@@ -171,10 +177,8 @@ def run_plain(engine, prompt, n):
 def test_capacity_counts_both_groups(hybrid_model):
   """The pages a budget buys: full pages plus the window group they imply fit it, one
   more full page does not."""
-  from checkpoints import load_checkpoint
-
-  path, _ = hybrid_model
-  cfg = load_checkpoint(path).config
+  loaded, _ = hybrid_model
+  cfg = loaded.config
   config = engine_config(num_pages=None, max_num_seqs=2, max_model_len=1024)
   full, sliding = model_runner._group_page_bytes(cfg, config, "float32")
   per_layer = 4 * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # page, k+v, heads, dim, float32
