@@ -308,6 +308,17 @@ class SequenceStatus(enum.Enum):
   FINISHED = 3
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowGroup:
+  """A hybrid model's sliding-window layers as a KV page group of their own (a runner's
+  `window_group`): page ids [1, num_pages) apart from the full-attention pages', of
+  which a sequence holds only those its window still reads (docs/engine.md, "Hybrid
+  attention")."""
+
+  window: int  # keys a query sees: its own position and window - 1 before it
+  num_pages: int  # pages of the group, page 0 (the dummy page) included
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
   """One request as the scheduler and runner see it (host state only).
@@ -317,6 +328,9 @@ class Sequence:
   have not reached `output_ids` yet (the next decode reads them on the
   device). `pages[i]` holds positions `[i * page_size, (i + 1) * page_size)`;
   `page_hashes[i]` is the prefix hash of page i once its KV is known written.
+  A hybrid model's sliding-window layers keep their own pages (`WindowGroup`):
+  `window_pages[i]` holds the same positions in that group, 0 (the dummy page)
+  where the window has passed them and they were released.
   """
 
   request_id: str
@@ -328,6 +342,7 @@ class Sequence:
   status: SequenceStatus = SequenceStatus.WAITING
   pages: list[int] = dataclasses.field(default_factory=list)
   page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  window_pages: list[int] = dataclasses.field(default_factory=list)
   num_computed: int = 0
   pending: int = 0
   decode_slot: int | None = None

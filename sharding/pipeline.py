@@ -89,7 +89,9 @@ def pad_layers(params: dict, cfg: ModelConfig, stages: int) -> tuple[dict, Model
       return xp.concatenate([a, xp.zeros((extra, *a.shape[1:]), a.dtype)])
 
     layers = jax.tree.map(pad, layers)
-  return {**params, "layers": layers}, dataclasses.replace(cfg, num_layers=total)
+  types = cfg.layer_types + ("full_attention",) * extra if cfg.layer_types else ()
+  return {**params, "layers": layers}, dataclasses.replace(cfg, num_layers=total,
+                                                           layer_types=types)
 
 
 def layer_offset(layers: Any) -> int | jax.Array:

@@ -40,7 +40,7 @@ def _forward(params, kv, tokens, kv_index, table, n, *, cfg, backend, block_toke
              act_dtype):
   meta = dict(kv_index=kv_index, block_tables=table,
               cu_q_lens=jnp.stack([0, n]).astype(jnp.int32), kv_lens=n[None])
-  attend = steps.attend_fn(backend, cfg, kv.num_pages, "prefill", meta, block_tokens)
+  attend = steps.attend_fn(backend, cfg, "prefill", meta, block_tokens)
   positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
   hidden, _ = causal_lm.forward(params, cfg, tokens, positions, kv, attend, act_dtype=act_dtype)
   return causal_lm.logits(params, cfg, hidden)

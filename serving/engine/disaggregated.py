@@ -45,6 +45,11 @@ dead prefill engine takes no more requests; while none is live, decode
 engines prefill for themselves, so the server keeps serving (`health()`
 stays green while a decode engine serves; `dead_workers()` names the dead).
 An abort during the transfer stops it at the next chunk.
+
+Hybrid-attention models whose sliding-window layers keep their own page group
+(`LLMEngine.window`, docs/engine.md "Hybrid attention") are refused: a transfer
+moves the full-attention pages only, and the window pages would need their own
+chunks (the prompt's last window) and ids on both sides.
 """
 
 from __future__ import annotations
@@ -89,6 +94,11 @@ class KVTransfer:
   stage: str = "prefill"  # prefill -> transfer -> decode
 
 
+HYBRID_REFUSAL = ("prefill / decode workers do not serve hybrid-attention models (sliding-window "
+                  "layers with their own KV pages) yet: serve this model without "
+                  "prefill_workers / decode_workers")
+
+
 class DisaggregatedEngine:
   """Prefill engines and decode engines as one `EngineClient` (module doc)."""
 
@@ -96,6 +106,8 @@ class DisaggregatedEngine:
                config: EngineConfig):
     if not prefill or not decode:
       raise ValueError("disaggregated serving needs at least one prefill and one decode engine")
+    if any(e.window is not None for e in [*prefill, *decode]):
+      raise ValueError(HYBRID_REFUSAL)
     self.prefill, self.decode = list(prefill), list(decode)
     first = self.decode[0]
     self.config, self.tokenizer, self.model_name = config, first.tokenizer, first.model_name

@@ -14,6 +14,12 @@ tests exercise the same contract a real runner relies on:
     make a real model read another request's KV (a wrong page, a page freed
     early, a poisoned prefix hash) raises `FakeKVError` instead of passing
     silently;
+  * with a `window_group` (a hybrid model's sliding-window layers), a second
+    pool in that group's own page ids, written through `Sequence.window_pages`;
+    each query reads the positions its window covers back from it (a prefill
+    chunk's first query included), so a window page released early, released
+    twice, or handed to another sequence while still read raises `FakeKVError`
+    as well, and so does a read through the dummy page 0;
   * per decode slot, the last sampled token (the next decode's input);
   * `export_pages` / `import_pages` copy pool entries between two runners
     (disaggregated serving), so a page imported into the wrong place, or
@@ -61,6 +67,7 @@ from serving.types import (
     StepPlan,
     StepResult,
     TokenLogprob,
+    WindowGroup,
 )
 
 
@@ -82,11 +89,15 @@ class FakeRunner:
   """Runner interface over a host-side token pool (see module doc)."""
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
-               vocab_size: int = 32000, step_s: float = 0.0):
+               vocab_size: int = 32000, step_s: float = 0.0,
+               window_group: WindowGroup | None = None):
     self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
     self.step_s = step_s
+    self.window_group = window_group
     self.kv: list[list[tuple[int, int] | None]] = [[None] * page_size
                                                    for _ in range(num_pages)]
+    self.window_kv: list[list[tuple[int, int] | None]] = [
+        [None] * page_size for _ in range(window_group.num_pages if window_group else 0)]
     self.last_tokens: list[int] = [0] * (max_num_seqs + 1)
     self.lora_slots: dict[int, int] = {}  # slot -> lora_id written there
     self.num_steps = 0
@@ -180,6 +191,7 @@ class FakeRunner:
     seq, known = chunk.seq, chunk.seq.token_ids()
     for pos in range(chunk.start, chunk.end):
       self._write(seq, pos, known[pos])
+    self._check_window(seq, chunk.start, chunk.end, [])
     if not chunk.sample:
       return None
     return self._sample(seq, chunk.end)
@@ -229,10 +241,29 @@ class FakeRunner:
     return true[:-1] + [(true[-1] + 1) % self.vocab_size] if true else []
 
   def _write(self, seq: Sequence, pos: int, token: int) -> None:
-    page, offset = seq.pages[pos // self.page_size], pos % self.page_size
-    if page == 0:
-      raise FakeKVError(f"{seq.request_id}: position {pos} maps to the reserved page 0")
-    self.kv[page][offset] = (self._lora_id(seq), token)
+    entry = (self._lora_id(seq), token)
+    pools = [(self.kv, seq.pages)]
+    if self.window_group is not None:
+      pools.append((self.window_kv, seq.window_pages))
+    for pool, pages in pools:
+      page, offset = _page_of(pages, pos, self.page_size), pos % self.page_size
+      if page == 0:
+        raise FakeKVError(f"{seq.request_id}: position {pos} maps to the reserved page 0")
+      pool[page][offset] = entry
+
+  def _check_window(self, seq: Sequence, query: int, length: int, drafts: list[int]) -> None:
+    """The sliding-window layers' read of queries from position `query` on (keys up to
+    `length`): positions (query - window, length) through the window pages."""
+    if self.window_group is None:
+      return
+    lora_id, ps = self._lora_id(seq), self.page_size
+    tokens = seq.token_ids() + list(drafts)
+    for p in range(max(0, query - self.window_group.window + 1), min(length, len(tokens))):
+      page = _page_of(seq.window_pages, p, ps)
+      got = self.window_kv[page][p % ps] if page else None
+      if got != (lora_id, tokens[p]):
+        raise FakeKVError(f"{seq.request_id}: window KV of position {p} read back as {got} "
+                          f"(page {page}) but the sequence holds {(lora_id, tokens[p])}")
 
   def _lora_id(self, seq: Sequence) -> int:
     """The adapter the sequence computes with: the one in its slot, checked."""
@@ -254,6 +285,7 @@ class FakeRunner:
     if context[:len(expected)] != expected:
       raise FakeKVError(f"{seq.request_id}: KV read back {context[:len(expected)]} "
                         f"but the sequence holds {expected}")
+    self._check_window(seq, length - 1, length, drafts)
     n_prompt = len(seq.prompt_ids)
     index = length - n_prompt  # output index of the token sampled now
     token = (context[index % n_prompt][1] + lora_id) % self.vocab_size
@@ -266,3 +298,9 @@ class FakeRunner:
       return None
     top = [((token + k) % self.vocab_size, -0.5 - k) for k in range(n)]
     return TokenLogprob(token, -0.5, top)
+
+
+def _page_of(pages: list[int], pos: int, page_size: int) -> int:
+  """The page of `pages` holding position `pos` (0, the dummy page, past the list)."""
+  i = pos // page_size
+  return pages[i] if i < len(pages) else 0

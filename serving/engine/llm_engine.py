@@ -52,7 +52,7 @@ from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
 from serving.engine.lora_slots import LoraSlots
 from serving.engine.output_processor import OutputProcessor
-from serving.engine.page_allocator import PageAllocator
+from serving.engine.page_allocator import PageAllocator, WindowPages
 from serving.engine.runner_api import Runner, RunnerDeadError, StepError
 from serving.engine.scheduler import Scheduler
 from serving.spec_decode import SpecBackoff, make_proposer
@@ -106,11 +106,20 @@ class LLMEngine:
     self.lora_loader = lora_loader
     self.allocator = PageAllocator(runner.num_pages, config.cache.page_size,
                                    config.cache.enable_prefix_caching)
+    group = runner.window_group  # a hybrid model's sliding-window layers: their own pages
+    self.window = None if group is None else WindowPages(
+        group.num_pages, config.cache.page_size, group.window, config.cache.enable_prefix_caching)
+    if group is not None:  # one sequence's window and two prefill chunks must fit
+      ps, chunk = config.cache.page_size, config.scheduler.max_num_batched_tokens
+      need = min(-(-(group.window + 2 * chunk) // ps) + 2, config.max_pages_per_seq)
+      if group.num_pages - 1 < need:
+        raise ValueError(f"the sliding-window page group has {group.num_pages - 1} pages; one "
+                         f"sequence can need {need} (window {group.window}, chunks of {chunk})")
     self.lora_slots = LoraSlots(config.lora.max_loras) if config.lora.max_loras else None
     proposer = make_proposer(config.speculative.speculative_method,
                              prompt_lookup_min=config.speculative.prompt_lookup_min,
                              prompt_lookup_max=config.speculative.prompt_lookup_max)
-    self.scheduler = Scheduler(config, self.allocator, self.lora_slots, proposer)
+    self.scheduler = Scheduler(config, self.allocator, self.lora_slots, proposer, self.window)
     self.spec = SpecBackoff(enabled=config.speculative.enabled,
                             max_batch=config.speculative.speculative_max_batch)
     self.spec_counters = SpecDecodeCounters()
@@ -547,7 +556,7 @@ class LLMEngine:
   def stats(self) -> EngineStats:
     s, a = self.scheduler, self.allocator
     return EngineStats(
-        num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=a.usage,
+        num_running=len(s.running), num_waiting=len(s.waiting), kv_cache_usage=self.kv_cache_usage,
         num_pages_total=a.num_usable, num_pages_free=a.num_free,
         num_preemptions_total=s.num_preemptions, prompt_tokens_total=self.prompt_tokens_total,
         generation_tokens_total=self.outputs.generation_tokens_total,
@@ -557,6 +566,14 @@ class LLMEngine:
         lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
         spec_decode=dataclasses.replace(self.spec_counters,
                                         accepted_per_pos=list(self.spec_counters.accepted_per_pos)))
+
+  @property
+  def kv_cache_usage(self) -> float:
+    """Fraction of the KV pages in use: of a hybrid model's two page groups, the fuller
+    one's (the first to run out decides when requests are preempted)."""
+    if self.window is None:
+      return self.allocator.usage
+    return max(self.allocator.usage, self.window.allocator.usage)
 
   def replica_stats(self) -> list[EngineStats]:
     """One engine, one row (EngineClient: composite engines give one per member)."""

@@ -9,6 +9,11 @@ LRU list and are evicted only when free pages run out.
 Page 0 is the reserved dummy page (padding writes) and is never handed out.
 Invariants (checked by `check()` in tests): every page other than 0 is in
 exactly one of {free list, LRU evictable, referenced}; refcounts are >= 0.
+
+A hybrid model's sliding-window layers form a second page group
+(`WindowPages`): a `PageAllocator` over their own page ids, and the window
+rule — which pages a sequence still needs, which a cached prefix must still
+hold (docs/engine.md, "Hybrid attention").
 """
 
 from __future__ import annotations
@@ -62,6 +67,19 @@ class PageAllocator:
 
   def refcount(self, page: int) -> int:
     return self._refs[page]
+
+  def lookup(self, h: bytes) -> int | None:
+    """The page cached under prefix hash `h`, if any (no reference taken)."""
+    return self._page_of.get(h) if self.enable_prefix_caching else None
+
+  def share(self, pages: list[int]) -> None:
+    """Takes one more reference on each of `pages` (cached ones leave the LRU list)."""
+    for page in pages:
+      if self._refs[page] == 0:
+        if page not in self._evictable:
+          raise RuntimeError(f"page {page} is free: only held or cached pages are shared")
+        del self._evictable[page]
+      self._refs[page] += 1
 
   def allocate(self, n: int) -> list[int] | None:
     """n fresh pages with refcount 1, or None (nothing taken) if too few are free."""
@@ -131,11 +149,7 @@ class PageAllocator:
     pinned = [p for p in cached if p is not None and self._refs[p] == 0]
     if need > self.num_free - len(pinned):
       return None
-    for page in cached:  # pin the cached ones first, so allocating cannot evict them
-      if page is not None:
-        if self._refs[page] == 0:
-          del self._evictable[page]
-        self._refs[page] += 1
+    self.share([p for p in cached if p is not None])  # pinned first: allocating cannot evict
     fresh = iter(self.allocate(need) or [])
     pages = [page if page is not None else next(fresh) for page in cached]
     return pages, [page is None for page in cached]
@@ -158,3 +172,74 @@ class PageAllocator:
       assert (page in free) + (page in evict) + in_use == 1, f"page {page} state broken"
     assert 0 not in free and 0 not in evict
     assert all(self._page_of[h] == p for p, h in self._hash_of.items())
+
+
+class WindowPages:
+  """The sliding-window page group of a hybrid model: its own `PageAllocator` (page ids,
+  refcounts, prefix cache under the same prefix hashes as the full-attention pages) and
+  the window rule.
+
+  A query at position p of a sliding layer reads positions (p - window, p], so a
+  sequence whose next computed position is n needs its pages from
+  `first_live(n)` on; older ones are released (`Sequence.window_pages` holds 0
+  there, the dummy page, which attention masks). A cached prefix of k full pages
+  is usable only if this group still caches its last window: pages
+  `[first_live(k * page_size), k)` (`match`).
+  """
+
+  def __init__(self, num_pages: int, page_size: int, window: int,
+               enable_prefix_caching: bool = True):
+    if window < 1:
+      raise ValueError(f"sliding window={window} must be at least 1")
+    self.allocator = PageAllocator(num_pages, page_size, enable_prefix_caching)
+    self.window, self.page_size = window, page_size
+
+  def first_live(self, position: int) -> int:
+    """Index of the oldest page a query at `position` (or later) reads."""
+    return max(0, position - self.window + 1) // self.page_size
+
+  def match(self, hashes: list[bytes]) -> tuple[int, list[int]]:
+    """For a cached full-page prefix with these page hashes: the longest k <= len(hashes)
+    pages whose window tail this group caches, and the sequence's window pages for them
+    (0 behind the window; the others gain a reference)."""
+    for k in range(len(hashes), 0, -1):
+      lo = self.first_live(k * self.page_size)
+      pages = [self.allocator.lookup(h) for h in hashes[lo:k]]
+      if all(p is not None for p in pages):
+        self.allocator.share(pages)
+        return k, [0] * lo + pages
+    return 0, []
+
+  def ensure(self, seq_pages: list[int], start: int, end: int) -> bool:
+    """Extends `seq_pages` (a sequence's window pages, in place) so that positions
+    [first_live(start), end) have pages; False (nothing taken) if too few are free.
+    Positions before `start` are computed: their pages must be held already."""
+    ps = self.page_size
+    need = -(-end // ps)
+    seq_pages.extend([0] * (need - len(seq_pages)))
+    missing = [i for i in range(self.first_live(start), need) if seq_pages[i] == 0]
+    if any(i * ps < start for i in missing):
+      raise RuntimeError(f"window pages {missing} of computed positions (< {start}) are gone")
+    fresh = self.allocator.allocate(len(missing))
+    if fresh is None:
+      return False
+    for i, page in zip(missing, fresh, strict=True):
+      seq_pages[i] = page
+    return True
+
+  def release_behind(self, seq_pages: list[int], position: int, limit: int) -> None:
+    """Releases the pages no query at `position` or later reads, among the first `limit`
+    (in place: their entries become 0)."""
+    for i in range(min(self.first_live(position), limit, len(seq_pages))):
+      if seq_pages[i]:
+        self.allocator.release([seq_pages[i]])
+        seq_pages[i] = 0
+
+  def release_all(self, seq_pages: list[int]) -> None:
+    """Drops the sequence's every window page."""
+    self.allocator.release([p for p in seq_pages if p])
+    seq_pages.clear()
+
+  def held(self, seq_pages: list[int]) -> int:
+    """Pages of the group a sequence holds."""
+    return sum(1 for p in seq_pages if p)

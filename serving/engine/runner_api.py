@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from serving.types import RunnerDeadError, StepError, StepPlan, StepResult
+from serving.types import RunnerDeadError, StepError, StepPlan, StepResult, WindowGroup
 
 __all__ = ["Runner", "RunnerDeadError", "StepError"]
 
@@ -42,6 +42,9 @@ class Runner(Protocol):
   """What `LLMEngine` needs from the device side (see module doc)."""
 
   num_pages: int  # KV pages the runner's cache holds, page 0 (the padding page) included
+  # A hybrid model's sliding-window layers' own page group (None: every layer uses the
+  # `num_pages` pages; docs/engine.md, "Hybrid attention").
+  window_group: WindowGroup | None
   vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
 
   def warm_up(self) -> int:

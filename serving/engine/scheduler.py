@@ -35,6 +35,13 @@ brings back a run of tokens per row (kept drafts + one); `postprocess`
 appends them one by one and stops at the first stop condition, and
 publishes only pages whose KV was written for tokens that were kept.
 
+Hybrid models (`window` set: a `WindowPages` group for the sliding-window
+layers, docs/engine.md "Hybrid attention"): every step also gives a sequence
+the window pages its queries read, and pages behind the window go back to that
+group — once their prefix hash is published (postprocess), so that they stay
+cached for a later prefix hit, or at once without prefix caching. A cached
+prefix counts only as far as the window group still holds its last window.
+
 Multi-step decoding (`num_decode_steps` = k > 1, docs/multi_step.md): when
 only decode rows run, nothing waits in the queue, no row speculates or
 follows a grammar, at most `decode_steps_max_batch` rows decode and each can
@@ -52,7 +59,7 @@ import itertools
 
 from serving.config import EngineConfig
 from serving.engine.lora_slots import LoraSlots
-from serving.engine.page_allocator import PageAllocator, page_hash
+from serving.engine.page_allocator import PageAllocator, WindowPages, page_hash
 from serving.spec_decode import Proposer
 from serving.types import (
   DecodeRow,
@@ -71,9 +78,11 @@ class Scheduler:
   """Continuous batching over `max_num_seqs` slots (see module doc)."""
 
   def __init__(self, config: EngineConfig, allocator: PageAllocator,
-               lora_slots: LoraSlots | None = None, proposer: Proposer | None = None):
+               lora_slots: LoraSlots | None = None, proposer: Proposer | None = None,
+               window: WindowPages | None = None):
     self.config = config
     self.allocator = allocator
+    self.window = window  # a hybrid model's sliding-window page group
     self.lora_slots = lora_slots
     self.proposer = proposer  # speculative decoding's draft source (serving/spec_decode)
     self.waiting: collections.deque[Sequence] = collections.deque()
@@ -211,8 +220,7 @@ class Scheduler:
       seq.lora_slot = self.lora_slots.acquire(seq.lora)
       if seq.lora_slot is None:
         return False
-    pages, hashes = ([], []) if _uses_penalties(seq.params) else self.allocator.match_prefix(
-        seq.token_ids(), seq.cache_salt)
+    pages, hashes = ([], []) if _uses_penalties(seq.params) else self._match_prefix(seq)
     seq.pages, seq.page_hashes = pages, hashes
     seq.num_computed = len(pages) * self.config.cache.page_size
     seq.decode_slot = self.free_slots.pop()
@@ -221,6 +229,20 @@ class Scheduler:
     self.waiting.popleft()
     self.running.append(seq)
     return True
+
+  def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+    """The sequence's cached prefix (pages, hashes), referenced; with a window group, cut
+    to where that group still holds the last window (its pages go to `window_pages`)."""
+    tokens = seq.token_ids()
+    if self.window is None:
+      return self.allocator.match_prefix(tokens, seq.cache_salt)
+    pages, hashes = self.allocator.match_prefix(tokens, seq.cache_salt, count=False)
+    k, seq.window_pages = self.window.match(hashes)
+    self.allocator.release(pages[k:])
+    stats = self.allocator.stats
+    stats.queries += len(tokens) if self.allocator.enable_prefix_caching else 0
+    stats.hits += k * self.config.cache.page_size
+    return pages[:k], hashes[:k]
 
   def _chunk(self, seq: Sequence, end: int) -> PrefillChunk:
     """Prefill of known tokens [num_computed, end); pages must be allocated."""
@@ -232,14 +254,26 @@ class Scheduler:
     return chunk
 
   def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
+    """Pages for the first `num_tokens` positions (and, with a window group, the window
+    pages of positions from `num_computed` on); False if a group has too few free."""
     need = -(-num_tokens // self.config.cache.page_size) - len(seq.pages)
-    if need <= 0:
+    if need > 0:
+      pages = self.allocator.allocate(need)
+      if pages is None:
+        return False
+      seq.pages.extend(pages)
+    if self.window is None:
       return True
-    pages = self.allocator.allocate(need)
-    if pages is None:
-      return False
-    seq.pages.extend(pages)
-    return True
+    self._release_behind_window(seq)
+    return self.window.ensure(seq.window_pages, seq.num_computed, num_tokens)
+
+  def _release_behind_window(self, seq: Sequence) -> None:
+    """Window pages no query from `num_computed` on reads go back to the group: those
+    whose prefix hash is published (kept cached for later prefix hits), or all of them
+    without prefix caching."""
+    limit = len(seq.page_hashes) if self.window.allocator.enable_prefix_caching else len(
+        seq.window_pages)
+    self.window.release_behind(seq.window_pages, seq.num_computed, limit)
 
   def _commit_full_pages(self, seq: Sequence, num_tokens: int) -> None:
     """Publishes the prefix hashes of pages whose first `num_tokens` positions hold
@@ -251,9 +285,15 @@ class Scheduler:
       h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
       seq.page_hashes.append(h)
       self.allocator.commit(seq.pages[i], h)
+      if self.window is not None and seq.window_pages[i]:
+        self.window.allocator.commit(seq.window_pages[i], h)
+    if self.window is not None:
+      self._release_behind_window(seq)
 
   def _release(self, seq: Sequence) -> None:
     self.allocator.release(seq.pages)
+    if self.window is not None:
+      self.window.release_all(seq.window_pages)
     seq.token_on_device = False
     seq.pages, seq.page_hashes = [], []
     seq.num_computed = 0

@@ -43,11 +43,12 @@ from checkpoints.layout import LoadedModel
 from checkpoints.lora import load_lora_adapter
 from serving.config import EngineConfig
 from serving.engine import EngineClient, LLMEngine, Runner
-from serving.engine.disaggregated import DisaggregatedEngine
+from serving.engine.disaggregated import HYBRID_REFUSAL, DisaggregatedEngine
 from serving.engine.replicas import ReplicatedEngine
 from serving.entrypoints.startup import SetupError
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
+from serving.runner.kv_cache import kv_layout
 from serving.runner.model_runner import ModelRunner, capacity_pages
 from serving.runner.weights import prepare_weights
 
@@ -183,6 +184,8 @@ def build_disaggregated(loaded: LoadedModel, config: EngineConfig, model_name: s
   (serving/engine/disaggregated.py). On CPU, with fewer devices than that, the engines
   share them (each with its share of the KV memory budget)."""
   par = config.parallel
+  if kv_layout(loaded.config, config, 2) is not None:  # before any worker is placed
+    raise SetupError(HYBRID_REFUSAL)
   n = par.prefill_workers + par.decode_workers
   groups = worker_device_groups(config)
   worker_cfg = config.replace(prefill_workers=0, decode_workers=0, enable_prefix_caching=True)

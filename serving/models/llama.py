@@ -19,6 +19,7 @@ from serving.models.causal_lm import CausalLM, DecoderLayer, bind_layer, param, 
 from serving.models.model_config import (
   ModelConfig,
   hf_eos_token_ids,
+  hf_layer_types,
   hf_rope_theta,
   parse_rope_scaling,
 )
@@ -127,6 +128,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
       qkv_bias=bool(cfg.get("attention_bias", qkv_bias)),
       qk_norm=qk_norm,
       sliding_window=sliding,
+      layer_types=hf_layer_types(cfg, sliding),
       num_experts=(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if moe else 0,
       num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
       moe_intermediate_size=(cfg.get("moe_intermediate_size")

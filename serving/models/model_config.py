@@ -140,3 +140,22 @@ def hf_eos_token_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
   """`eos_token_id` of a HF config (one id or a list) as a tuple."""
   eos = cfg.get("eos_token_id")
   return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def hf_layer_types(cfg: dict[str, Any], sliding_window: int | None) -> tuple[str, ...]:
+  """Per-layer attention kinds of a HF config (`layer_types`); () when the config
+  has none or no window (then `sliding_window` applies to every layer, or none).
+  An unknown kind raises ValueError naming the supported ones."""
+  kinds = tuple(cfg.get("layer_types") or ())
+  unknown = sorted(set(kinds) - set(LAYER_TYPES))
+  if unknown:
+    raise ValueError(f"unsupported layer type(s) {unknown}; supported: {list(LAYER_TYPES)}")
+  if sliding_window is None or not kinds:
+    return ()
+  if len(kinds) != cfg["num_hidden_layers"]:
+    raise ValueError(f"layer_types has {len(kinds)} entries for "
+                     f"{cfg['num_hidden_layers']} layers")
+  return kinds

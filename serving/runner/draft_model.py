@@ -41,7 +41,7 @@ from serving.runner.steps import PrefillInput, VerifyInput, attend_fn, prefill_m
 def draft_prefill_step(params, kv: KVCache, inp: PrefillInput, *, cfg: ModelConfig, backend: str,
                        act_dtype, block_tokens: int) -> KVCache:
   """Writes the draft's K/V of a step's prefill chunks (the target's `PrefillInput`)."""
-  attend = attend_fn(backend, cfg, kv.num_pages, "prefill", prefill_meta(inp), block_tokens)
+  attend = attend_fn(backend, cfg, "prefill", prefill_meta(inp), block_tokens)
   _, kv = causal_lm.forward(params, cfg, inp.tokens, inp.positions, kv, attend,
                             act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg))
   return kv
@@ -61,7 +61,7 @@ def draft_propose_step(params, kv: KVCache, last_tokens: jax.Array, inp: VerifyI
     tables = jnp.repeat(inp.block_tables, tokens.shape[0] // b, axis=0)
     meta = dict(kv_index=kv_index, block_tables=tables,
                 seq_lens=jnp.where(valid, positions + 1, 0))
-    attend = attend_fn(backend, cfg, kv.num_pages, "decode", meta, block_tokens)
+    attend = attend_fn(backend, cfg, "decode", meta, block_tokens)
     hidden, kv = causal_lm.forward(params, cfg, tokens, positions, kv, attend,
                                    act_dtype=act_dtype, experts_fn=sharding.expert_parallel(cfg))
     return kv, argmax(causal_lm.logits(params, cfg, hidden).astype(jnp.float32))

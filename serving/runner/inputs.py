@@ -11,6 +11,10 @@ in. A chunk ending at position `end` samples output index
 `end - len(prompt)`; a decode row at input position p samples
 `p + 1 - len(prompt)`. A step's prefill chunks are packed into one call (more
 only when they overflow the largest bucket).
+
+`window=True` (a hybrid model's runner, kv_cache.py): every call also carries
+the KV indices and block tables of the sliding-window page group, from
+`Sequence.window_pages` (0, the dummy page, where the window has passed).
 """
 
 from __future__ import annotations
@@ -49,12 +53,14 @@ class StepInputs:
   verify: VerifyInput | None = None
   drafts: np.ndarray | None = None
   # A multi-step decode (StepPlan.decode_steps = k > 1): KV indices [B, k-1] of the
-  # decode rows' later iterations (padding: page 0).
+  # decode rows' later iterations (padding: page 0); and in the sliding-window group.
   decode_later: np.ndarray | None = None
+  decode_later_window: np.ndarray | None = None
 
 
-def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
-  """Every input of the plan's device calls (see module doc).
+def build_step_inputs(plan: StepPlan, config: EngineConfig, window: bool = False) -> StepInputs:
+  """Every input of the plan's device calls (see module doc; `window`: with the
+  sliding-window group's indices and tables).
 
   A sequence whose values cannot be turned into arrays (a request that slipped
   past validation) raises `StepError` naming it, before anything is dispatched.
@@ -62,18 +68,19 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
   prefills, ids = [], []
   for group in pack_prefill_chunks(plan.prefills, config):
     with _blame([c.seq for c in group]):
-      inp, sampled = build_prefill_input(group, config)
+      inp, sampled = build_prefill_input(group, config, window=window)
     prefills.append(inp)
     ids.append(sampled)
-  decode = verify = drafts = later = None
+  decode = verify = drafts = later = later_window = None
   if plan.decodes:
     with _blame([r.seq for r in plan.decodes]):
       if plan.speculative:
-        verify, drafts = build_verify_input(plan.decodes, config)
+        verify, drafts = build_verify_input(plan.decodes, config, window)
       elif plan.decode_steps > 1:
-        decode, later = build_multi_decode_input(plan.decodes, plan.decode_steps, config)
+        decode, later, later_window = build_multi_decode_input(plan.decodes, plan.decode_steps,
+                                                               config, window)
       else:
-        decode = build_decode_input(plan.decodes, config)
+        decode = build_decode_input(plan.decodes, config, window=window)
   users: dict[int, list[str]] = {}
   for seq in plan.sequences:
     if seq.lora_slot is not None:
@@ -82,7 +89,7 @@ def build_step_inputs(plan: StepPlan, config: EngineConfig) -> StepInputs:
                     decode_ids=[r.seq.request_id for r in plan.decodes],
                     lora_loads=list(plan.lora_loads), lora_users=users,
                     constrained=plan.constrained, verify=verify, drafts=drafts,
-                    decode_later=later)
+                    decode_later=later, decode_later_window=later_window)
 
 
 def _lora_slot(seq: Sequence) -> int:
@@ -108,10 +115,18 @@ def _builds(seq: Sequence) -> bool:
   return True
 
 
-def kv_index(seq: Sequence, positions: np.ndarray, page_size: int) -> np.ndarray:
-  """Flat KV-pool index of each position: its page's first entry + the offset in it."""
-  pages = np.asarray(seq.pages, np.int32)
+def kv_index(seq: Sequence, positions: np.ndarray, page_size: int,
+             window: bool = False) -> np.ndarray:
+  """Flat KV-pool index of each position: its page's first entry + the offset in it
+  (`window`: in the sliding-window group's pages)."""
+  pages = np.asarray(seq.window_pages if window else seq.pages, np.int32)
   return pages[positions // page_size] * page_size + positions % page_size
+
+
+def _tables(b: int, config: EngineConfig, window: bool) -> tuple[np.ndarray, np.ndarray | None]:
+  """Zeroed block tables [B, W] and, with `window`, the sliding-window group's."""
+  w = config.block_table_width
+  return np.zeros((b, w), np.int32), np.zeros((b, w), np.int32) if window else None
 
 
 def pack_prefill_chunks(chunks: list[PrefillChunk],
@@ -142,7 +157,8 @@ def prefill_bucket(sizes: list[int], config: EngineConfig) -> int:
 
 
 def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
-                        bucket: int | None = None) -> tuple[PrefillInput, list[str]]:
+                        bucket: int | None = None, window: bool = False
+                        ) -> tuple[PrefillInput, list[str]]:
   """One prefill call of `chunks` (none: a padding-only call of `bucket` tokens) and
   the requests it samples, in sampler-row order (steps.PrefillInput)."""
   t = bucket or prefill_bucket([c.end - c.start for c in chunks], config)
@@ -152,7 +168,8 @@ def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
   is_output = np.zeros((t,), bool)
   token_slots, lora_rows = np.full((t,), dummy, np.int32), np.full((t,), -1, np.int32)
   cu, kv_lens = np.zeros((c_rows + 1,), np.int32), np.zeros((c_rows,), np.int32)
-  tables = np.zeros((c_rows, config.block_table_width), np.int32)
+  tables, window_tables = _tables(c_rows, config, window)
+  window_index = np.zeros((t,), np.int32) if window else None
   slots, reset = np.full((c_rows,), dummy, np.int32), np.zeros((c_rows,), bool)
   rows, q_lens = np.zeros((nb, q), np.int32), np.zeros((nb, q), np.int32)
   block_chunk, unblock = np.zeros((nb,), np.int32), np.zeros((t,), np.int32)
@@ -168,6 +185,9 @@ def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
     token_slots[span], lora_rows[span] = seq.decode_slot, _lora_slot(seq)
     used = -(-chunk.end // ps)
     tables[i, :used] = seq.pages[:used]
+    if window:
+      window_index[span] = kv_index(seq, pos, ps, window=True)
+      window_tables[i, :used] = seq.window_pages[:used]
     kv_lens[i], slots[i], reset[i] = chunk.end, seq.decode_slot, chunk.start == 0
     for b0 in range(0, n, q):  # the chunk's query blocks
       m = min(q, n - b0)
@@ -193,29 +213,39 @@ def build_prefill_input(chunks: list[PrefillChunk], config: EngineConfig, *,
       sample_rows=sample_rows, sample_slots=sample_slots,
       sampling=SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs],
                                      [c.end - len(c.seq.prompt_ids) for _, c in sampled],
-                                     c_rows))
+                                     c_rows),
+      window_kv_index=window_index, window_block_tables=window_tables)
   return inp, [s.request_id for s in seqs]
 
 
-def build_multi_decode_input(rows: list[DecodeRow], steps: int,
-                             config: EngineConfig) -> tuple[DecodeInput, np.ndarray]:
+def build_multi_decode_input(rows: list[DecodeRow], steps: int, config: EngineConfig,
+                             window: bool = False
+                             ) -> tuple[DecodeInput, np.ndarray, np.ndarray | None]:
   """A multi-step decode's first iteration (DecodeInput) and the KV indices [B, steps-1]
-  of its later ones; padded to a multi-step bucket."""
-  inp = build_decode_input(rows, config, buckets=config.scheduler.multi_step_batch_buckets)
+  of its later ones (and with `window`, in the sliding-window group); padded to a
+  multi-step bucket."""
+  inp = build_decode_input(rows, config, buckets=config.scheduler.multi_step_batch_buckets,
+                           window=window)
   later = np.zeros((inp.positions.shape[0], steps - 1), np.int32)
+  later_window = np.zeros_like(later) if window else None
   for i, row in enumerate(rows):
-    later[i] = kv_index(row.seq, row.position + np.arange(1, steps), config.cache.page_size)
-  return inp, later
+    pos = row.position + np.arange(1, steps)
+    later[i] = kv_index(row.seq, pos, config.cache.page_size)
+    if window:
+      later_window[i] = kv_index(row.seq, pos, config.cache.page_size, window=True)
+  return inp, later, later_window
 
 
 def build_decode_input(rows: list[DecodeRow], config: EngineConfig,
-                       buckets: tuple[int, ...] | None = None) -> DecodeInput:
+                       buckets: tuple[int, ...] | None = None, window: bool = False
+                       ) -> DecodeInput:
+  """One decode call of `rows` (steps.DecodeInput), padded to a batch bucket."""
   b = bucket_for(len(rows), buckets or config.scheduler.decode_batch_buckets)
-  width = config.block_table_width
   slots = np.full((b,), config.scheduler.max_num_seqs, np.int32)  # padding rows: the dummy slot
   positions = np.zeros((b,), np.int32)
   index = np.zeros((b,), np.int32)
-  tables = np.zeros((b, width), np.int32)
+  tables, window_tables = _tables(b, config, window)
+  window_index = np.zeros((b,), np.int32) if window else None
   seq_lens = np.zeros((b,), np.int32)
   lora_slots = np.full((b,), -1, np.int32)
   for i, row in enumerate(rows):
@@ -224,15 +254,19 @@ def build_decode_input(rows: list[DecodeRow], config: EngineConfig,
     lora_slots[i] = _lora_slot(seq)
     index[i] = kv_index(seq, np.array([pos]), config.cache.page_size)[0]
     tables[i, :len(seq.pages)] = seq.pages
+    if window:
+      window_index[i] = kv_index(seq, np.array([pos]), config.cache.page_size, window=True)[0]
+      window_tables[i, :len(seq.window_pages)] = seq.window_pages
   return DecodeInput(
       decode_slots=slots, positions=positions, kv_index=index, block_tables=tables,
       seq_lens=seq_lens, lora_slots=lora_slots,
       sampling=SamplingTensors.build([r.seq.params for r in rows], [r.seq.seed for r in rows],
-                                     [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b))
+                                     [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b),
+      window_kv_index=window_index, window_block_tables=window_tables)
 
 
-def build_verify_input(rows: list[DecodeRow],
-                       config: EngineConfig) -> tuple[VerifyInput, np.ndarray]:
+def build_verify_input(rows: list[DecodeRow], config: EngineConfig,
+                       window: bool = False) -> tuple[VerifyInput, np.ndarray]:
   """A speculative step's input and its host drafts [B, S-1] (S = drafts + 1 per row)."""
   b = bucket_for(len(rows), config.verify_batch_buckets)
   s = config.speculative.num_speculative_tokens + 1
@@ -240,7 +274,8 @@ def build_verify_input(rows: list[DecodeRow],
   positions = np.zeros((b,), np.int32)
   num_drafts = np.zeros((b,), np.int32)
   index = np.zeros((b, s), np.int32)  # positions past a row's drafts write to page 0
-  tables = np.zeros((b, config.block_table_width), np.int32)
+  tables, window_tables = _tables(b, config, window)
+  window_index = np.zeros((b, s), np.int32) if window else None
   lora_slots = np.full((b,), -1, np.int32)
   prev_tokens = np.zeros((b,), np.int32)
   prev_index = np.zeros((b,), np.int32)
@@ -251,6 +286,10 @@ def build_verify_input(rows: list[DecodeRow],
     lora_slots[i] = _lora_slot(seq)
     index[i, :n + 1] = kv_index(seq, pos + np.arange(n + 1), config.cache.page_size)
     tables[i, :len(seq.pages)] = seq.pages
+    if window:
+      window_index[i, :n + 1] = kv_index(seq, pos + np.arange(n + 1), config.cache.page_size,
+                                         window=True)
+      window_tables[i, :len(seq.window_pages)] = seq.window_pages
     drafts[i, :len(row.drafts)] = row.drafts
     if pos > 0:
       prev_tokens[i] = seq.token_ids()[pos - 1]
@@ -260,5 +299,6 @@ def build_verify_input(rows: list[DecodeRow],
       block_tables=tables, lora_slots=lora_slots, prev_tokens=prev_tokens,
       prev_kv_index=prev_index,
       sampling=SamplingTensors.build([r.seq.params for r in rows], [r.seq.seed for r in rows],
-                                     [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b))
+                                     [r.position + 1 - len(r.seq.prompt_ids) for r in rows], b),
+      window_kv_index=window_index, window_block_tables=window_tables)
   return inp, drafts

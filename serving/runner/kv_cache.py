@@ -7,6 +7,21 @@ and the scan over layers never slices (copies) a layer out of the cache.
 Page 0 of every layer is reserved as the dummy page that padding tokens
 write into; the host allocator never hands it out.
 
+Hybrid models (full-attention and sliding-window layers, `KVLayout`): the
+layers form two page groups, each with its own page ids — full layers `P`
+pages each, sliding layers `Pw` (fewer: a sequence holds only the pages its
+window reads; the host's `WindowPages` releases the others). The pool is
+still one array per k / v, layer after layer in layer order, `L_full * P +
+L_sliding * Pw` pages: layer `l` owns the rows from `layout.bases[l]`. A step
+carries a second KV index and block table for the sliding group
+(`window_kv_index`, `window_block_tables`: the same positions in its page
+ids, 0 behind the window — the dummy page, which the window masks), and
+`layer_pages` picks a layer's index and layer-offset tables from small
+static per-layer arrays indexed by the (traced) layer id. Without a layout
+(every other model, and hybrid ones whose window spans max_model_len or that
+run pipeline stages: `kv_layout`) nothing of this exists: one group, the
+`[L * P]` pool, the tables as before.
+
 bfloat16 pages are stored as uint16 and bitcast on access (XLA:CPU turns a
 scatter into a bf16 buffer into a full-cache convert: 325-470 ms a step,
 against 0.04 ms for the uint16 bitcast; docs/performance.md).
@@ -31,6 +46,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from serving.config import EngineConfig
 from serving.models.model_config import ModelConfig
 
 STORAGE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.uint16, "int8": jnp.uint8,
@@ -39,13 +55,41 @@ QUANTIZED_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)
 SCALE_BYTES = 4  # float32 scale stored after each quantized [H] row
 
 
+NO_WINDOW = 2 ** 30  # a full-attention layer's window where windows are traced per layer
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """A hybrid model's two page groups in the pool (module doc): static."""
+
+  sliding: tuple[bool, ...]  # per layer: in the sliding-window group
+  num_pages: int  # P: pages of each full-attention layer (page 0 included)
+  window_pages: int  # Pw: pages of each sliding-window layer (page 0 included)
+  window: int  # the sliding layers' window, in tokens
+
+  @property
+  def bases(self) -> tuple[int, ...]:
+    """Each layer's first row in the pool."""
+    out, row = [], 0
+    for sliding in self.sliding:
+      out.append(row)
+      row += self.window_pages if sliding else self.num_pages
+    return tuple(out)
+
+  @property
+  def rows(self) -> int:
+    """Pages in the pool, every layer's."""
+    return sum(self.window_pages if s else self.num_pages for s in self.sliding)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  k: jax.Array  # [L*P, page_size, K, H]
+  k: jax.Array  # [L*P, page_size, K, H] (a layout: [layout.rows, ...])
   v: jax.Array  # [L*P, page_size, K, H]
   num_pages: int = dataclasses.field(metadata=dict(static=True))  # P, pages per layer
   dtype: str = dataclasses.field(metadata=dict(static=True))  # logical dtype name
+  layout: KVLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def page_size(self) -> int:
@@ -60,14 +104,59 @@ class KVCache:
     return self.k.shape[-1] - (SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0)
 
 
+def layout_note(cfg: ModelConfig, config: EngineConfig) -> str | None:
+  """Why a model with a sliding window keeps every page in one group, if it does for a
+  reason worth a log line: its window covers max_model_len (every layer then sees the
+  whole sequence), or a hybrid model runs pipeline stages (they split the pool evenly
+  by layer)."""
+  window, max_len = cfg.sliding_window, config.scheduler.max_model_len
+  if window is not None and window >= max_len:
+    return (f"sliding window {window} >= max_model_len {max_len}: served as full attention "
+            "(one KV page group)")
+  if cfg.is_hybrid and config.parallel.pp > 1:
+    return (f"hybrid attention with pipeline stages (pp={config.parallel.pp}): one KV page "
+            "group, the pages behind the window are kept")
+  return None
+
+
+def kv_layout(cfg: ModelConfig, config: EngineConfig, num_pages: int) -> KVLayout | None:
+  """The pool's page groups for `num_pages` full-attention pages (None: one group): a
+  hybrid model's sliding-window group of `window_group_pages` pages, unless
+  `layout_note` gives a reason to keep one group."""
+  if not cfg.is_hybrid or layout_note(cfg, config) is not None:
+    return None
+  window = cfg.sliding_window
+  sliding = tuple(cfg.layer_window(i) is not None for i in range(cfg.num_layers))
+  return KVLayout(sliding=sliding, num_pages=num_pages, window=window,
+                  window_pages=window_group_pages(window, config, num_pages))
+
+
+def window_group_pages(window: int, config: EngineConfig, num_pages: int) -> int:
+  """Pages of the sliding-window group (page 0 included): what `max_num_seqs` sequences
+  can hold at once — each its window and the tokens it computes ahead of it (drafts,
+  multi-step decoding) plus two partly used pages — and two steps of prefill chunks
+  (a chunk's pages are released once the next step has published their hashes);
+  never more than the full group's. Fewer would make the group, not the full pages,
+  decide preemption; more would only keep more released pages cached."""
+  sched, ps = config.scheduler, config.cache.page_size
+  ahead = sched.num_decode_steps - 1
+  if config.speculative.enabled:
+    ahead = max(ahead, config.speculative.num_speculative_tokens)
+  per_seq = -(-(window + ahead) // ps) + 2
+  chunks = 2 * -(-sched.max_num_batched_tokens // ps)
+  return min(num_pages, 1 + sched.max_num_seqs * per_seq + chunks)
+
+
 def create_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str,
-                    sharding=None) -> KVCache:
+                    sharding=None, layout: KVLayout | None = None) -> KVCache:
+  """The zeroed pool of `num_pages` pages per layer (`layout`: per group)."""
   if dtype not in STORAGE_DTYPES:
     raise ValueError(f"unsupported kv cache dtype {dtype!r}; supported: {list(STORAGE_DTYPES)}")
   row = cfg.head_dim + (SCALE_BYTES if dtype in QUANTIZED_DTYPES else 0)
-  shape = (cfg.num_layers * num_pages, page_size, cfg.num_kv_heads, row)
+  rows = layout.rows if layout is not None else cfg.num_layers * num_pages
+  shape = (rows, page_size, cfg.num_kv_heads, row)
   make = jax.jit(lambda: jnp.zeros(shape, STORAGE_DTYPES[dtype]), out_shardings=sharding)
-  kv = KVCache(k=make(), v=make(), num_pages=num_pages, dtype=dtype)
+  kv = KVCache(k=make(), v=make(), num_pages=num_pages, dtype=dtype, layout=layout)
   for pool in (kv.k, kv.v):
     release_zero_pages(pool)
   return kv
@@ -112,6 +201,7 @@ def _libc():
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+  """KV bytes of one token in every layer."""
   if dtype in QUANTIZED_DTYPES:  # 1-byte codes + a float32 scale per token per head
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + SCALE_BYTES)
   return cfg.kv_bytes_per_token(jnp.dtype(STORAGE_DTYPES[dtype]).itemsize)
@@ -154,14 +244,39 @@ def dequantize_rows(x: jax.Array, dtype: str) -> jax.Array:
   return codes * scale[..., None]
 
 
+def layer_base(kv: KVCache, layer: jax.Array | int) -> jax.Array | int:
+  """The pool row of the layer's page 0."""
+  if kv.layout is None:
+    return layer * kv.num_pages
+  return jnp.asarray(kv.layout.bases, jnp.int32)[layer]
+
+
+def layer_pages(kv: KVCache, layer: jax.Array | int, meta: dict
+                ) -> tuple[jax.Array, jax.Array]:
+  """A layer's (kv_index [T], block tables [.., W] offset to its rows) from a step's
+  attention metadata: with a layout, the sliding group's index and tables on its
+  layers (module doc). `layer` counts the layers of this pool (a pipeline stage's
+  own); a Python int selects statically."""
+  if kv.layout is None:
+    return meta["kv_index"], meta["block_tables"] + layer * kv.num_pages
+  if isinstance(layer, int):
+    group = "window_" if kv.layout.sliding[layer] else ""
+    return meta[group + "kv_index"], meta[group + "block_tables"] + layer_base(kv, layer)
+  sliding = jnp.asarray(kv.layout.sliding)[layer]
+  index = jnp.where(sliding, meta["window_kv_index"], meta["kv_index"])
+  tables = jnp.where(sliding, meta["window_block_tables"], meta["block_tables"])
+  return index, tables + layer_base(kv, layer)
+
+
 def write_kv(kv: KVCache, layer: jax.Array, k_new: jax.Array, v_new: jax.Array,
              kv_index: jax.Array) -> KVCache:
   """Scatters new keys/values [T, K, H] into flat slots `page * page_size + offset`.
 
-  `kv_index` [T] int32 is per-layer; padding tokens point into page 0.
+  `kv_index` [T] int32 is per-layer (of the layer's group: `layer_pages`); padding
+  tokens point into page 0.
   """
   ps = kv.k.shape[1]
-  page = layer * kv.num_pages + kv_index // ps  # [T]
+  page = layer_base(kv, layer) + kv_index // ps  # [T]
   off = kv_index % ps
   # Index the 4-D pool directly: reshaping it would make XLA copy the cache.
   k = kv.k.at[page, off].set(_to_storage(k_new, kv))

@@ -45,9 +45,13 @@ from serving.runner.draft_model import DraftModel
 from serving.runner.executable_store import ExecutableStore, StepProgram
 from serving.runner.inputs import StepInputs, build_prefill_input, build_step_inputs
 from serving.runner.kv_cache import (
+  KVLayout,
   create_kv_cache,
   kv_bytes_per_token,
+  kv_layout,
+  layout_note,
   read_pages,
+  window_group_pages,
   write_pages,
 )
 from serving.runner.steps import (
@@ -70,6 +74,7 @@ from serving.types import (
   StepPlan,
   StepResult,
   TokenLogprob,
+  WindowGroup,
 )
 
 log = logging.getLogger(__name__)
@@ -77,28 +82,55 @@ log = logging.getLogger(__name__)
 
 def capacity_pages(model_cfg: ModelConfig, config: EngineConfig,
                    draft_cfg: ModelConfig | None = None) -> int:
-  """KV pages from the memory budget, capped at what max_num_seqs can use (a draft
-  model's pool has as many pages, so its bytes count too)."""
+  """KV pages (of the full-attention group) from the memory budget, capped at what
+  max_num_seqs can use (a draft model's pool has as many pages, so its bytes count
+  too; so do a hybrid model's sliding-window pages, kv_cache.window_group_pages)."""
   _, kv_dtype = resolve_dtypes(config, jax.default_backend())
-  per_token = kv_bytes_per_token(model_cfg, kv_dtype)
+  group_bytes = _group_page_bytes(model_cfg, config, kv_dtype)
   if draft_cfg is not None:
-    per_token += kv_bytes_per_token(draft_cfg, kv_dtype)
-  page_bytes = config.cache.page_size * per_token
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if device.platform != "cpu" else None
-  if stats and "bytes_limit" in stats:
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    budget = free * config.cache.kv_cache_memory_fraction
-  else:
-    budget = psutil.virtual_memory().available * config.cache.kv_cache_memory_fraction
+    group_bytes[0] += config.cache.page_size * kv_bytes_per_token(draft_cfg, kv_dtype)
+  budget = _kv_budget(config)
   cap = config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
-  pages = min(int(budget // page_bytes), cap)
+  pages = min(_pages_within(budget, group_bytes, model_cfg, config), cap)
   if pages < config.max_pages_per_seq + 1:
     raise ValueError(f"KV budget of {budget / 2**30:.2f} GiB holds {pages} pages; one request at "
                      f"max_model_len={config.scheduler.max_model_len} needs "
                      f"{config.max_pages_per_seq + 1}. "
                      "Raise kv_cache_memory_fraction or lower max_model_len.")
   return pages
+
+
+def _group_page_bytes(cfg: ModelConfig, config: EngineConfig, kv_dtype: str) -> list[int]:
+  """Bytes of one page in every layer of each group: [full] or [full, sliding window]."""
+  per_layer = config.cache.page_size * kv_bytes_per_token(cfg, kv_dtype) // cfg.num_layers
+  layout = kv_layout(cfg, config, 2)
+  if layout is None:
+    return [per_layer * cfg.num_layers]
+  sliding = sum(layout.sliding)
+  return [per_layer * (cfg.num_layers - sliding), per_layer * sliding]
+
+
+def _pages_within(budget: float, group_bytes: list[int], cfg: ModelConfig,
+                  config: EngineConfig) -> int:
+  """The most full-group pages whose pool (with the window group it implies) fits."""
+  if len(group_bytes) == 1:
+    return int(budget // group_bytes[0])
+  full, sliding = group_bytes
+  most = window_group_pages(cfg.sliding_window, config, 2 ** 40)  # the group's size cap
+  pages = int((budget - most * sliding) // full)
+  if pages >= most:
+    return pages
+  return int(budget // (full + sliding))  # fewer full pages than that: both groups alike
+
+
+def _kv_budget(config: EngineConfig) -> float:
+  """Bytes the KV pools may take: the memory fraction of what the device has free."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and "bytes_limit" in stats:
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return free * config.cache.kv_cache_memory_fraction
+  return psutil.virtual_memory().available * config.cache.kv_cache_memory_fraction
 
 
 @dataclasses.dataclass
@@ -157,6 +189,15 @@ class ModelRunner:
     self.params = weights.place()  # before the KV pool is sized from the memory left
     draft_cfg = weights.draft.config if weights.draft is not None else None
     self.num_pages = num_pages or ec.cache.num_pages or capacity_pages(cfg, ec, draft_cfg)
+    # A hybrid model's sliding-window layers: their own, smaller page group (kv_cache.py).
+    self.kv_layout: KVLayout | None = kv_layout(cfg, ec, self.num_pages)
+    if (note := layout_note(cfg, ec)) is not None:
+      log.info(note)
+    if kv_transfer and self.kv_layout is not None:
+      raise ValueError("KV page transfer (prefill / decode workers) does not move a hybrid "
+                       "model's sliding-window pages yet")
+    self.window_group = None if self.kv_layout is None else WindowGroup(
+        self.kv_layout.window, self.kv_layout.window_pages)
     self.state = self._initial_state(placement)
     self.mask_width = (cfg.vocab_size + 31) // 32  # int32 words of a token mask row
     self._all_allowed: dict[int, jax.Array] = {}
@@ -226,7 +267,7 @@ class ModelRunner:
     kv_sharding = placement.kv_sharding if placement is not None else None
     state = DeviceState(
         kv=create_kv_cache(cfg, self.num_pages, ec.cache.page_size, self.kv_dtype_name,
-                           kv_sharding),
+                           kv_sharding, self.kv_layout),
         last_tokens=jnp.zeros((slots,), jnp.int32),
         prompt_mask=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
         output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
@@ -268,7 +309,7 @@ class ModelRunner:
 
   def execute(self, *, plan: StepPlan) -> StepHandle:
     """Builds every input of the plan first, then dispatches them (asynchronous)."""
-    return self.run(build_step_inputs(plan, self.engine_cfg))
+    return self.run(build_step_inputs(plan, self.engine_cfg, window=self.window_group is not None))
 
   def sample(self, *, handle: StepHandle, masks: dict[str, np.ndarray]) -> None:
     """Runs the sampler calls that wait for token masks (a step with constrained rows).
@@ -437,7 +478,8 @@ class ModelRunner:
       if defer:
         raise ValueError("a multi-step decode cannot wait for token masks")
       calls.append(SamplerCall(list(inputs.decode_ids),
-                               out=self.run_multi_decode(inputs.decode, inputs.decode_later)))
+                               out=self.run_multi_decode(inputs.decode, inputs.decode_later,
+                                                         inputs.decode_later_window)))
       wanted = inputs.decode.sampling.num_logprobs
       logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
     elif inputs.decode is not None:
@@ -494,10 +536,11 @@ class ModelRunner:
     self.state, logits = self._decode(self.params, self.lora, self.state, inp)
     return logits
 
-  def run_multi_decode(self, inp: DecodeInput, later: np.ndarray) -> sampling.SampleOutput:
+  def run_multi_decode(self, inp: DecodeInput, later: np.ndarray,
+                       later_window: np.ndarray | None = None) -> sampling.SampleOutput:
     """Runs a multi-step decode batch (steps.multi_decode_step): its [B, k] samples."""
     self.state, out = self._multi_decode(self.params, self.lora, self.state, inp, later,
-                                         self._unconstrained(later.shape[0]))
+                                         self._unconstrained(later.shape[0]), later_window)
     return out
 
   # ---- compilation ----
@@ -569,8 +612,9 @@ class ModelRunner:
       inp = self.dummy_decode(b)
       later = np.zeros((b, ec.scheduler.num_decode_steps - 1), np.int32)
       allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
+      later_window = later if self.window_group is not None else None
       out.append((self._multi_decode, (self.params, self.lora, self.state, inp, later,
-                                       allowed)))
+                                       allowed, later_window)))
     for b in sorted({1, *ec.scheduler.decode_batch_buckets}):
       inp = self.dummy_decode(b)
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
@@ -596,7 +640,7 @@ class ModelRunner:
     if step is self._verify:
       return self.run_verify(args[3], args[4], []).out.tokens
     if step is self._multi_decode:
-      return self.run_multi_decode(args[3], args[4]).tokens
+      return self.run_multi_decode(args[3], args[4], args[6]).tokens
     inp = args[-1]
     if step is self._prefill:
       logits, slots = self.run_prefill(inp), inp.sample_slots
@@ -608,35 +652,57 @@ class ModelRunner:
 
   def dummy_prefill(self, t: int) -> PrefillInput:
     """A padding-only prefill call of T tokens: writes into page 0 and the dummy slot."""
-    return build_prefill_input([], self.engine_cfg, bucket=t)[0]
+    return build_prefill_input([], self.engine_cfg, bucket=t,
+                               window=self.window_group is not None)[0]
 
   def dummy_verify(self, b: int) -> VerifyInput:
     """A padding-only speculative batch of B rows."""
     ec = self.engine_cfg
     z, s = np.zeros((b,), np.int32), ec.speculative.num_speculative_tokens + 1
+    window = self.window_group is not None
     return VerifyInput(decode_slots=np.full((b,), ec.scheduler.max_num_seqs, np.int32), positions=z,
                        num_drafts=z, kv_index=np.zeros((b, s), np.int32),
                        block_tables=np.zeros((b, ec.block_table_width), np.int32),
                        lora_slots=np.full((b,), -1, np.int32), prev_tokens=z, prev_kv_index=z,
-                       sampling=sampling.SamplingTensors.build([], [], [], b))
+                       sampling=sampling.SamplingTensors.build([], [], [], b),
+                       window_kv_index=np.zeros((b, s), np.int32) if window else None,
+                       window_block_tables=(np.zeros((b, ec.block_table_width), np.int32)
+                                            if window else None))
 
   def dummy_decode(self, b: int) -> DecodeInput:
     """A padding-only decode batch of B rows."""
     ec = self.engine_cfg
     z, w = np.zeros((b,), np.int32), ec.block_table_width
+    window = self.window_group is not None
     return DecodeInput(decode_slots=np.full((b,), ec.scheduler.max_num_seqs, np.int32), positions=z,
                        kv_index=z, block_tables=np.zeros((b, w), np.int32), seq_lens=z,
                        lora_slots=np.full((b,), -1, np.int32),
-                       sampling=sampling.SamplingTensors.build([], [], [], b))
+                       sampling=sampling.SamplingTensors.build([], [], [], b),
+                       window_kv_index=z if window else None,
+                       window_block_tables=np.zeros((b, w), np.int32) if window else None)
+
+  def kv_pool_bytes(self) -> int:
+    """Bytes of the KV pools (the target's; both groups of a hybrid model)."""
+    kv = self.state.kv
+    return kv.k.nbytes + kv.v.nbytes
 
   def _log_capacity(self) -> None:
     c = self.engine_cfg
     per_tok = kv_bytes_per_token(self.model_cfg, self.kv_dtype_name)
     tokens = (self.num_pages - 1) * c.cache.page_size
     fmt = weight_formats(self.params, self.weight_dtype_name)
+    groups = ""
+    if self.kv_layout is not None:  # hybrid: what each group holds, its own bytes
+      layout, full = self.kv_layout, per_tok // self.model_cfg.num_layers
+      sliding = sum(layout.sliding)
+      groups = (f"; {self.model_cfg.num_layers - sliding} full-attention layers x "
+                f"{layout.num_pages - 1} pages, {sliding} sliding-window layers (window "
+                f"{layout.window}) x {layout.window_pages - 1} pages; {full} B/token/layer")
+      per_tok = full * (self.model_cfg.num_layers - sliding)  # what a token of context costs
     for msg in (f"KV cache: {self.num_pages - 1} pages x {c.cache.page_size} tokens = "
                 f"{tokens} tokens "
-                f"({tokens * per_tok / 2**30:.2f} GiB, {per_tok} B/token, {self.kv_dtype_name}); "
+                f"({self.kv_pool_bytes() / 2**30:.2f} GiB, {per_tok} B/token, "
+                f"{self.kv_dtype_name}{groups}); "
                 f"max concurrency at max_model_len={c.scheduler.max_model_len}: "
                 f"{tokens / c.scheduler.max_model_len:.1f} requests",
                 f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "

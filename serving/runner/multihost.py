@@ -60,12 +60,14 @@ class LeaderRunner:
   def __init__(self, runner: ModelRunner):
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+    self.window_group = runner.window_group
 
   def warm_up(self) -> int:
     return self.runner.warm_up()
 
   def execute(self, *, plan: StepPlan) -> StepHandle:
-    inputs = build_step_inputs(plan, self.runner.engine_cfg)
+    inputs = build_step_inputs(plan, self.runner.engine_cfg,
+                               window=self.runner.window_group is not None)
     defer = bool(inputs.constrained)
     prefills = []
     for inp, ids in zip(inputs.prefills, inputs.prefill_ids, strict=True):

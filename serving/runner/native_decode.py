@@ -3,9 +3,10 @@
 `runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
 `rows` rows takes the fused custom call instead of `causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
-QKV bias or Q/K norms, no LoRA, unrolled layers whose seven linear weights
-all run the native matvec at this row count (quantized groups of 32 as
-stored: GGUF Q4_1 / Q4_0 / Q8_0, our int8), float32 activations and a
+QKV bias, Q/K norms or hybrid attention (one window for every layer), no
+LoRA, unrolled layers whose seven linear weights all run the native matvec
+at this row count (quantized groups of 32 as stored: GGUF Q4_1 / Q4_0 /
+Q8_0, our int8), float32 activations and a
 float32 or bfloat16 KV pool. Everything else (prefill, verification, larger
 batches, other models) runs op by op, as before; both paths compute the same
 values (tests/serving/runner/test_native_decode.py).

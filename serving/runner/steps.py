@@ -25,7 +25,7 @@ from serving.models import causal_lm
 from serving.models.lora import LoraBatch
 from serving.models.model_config import ModelConfig
 from serving.runner import attention, native_decode, sampling
-from serving.runner.kv_cache import KVCache, write_kv
+from serving.runner.kv_cache import NO_WINDOW, KVCache, layer_pages, write_kv
 from serving.types import MAX_LOGPROBS
 
 
@@ -63,6 +63,9 @@ class PrefillInput:
   sample_rows: np.ndarray  # [C] int32 packed row whose logits each sampler row takes
   sample_slots: np.ndarray  # [C] int32 decode slot each sampler row writes (padding: dummy)
   sampling: sampling.SamplingTensors  # [C]
+  # A hybrid model's sliding-window page group (kv_cache.py): its KV indices and tables.
+  window_kv_index: np.ndarray | None = None  # [T] int32
+  window_block_tables: np.ndarray | None = None  # [C, W] int32 (0 behind the window)
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +80,8 @@ class DecodeInput:
   seq_lens: np.ndarray  # [B] int32 (positions + 1; 0 for padding)
   lora_slots: np.ndarray  # [B] int32 each row's LoRA slot (-1: none, and padding)
   sampling: sampling.SamplingTensors  # [B]
+  window_kv_index: np.ndarray | None = None  # [B] int32: the sliding-window group's
+  window_block_tables: np.ndarray | None = None  # [B, W] int32
 
 
 @jax.tree_util.register_dataclass
@@ -99,9 +104,11 @@ class VerifyInput:
   prev_tokens: np.ndarray  # [B] int32
   prev_kv_index: np.ndarray  # [B] int32
   sampling: sampling.SamplingTensors  # [B]; step = output index of position 0
+  window_kv_index: np.ndarray | None = None  # [B, S] int32: the sliding-window group's
+  window_block_tables: np.ndarray | None = None  # [B, W] int32
 
 
-def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_tokens: int,
+def attend_fn(backend, cfg: ModelConfig, kind: str, meta, block_tokens: int,
               window: tuple[jax.Array | int, int] | None = None,
               layer_offset: int | jax.Array = 0):
   """Builds the per-layer attention callback for causal_lm.forward.
@@ -115,9 +122,8 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
   others' queries zero and returns these rows.
   """
   def attend(layer, q, k, v, kv, sinks=None):
-    local = layer - layer_offset
-    kv = write_kv(kv, local, k, v, meta["kv_index"])
-    tables = meta["block_tables"] + local * num_pages
+    index, tables = layer_pages(kv, layer - layer_offset, meta)
+    kv = write_kv(kv, layer - layer_offset, k, v, index)
     kw = dict(scale=cfg.scale, sliding_window=layer_window(cfg, layer))
     if cfg.attn_soft_cap is not None:
       kw["soft_cap"] = cfg.attn_soft_cap
@@ -148,20 +154,17 @@ def attend_fn(backend, cfg: ModelConfig, num_pages: int, kind: str, meta, block_
   return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
 
 
-FULL_WINDOW = 1 << 30  # a traced window this large masks nothing: a full-attention layer
-
-
 def layer_window(cfg: ModelConfig, layer) -> int | jax.Array | None:
   """The sliding window of `layer` for the attention call: static (an int or None)
   when every layer has the same one or the layer id is a Python int (unrolled
   layers); under a scan over layers of different kinds, a traced int32 looked up
-  by layer (FULL_WINDOW for full-attention layers)."""
+  by layer (NO_WINDOW for full-attention layers)."""
   windows = cfg.layer_windows
   if len(set(windows)) == 1:
     return windows[0]
   if isinstance(layer, int):
     return windows[layer]
-  table = jnp.asarray([FULL_WINDOW if w is None else w for w in windows], jnp.int32)
+  table = jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
   return table[layer]
 
 
@@ -181,9 +184,9 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   x = causal_lm.embed_tokens(params, cfg, tokens, act_dtype)
   total = tokens.shape[0]
   shared = None
-  if kind == "prefill":
-    shared = {k: v for k, v in meta.items() if k != "kv_index"}
-    meta = {"kv_index": meta["kv_index"]}
+  if kind == "prefill":  # the KV indices are per row, the rest per chunk
+    shared = {k: v for k, v in meta.items() if k not in ROW_META}
+    meta = {k: v for k, v in meta.items() if k in ROW_META}
 
   def stage(layers, x, rows, shared, kv, active, start):
     positions, meta, lora_rows = rows
@@ -197,7 +200,7 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
       meta = {**shared, **meta}
       window = None if x.shape[0] == total else (start, total)
     offset = sharding.layer_offset(layers)
-    attend = attend_fn(backend, cfg, kv.num_pages, kind, meta, block_tokens, window, offset)
+    attend = attend_fn(backend, cfg, kind, meta, block_tokens, window, offset)
     return causal_lm.run_layers(layers, cfg, x, positions, kv, attend,
                                 experts_fn=sharding.expert_parallel(cfg),
                                 lora=lora_batch(lora, lora_rows), layer_offset=offset)
@@ -207,6 +210,17 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   return causal_lm.final_norm(params, cfg, x), kv
 
 
+ROW_META = ("kv_index", "window_kv_index")  # a prefill step's per-row attention metadata
+
+
+def with_window(meta: dict, inp) -> dict:
+  """`meta` plus the input's sliding-window group index and tables, where it has them."""
+  if inp.window_kv_index is None:
+    return meta
+  return {**meta, "window_kv_index": inp.window_kv_index,
+          "window_block_tables": inp.window_block_tables}
+
+
 def lora_batch(lora, rows: jax.Array) -> LoraBatch | None:
   """The forward's LoRA argument: the slots (None when LoRA is off) and each row's slot."""
   return None if lora is None else LoraBatch(weights=lora, rows=rows)
@@ -214,8 +228,8 @@ def lora_batch(lora, rows: jax.Array) -> LoraBatch | None:
 
 def prefill_meta(inp: PrefillInput) -> dict:
   """The attention callback's view of a prefill call (attend_fn)."""
-  return dict(kv_index=inp.kv_index, block_tables=inp.block_tables, cu_q_lens=inp.cu_q_lens,
-              kv_lens=inp.kv_lens, blocks=inp.blocks)
+  return with_window(dict(kv_index=inp.kv_index, block_tables=inp.block_tables,
+                          cu_q_lens=inp.cu_q_lens, kv_lens=inp.kv_lens, blocks=inp.blocks), inp)
 
 
 def prefill_step(params, lora, state: DeviceState, inp: PrefillInput, *, cfg: ModelConfig,
@@ -246,8 +260,8 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
   Input tokens come from `state.last_tokens` (sampled by the previous step).
   """
   tokens = state.last_tokens[inp.decode_slots]
-  meta = dict(kv_index=inp.kv_index, block_tables=inp.block_tables,
-              seq_lens=inp.seq_lens)
+  meta = with_window(dict(kv_index=inp.kv_index, block_tables=inp.block_tables,
+                          seq_lens=inp.seq_lens), inp)
   hidden, kv = model_forward(params, lora, state.kv, tokens, inp.positions, inp.lora_slots,
                              meta, "decode", cfg=cfg, backend=backend, act_dtype=act_dtype,
                              block_tokens=block_tokens)
@@ -255,7 +269,8 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
 
 
 def multi_decode_step(params, lora, state: DeviceState, inp: DecodeInput,
-                      later_kv_index: jax.Array, allowed: jax.Array, *, cfg: ModelConfig,
+                      later_kv_index: jax.Array, allowed: jax.Array,
+                      later_window_index: jax.Array | None = None, *, cfg: ModelConfig,
                       backend: str, act_dtype, block_tokens: int
                       ) -> tuple[DeviceState, sampling.SampleOutput]:
   """k = later_kv_index.shape[1] + 1 decode + sample iterations in one call
@@ -266,7 +281,8 @@ def multi_decode_step(params, lora, state: DeviceState, inp: DecodeInput,
   first at `inp.kv_index`); the block tables already hold the pages of all k
   positions. Padding rows stay at length 0 and write to page 0. Sampling
   draws output index `step + i`, as k single steps would. `allowed`: the
-  all-ones mask (multi-step rows have no output constraint).
+  all-ones mask (multi-step rows have no output constraint). `later_window_index`
+  [B, k-1]: the same positions in a hybrid model's sliding-window group.
   """
   kw = dict(cfg=cfg, backend=backend, act_dtype=act_dtype, block_tokens=block_tokens)
   real = inp.seq_lens > 0
@@ -274,6 +290,8 @@ def multi_decode_step(params, lora, state: DeviceState, inp: DecodeInput,
   for i in range(later_kv_index.shape[1] + 1):  # unrolled: k is small and static
     step = inp if i == 0 else dataclasses.replace(
         inp, positions=inp.positions + i, kv_index=later_kv_index[:, i - 1],
+        window_kv_index=(None if later_window_index is None
+                         else later_window_index[:, i - 1]),
         seq_lens=jnp.where(real, inp.seq_lens + i, 0),
         sampling=dataclasses.replace(inp.sampling, step=inp.sampling.step + i))
     state, logits = decode_step(params, lora, state, step, **kw)
@@ -301,6 +319,9 @@ def verify_step(params, lora, state: DeviceState, inp: VerifyInput, drafts: jax.
   used = real & (jnp.arange(s)[None, :] <= inp.num_drafts[:, None])
   meta = dict(kv_index=inp.kv_index.reshape(-1), block_tables=inp.block_tables,
               q_lens=jnp.where(used, positions + 1, 0))
+  if inp.window_kv_index is not None:
+    meta.update(window_kv_index=inp.window_kv_index.reshape(-1),
+                window_block_tables=inp.window_block_tables)
   hidden, kv = model_forward(params, lora, state.kv, tokens.reshape(-1), positions.reshape(-1),
                              jnp.repeat(inp.lora_slots, s), meta, "verify", cfg=cfg,
                              backend=backend, act_dtype=act_dtype, block_tokens=block_tokens)

@@ -195,6 +195,7 @@ class StepTimer:
   def __init__(self, runner):
     self.runner, self.totals, self.steps = runner, dict.fromkeys(self.PARTS, 0.0), 0
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+    self.window_group = runner.window_group
 
   def warm_up(self) -> int:
     return self.runner.warm_up()
@@ -209,7 +210,8 @@ class StepTimer:
     from serving.runner.inputs import StepInputs, build_step_inputs
 
     t0 = time.perf_counter()
-    inputs = build_step_inputs(plan, self.runner.engine_cfg)
+    inputs = build_step_inputs(plan, self.runner.engine_cfg,
+                               window=self.runner.window_group is not None)
     self.totals["inputs"] += time.perf_counter() - t0
     parts = [("prefill", StepInputs([p], [rid], None, [], constrained=inputs.constrained))
              for p, rid in zip(inputs.prefills, inputs.prefill_ids, strict=True)]

@@ -47,3 +47,20 @@ def test_prefix_caching_disabled():
   assert a.match_prefix([1, 2, 3]) == ([], [])
   a.release(p)
   assert a.num_free == 3
+
+
+def test_lookup_and_share_take_cached_pages_only():
+  """The window group's prefix lookup: `lookup` takes no reference, `share` takes one
+  (an evictable page leaves the LRU list), and a free page cannot be shared."""
+  a = PageAllocator(num_pages=4, page_size=2)
+  page, other = a.allocate(2)
+  h = page_hash(None, [1, 2])
+  a.commit(page, h)
+  a.release([page, other])
+  assert a.lookup(h) == page and a.refcount(page) == 0
+  a.share([page])
+  assert a.refcount(page) == 1 and a.num_free == 2  # no longer evictable
+  a.check()
+  with pytest.raises(RuntimeError, match="free"):
+    a.share([other])
+  assert PageAllocator(4, 2, enable_prefix_caching=False).lookup(h) is None

@@ -159,6 +159,7 @@ class _Recording:
   def __init__(self, runner, plans):
     self.runner, self.plans = runner, plans
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
+    self.window_group = runner.window_group
 
   def __getattr__(self, name):
     return getattr(self.runner, name)

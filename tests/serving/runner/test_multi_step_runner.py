@@ -36,9 +36,9 @@ def count_multi_steps(engine) -> list[int]:
   runner = engine.runner
   original = runner.run_multi_decode
 
-  def counted(inp, later):
+  def counted(inp, later, later_window=None):
     calls.append(later.shape[1] + 1)
-    return original(inp, later)
+    return original(inp, later, later_window)
 
   runner.run_multi_decode = counted
   return calls

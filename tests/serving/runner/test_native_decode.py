@@ -94,7 +94,7 @@ def _step(rows):
 
 
 def _op_by_op(layers, cfg, x, positions, meta, kv):
-  attend = steps.attend_fn("xla", cfg, kv.num_pages, "decode", meta, 128)
+  attend = steps.attend_fn("xla", cfg, "decode", meta, 128)
   return causal_lm.run_layers(layers, cfg, x, positions, kv, attend)
 
 
