@@ -4,7 +4,11 @@
 // out[b, t, n, :] = softmax(q[b, t, n, :] . K[b, :q_len]) . V[b, :q_len],
 // where K/V of row b are the pool entries its block table points at and
 // query t sees the row's first q_lens[b, t] keys (a sliding window keeps only
-// the last `window` of them). Decode is T = 1; a speculative step's
+// the last `window` of them; window <= 0: none). With per-head sink logits
+// (`sinks` [N], GPT-OSS; an empty operand: none) each head's softmax
+// denominator gets exp(sink - max) and the sink contributes no value. The window
+// and the sinks are operands, not attributes, so a layer stack scanned with
+// lax.scan can pass its layer's values traced. Decode is T = 1; a speculative step's
 // verification is T = drafts + 1. The XLA path (serving/runner/attention.py)
 // gathers each block of keys into a copy laid out for its dots; here each
 // key is read once, where it lies, and folded into a running (online)
@@ -31,14 +35,14 @@ using namespace xlaserve;  // NOLINT: AttendQuery and the pool kinds (attention.
 template <int kKind>
 void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
             const uint8_t* v_pages, const int32_t* tables, const int32_t* q_lens, float scale,
-            int64_t window, float soft_cap, float* out) {
+            int64_t window, float soft_cap, const float* sinks, float* out) {
   const int64_t max_keys = d.table_width * d.page_size;
   // One query row per work item, over the caller and XLA's intra-op threads.
   xlaserve::ParallelFor(pool, d.batch * d.queries, [=, &d](int64_t row) {
     const int64_t b = row / d.queries;
     const int64_t q_len = std::clamp<int64_t>(q_lens[row], 0, max_keys);
     AttendWithScratch<kKind>(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
-                             tables + b * d.table_width, q_len, scale, window, soft_cap,
+                             tables + b * d.table_width, q_len, scale, window, soft_cap, sinks,
                              out + row * d.heads * d.head_dim, 0, d.kv_heads);
   });
 }
@@ -46,8 +50,9 @@ void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uin
 ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables,
-                              ffi::Buffer<ffi::S32> q_lens, ffi::ResultBuffer<ffi::F32> out,
-                              float scale, int64_t window, float soft_cap, int64_t kind) {
+                              ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::F32> sinks,
+                              ffi::Buffer<ffi::S32> window_buf, ffi::ResultBuffer<ffi::F32> out,
+                              float scale, float soft_cap, int64_t kind) {
   auto qd = q.dimensions();
   auto kd = k_pages.dimensions();
   auto td = tables.dimensions();
@@ -71,10 +76,13 @@ ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
   const int64_t stored = kind == 2 ? d.head_dim + 4 : d.head_dim;
   if (k_pages.element_count() != v_pages.element_count() || row_len != stored ||
       d.head_dim % kLanes || d.heads % d.kv_heads || td[0] != d.batch || ld[0] != d.batch ||
-      ld[1] != d.queries) {
+      ld[1] != d.queries || (sinks.element_count() != 0 && sinks.element_count() != d.heads) ||
+      window_buf.element_count() != 1) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not match");
   }
   d.row_bytes = row_len * bytes;
+  const int64_t window = window_buf.typed_data()[0];
+  const float* sink = sinks.element_count() ? sinks.typed_data() : nullptr;
   const auto* k = reinterpret_cast<const uint8_t*>(k_pages.untyped_data());
   const auto* v = reinterpret_cast<const uint8_t*>(v_pages.untyped_data());
   // Page ids past the pool would read outside it: refuse the call instead.
@@ -87,20 +95,22 @@ ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
   }
   if (kind == 0) {
     Attend<0>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
-              out->typed_data());
+              sink, out->typed_data());
   } else if (kind == 1) {
     Attend<1>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
-              out->typed_data());
+              sink, out->typed_data());
   } else {
     Attend<2>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
-              out->typed_data());
+              sink, out->typed_data());
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, PagedAttentionImpl,
+// The symbol names the operand list: a library built before sinks and the window
+// operand lacks it, so `available()` is False there instead of a call failing.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinks, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -108,8 +118,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("kind"));

@@ -78,12 +78,15 @@ XLASERVE_TARGET inline __m512 Exp16(__m512 x) {
 // One (row b, query t): the query heads of KV heads [kh0, kh1), grouped by KV head.
 // `acc`, `qs`: G * H floats of scratch; `m`, `l`: G. Keys go in blocks of 16: their
 // scores, then one max, one vector exp and one rescale of the running sums per block.
+// `window` <= 0: no window. `sinks` (nullptr: none): [N] per-head sink logits (GPT-OSS),
+// which join each head's softmax denominator with no value: m starts at the sink and
+// l at exp(sink - sink) = 1.
 template <int kKind>
 XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k_pages,
                                  const uint8_t* v_pages, const int32_t* table, int64_t q_len,
-                                 float scale, int64_t window, float soft_cap, float* out,
-                                 float* acc, float* m, float* l, float* qs, int64_t kh0,
-                                 int64_t kh1) {
+                                 float scale, int64_t window, float soft_cap, const float* sinks,
+                                 float* out, float* acc, float* m, float* l, float* qs,
+                                 int64_t kh0, int64_t kh1) {
   const int64_t h_dim = d.head_dim, group = d.heads / d.kv_heads;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, q_len - window) : 0;
   const int64_t n_vec = h_dim / kLanes;
@@ -94,8 +97,8 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
     for (int64_t g = 0; g < group; ++g) {
       const float* qh = q + (kh * group + g) * h_dim;
       for (int64_t i = 0; i < h_dim; ++i) qs[g * h_dim + i] = qh[i] * scale;
-      m[g] = -INFINITY;
-      l[g] = 0.0f;
+      m[g] = sinks ? sinks[kh * group + g] : -INFINITY;
+      l[g] = sinks ? 1.0f : 0.0f;
       std::fill(acc + g * h_dim, acc + (g + 1) * h_dim, 0.0f);
     }
     for (int64_t s0 = lo; s0 < q_len; s0 += kLanes) {
@@ -155,15 +158,16 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
 template <int kKind>
 void AttendWithScratch(const Dims& d, const float* q, const uint8_t* k_pages,
                        const uint8_t* v_pages, const int32_t* table, int64_t q_len, float scale,
-                       int64_t window, float soft_cap, float* out, int64_t kh0, int64_t kh1) {
+                       int64_t window, float soft_cap, const float* sinks, float* out,
+                       int64_t kh0, int64_t kh1) {
   const int64_t group = d.heads / d.kv_heads;
   thread_local std::vector<float> acc, qs, m, l;
   acc.resize(group * d.head_dim);
   qs.resize(group * d.head_dim);
   m.resize(group);
   l.resize(group);
-  AttendQuery<kKind>(d, q, k_pages, v_pages, table, q_len, scale, window, soft_cap, out,
-                     acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
+  AttendQuery<kKind>(d, q, k_pages, v_pages, table, q_len, scale, window, soft_cap, sinks,
+                     out, acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
 }
 
 }  // namespace xlaserve

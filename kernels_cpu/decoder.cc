@@ -347,7 +347,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
       auto* attend = kind == 0 ? &AttendWithScratch<0> : &AttendWithScratch<1>;
       attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window, 0.0f,
-             attn.data() + b * qdim, kh, kh + 1);
+             nullptr, attn.data() + b * qdim, kh, kh + 1);
     });
     quantize(attn.data(), qdim, {&w[3]});
     Project(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);

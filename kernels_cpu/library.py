@@ -17,7 +17,9 @@ import os
 
 import jax
 
-# FFI target name -> the handler symbol the library exports.
+# FFI target name -> the handler symbol the library exports. A symbol is renamed when
+# its operands change, so a library built from older sources fails `available()`
+# (every caller takes the XLA path) instead of failing a call.
 TARGETS = {
     "xlaserve_int8_matvec_u8": "XlaserveMatvecU8",
     "xlaserve_int8_matvec_s8": "XlaserveMatvecS8",
@@ -29,7 +31,7 @@ TARGETS = {
     "xlaserve_q4_1_matvec_q16": "XlaserveMatvecQ4_1Q16",
     "xlaserve_q4_0_matvec_q16": "XlaserveMatvecQ4_0Q16",
     "xlaserve_int8_matvec_s8_q16": "XlaserveMatvecS8Q16",
-    "xlaserve_paged_attention": "XlaservePagedAttention",
+    "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
     "xlaserve_decode_layers": "XlaserveDecodeLayers",
 }
 

@@ -5,7 +5,11 @@ H]` float32; pages `[P, page_size, K, R]` as the KV pool stores them (float32,
 bfloat16 as uint16, or int8 rows of H codes and a float32 scale, R = H + 4);
 block_tables `[B, W]` int32 page ids into the pool; q_lens `[B, T]` int32:
 query t of row b attends to the row's first `q_lens[b, t]` keys (0: none, the
-output is zeros). Returns `[B, T, N, H]` float32.
+output is zeros). Returns `[B, T, N, H]` float32. Options: `sliding_window`
+(None, a Python int, or a traced int32 scalar, <= 0: none; an operand, so a
+scanned layer stack passes its layer's window), `soft_cap` (static), `sinks`
+(None, or `[N]` float32 per-head sink logits, GPT-OSS: each joins its head's
+softmax denominator and contributes no value).
 
 The kernel (attention.cc) reads each key and value once, in place in its
 page, with a running softmax per query head, so nothing is gathered or
@@ -51,12 +55,13 @@ def supports(q_shape: tuple[int, ...], pages: jax.Array, kv_dtype: str) -> bool:
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, q_lens: jax.Array, *, kv_dtype: str, scale: float,
-                    sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> jax.Array:
+                    sliding_window: int | jax.Array | None = None,
+                    soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
   """See the module doc; `kv_dtype` names the pool's logical dtype (a `KINDS` key)."""
   call = jax.ffi.ffi_call("xlaserve_paged_attention",
                           jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+  window = jnp.reshape(0 if sliding_window is None else sliding_window, (1,)).astype(jnp.int32)
   return call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
-              q_lens.astype(jnp.int32), scale=np.float32(scale),
-              window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-              kind=np.int64(KINDS[kv_dtype]))
+              q_lens.astype(jnp.int32), sinks, window, scale=np.float32(scale),
+              soft_cap=np.float32(soft_cap or 0.0), kind=np.int64(KINDS[kv_dtype]))

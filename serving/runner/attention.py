@@ -17,6 +17,14 @@
 - `pallas_interpret`: the same kernels in Pallas interpret mode (CPU tests).
 - `auto`: `pallas` on TPU/GPU, `xla` on CPU.
 
+Every entry point takes `sliding_window` (None; a Python int w: keys at
+positions > q_pos - w only; or a traced int32 scalar, as when the layers are a
+`lax.scan` and each has its own window, where a value <= 0 means no window),
+`soft_cap` (None, or c: scores become c * tanh(s / c)) and `sinks` (None, or
+[N] float32 per-head sink logits, GPT-OSS: the logit joins each row's softmax
+denominator and contributes no value; the online softmax starts from m = sink,
+l = 1). Soft capping applies to the q.k scores only, never to the sink.
+
 Block tables hold per-layer page ids; both entry points add `layer * P`
 (see kv_cache.py). Letters: B batch, T query tokens, S key tokens,
 N query heads, K kv heads, G = N/K, H head dim, W block-table width.
@@ -29,6 +37,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels_cpu
 from serving.runner.kv_cache import QUANTIZED_DTYPES, KVCache, from_storage
@@ -69,6 +78,37 @@ def _softcap(s: jax.Array, soft_cap: float | None) -> jax.Array:
   return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
+def _static_window(sliding_window) -> bool:
+  """Whether a (not None) window is a Python int, not a traced scalar."""
+  return isinstance(sliding_window, (int, np.integer))
+
+
+def _in_window(key_pos, q_pos, sliding_window) -> jax.Array:
+  """Keys at `key_pos` inside the window of queries at `q_pos` (broadcasting); a traced
+  window <= 0 means none."""
+  inside = key_pos > q_pos - sliding_window
+  return inside if _static_window(sliding_window) else inside | (sliding_window <= 0)
+
+
+def _first_block(lens: jax.Array, sliding_window, span: int):
+  """The first block of `span` keys any query needs: 0, or with a window the block of the
+  oldest key the row with the fewest keys (`lens`, 0: a query with none) still sees."""
+  if sliding_window is None:
+    return 0
+  shortest = jnp.min(jnp.where(lens > 0, lens, jnp.iinfo(jnp.int32).max))
+  first = jnp.maximum(shortest - sliding_window, 0) // span
+  return first if _static_window(sliding_window) else jnp.where(sliding_window > 0, first, 0)
+
+
+def _softmax_init(shape: tuple[int, ...], sink: jax.Array | None):
+  """(m, l) that start an online softmax over rows `shape`: (-inf, 0), or with the rows'
+  sink logits (`sink`, broadcastable to `shape`) m = sink and l = exp(sink - sink) = 1:
+  the sink joins the denominator as a key with no value."""
+  if sink is None:
+    return jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32)
+  return jnp.broadcast_to(sink.astype(jnp.float32), shape), jnp.ones(shape, jnp.float32)
+
+
 def _online_softmax_update(carry, s, v, valid):
   """One key block of flash-style attention.
 
@@ -94,29 +134,30 @@ def _block_pages(width: int, page_size: int, block_tokens: int) -> int:
 
 
 def xla_decode_attention(q, kv: KVCache, block_tables, seq_lens, *, scale: float,
-                         sliding_window: int | None = None, soft_cap: float | None = None,
-                         block_tokens: int = 128):
+                         sliding_window=None, soft_cap: float | None = None,
+                         sinks: jax.Array | None = None, block_tokens: int = 128):
   """q [B, N, H]; block_tables [B, W] (layer-offset); seq_lens [B] -> [B, N, H].
 
   One query per row: `xla_multi_query_attention` with T = 1.
   """
   out, kv = xla_multi_query_attention(q[:, None], kv, block_tables, seq_lens[:, None],
                                       scale=scale, sliding_window=sliding_window,
-                                      soft_cap=soft_cap, block_tokens=block_tokens)
+                                      soft_cap=soft_cap, sinks=sinks, block_tokens=block_tokens)
   return out[:, 0], kv
 
 
 def xla_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: float,
-                              sliding_window: int | None = None,
-                              soft_cap: float | None = None, block_tokens: int = 128):
+                              sliding_window=None, soft_cap: float | None = None,
+                              sinks: jax.Array | None = None, block_tokens: int = 128):
   """q [B, T, N, H]; block_tables [B, W] (layer-offset); q_lens [B, T] -> [B, T, N, H].
 
   Query t of row b attends to the row's first `q_lens[b, t]` keys (0: none; its
-  output is then to be ignored): a decode step is T = 1, a speculative step's
-  verification T = drafts + 1 with q_lens = positions + 1 (causal). Each key
+  output is then zeros, or to be ignored): a decode step is T = 1, a speculative
+  step's verification T = drafts + 1 with q_lens = positions + 1 (causal). Each key
   block is gathered once per row for all its queries. A while loop over blocks
-  of `block_tokens` keys runs only up to the longest row in the batch, so the
-  cost follows the context in use, not W.
+  of `block_tokens` keys runs only up to the longest row in the batch (and, with a
+  window, from the block the shortest row's window starts in), so the cost follows
+  the context in use, not W. `sliding_window`, `soft_cap`, `sinks`: module doc.
   """
   b, t, n, h = q.shape
   ps, nk = kv.k.shape[1], kv.k.shape[2]
@@ -135,17 +176,18 @@ def xla_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: fl
     pos = i * bp * ps + jnp.arange(bp * ps)[None, None, :]  # [1, 1, S]
     valid = pos < q_lens[:, :, None]  # [B, T, S]
     if sliding_window is not None:
-      valid &= pos > q_lens[:, :, None] - 1 - sliding_window
+      valid &= _in_window(pos, q_lens[:, :, None] - 1, sliding_window)
     # Zero values of keys no query sees: pages past a sequence may hold anything (NaN).
     v = jnp.where(jnp.any(valid, axis=1)[:, :, None, None], v, 0)
     vk = jnp.swapaxes(v, 1, 2)[:, :, None]  # [B, K, 1, S, H]
     return kc, vc, *_online_softmax_update(carry, s, vk, valid[:, None, None])
 
+  sink = None if sinks is None else sinks.reshape(1, nk, n // nk, 1)
+  m, l = _softmax_init((b, nk, n // nk, t), sink)
   # The cache rides in the loop carry so XLA updates it in place afterwards.
-  init = (kv.k, kv.v, jnp.full((b, nk, n // nk, t), _NEG, jnp.float32),
-          jnp.zeros((b, nk, n // nk, t), jnp.float32),
-          jnp.zeros((b, nk, n // nk, t, h), jnp.float32))
-  kc, vc, _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  init = (kv.k, kv.v, m, l, jnp.zeros((b, nk, n // nk, t, h), jnp.float32))
+  first = _first_block(q_lens, sliding_window, bp * ps)
+  kc, vc, _, l, acc = jax.lax.fori_loop(first, n_blocks, body, init)
   out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, H]
   # [B, K, G, T, H] -> [B, T, N, H]
   out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
@@ -153,7 +195,7 @@ def xla_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: fl
 
 
 def _attend_table(q, lens, table, kc, vc, kv: KVCache, *, scale: float, block_pages: int,
-                  sliding_window: int | None, soft_cap: float | None):
+                  sliding_window, soft_cap: float | None, sinks: jax.Array | None):
   """Queries of one sequence over its pages (flash-style): q [Q, N, H]; lens [Q] keys
   each query sees (its position + 1; 0: none); table [W] (layer-offset). Loops over
   key blocks up to max(lens) -> (kc, vc, out [Q, N, H] float32). The pools ride in
@@ -175,20 +217,23 @@ def _attend_table(q, lens, table, kc, vc, kv: KVCache, *, scale: float, block_pa
     pos = i * span + jnp.arange(span)  # [S]
     valid = pos[None, :] < lens[:, None]  # [G*Q, S]
     if sliding_window is not None:
-      valid &= pos[None, :] > lens[:, None] - 1 - sliding_window
+      valid &= _in_window(pos[None, :], lens[:, None] - 1, sliding_window)
     v = jnp.where(jnp.any(valid, axis=0)[None, :, None], v, 0)  # unseen keys may be NaN
     return kc, vc, *_online_softmax_update(carry, s, v, valid[None])
 
-  init = (kc, vc, jnp.full((nk, g * nq), _NEG, jnp.float32),
-          jnp.zeros((nk, g * nq), jnp.float32), jnp.zeros((nk, g * nq, h), jnp.float32))
-  kc, vc, _, l, acc = jax.lax.fori_loop(0, (jnp.max(lens) + span - 1) // span, body, init)
+  # sinks [N] -> [K, G, 1] -> [K, G*Q] in the rows' (G, Q) order
+  sink = None if sinks is None else jnp.repeat(sinks.reshape(nk, g), nq, axis=1)
+  m, l = _softmax_init((nk, g * nq), sink)
+  init = (kc, vc, m, l, jnp.zeros((nk, g * nq, h), jnp.float32))
+  first = _first_block(lens, sliding_window, span)
+  kc, vc, _, l, acc = jax.lax.fori_loop(first, (jnp.max(lens) + span - 1) // span, body, init)
   out = acc / jnp.maximum(l, 1e-30)[..., None]  # [K, G*Q, H] -> [Q, N, H]
   return kc, vc, jnp.transpose(out.reshape(nk, g, nq, h), (2, 0, 1, 3)).reshape(nq, n, h)
 
 
 def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale: float,
-                          sliding_window: int | None = None, soft_cap: float | None = None,
-                          block_tokens: int = 128):
+                          sliding_window=None, soft_cap: float | None = None,
+                          sinks: jax.Array | None = None, block_tokens: int = 128):
   """One sequence's chunk, causal over its pages (flash-style, XLA).
 
   q [T, N, H], row i at position q_start + i; block_table [W] (layer-offset);
@@ -198,7 +243,8 @@ def xla_prefill_attention(q, kv: KVCache, block_table, q_start, kv_len, *, scale
   lens = jnp.minimum(q_start + jnp.arange(q.shape[0]) + 1, kv_len)
   bp = _block_pages(block_table.shape[0], kv.k.shape[1], block_tokens)
   kc, vc, out = _attend_table(q, lens, block_table, kv.k, kv.v, kv, scale=scale,
-                              block_pages=bp, sliding_window=sliding_window, soft_cap=soft_cap)
+                              block_pages=bp, sliding_window=sliding_window, soft_cap=soft_cap,
+                              sinks=sinks)
   return out.astype(q.dtype), dataclasses.replace(kv, k=kc, v=vc)
 
 
@@ -223,8 +269,9 @@ class QueryBlocks:
 
 
 def xla_block_prefill_attention(q, kv: KVCache, block_tables, blocks: QueryBlocks, *,
-                                scale: float, sliding_window: int | None = None,
-                                soft_cap: float | None = None, block_tokens: int = 128):
+                                scale: float, sliding_window=None,
+                                soft_cap: float | None = None, sinks: jax.Array | None = None,
+                                block_tokens: int = 128):
   """Causal attention of several prefill chunks in one call (flash-style, XLA).
 
   q [T, N, H] packed rows; block_tables [C, W] (layer-offset), one per chunk;
@@ -242,7 +289,7 @@ def xla_block_prefill_attention(q, kv: KVCache, block_tables, blocks: QueryBlock
     kc, vc, out = carry
     kc, vc, o = _attend_table(q_blocks[j], blocks.q_lens[j], block_tables[blocks.chunk[j]],
                               kc, vc, kv, scale=scale, block_pages=bp,
-                              sliding_window=sliding_window, soft_cap=soft_cap)
+                              sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     return kc, vc, jax.lax.dynamic_update_index_in_dim(out, o.astype(out.dtype), j, 0)
 
   out = jnp.zeros((nb, qlen, n, h), q.dtype)
@@ -251,7 +298,8 @@ def xla_block_prefill_attention(q, kv: KVCache, block_tables, blocks: QueryBlock
 
 
 def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, scale: float,
-                         sliding_window: int | None = None, soft_cap: float | None = None):
+                         sliding_window=None, soft_cap: float | None = None,
+                         sinks: jax.Array | None = None):
   """Causal attention of B sequences' new queries over their pages.
 
   q [T, N, H] (sequence b owns rows cu_q_lens[b]:cu_q_lens[b+1]); block_tables
@@ -277,16 +325,23 @@ def xla_ragged_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *, sc
       key_pos[None, None, :] <= q_pos[:, None, None]) & (
           key_pos[None, None, :] < kv_lens[None, :, None])
   if sliding_window is not None:
-    valid &= key_pos[None, None, :] > q_pos[:, None, None] - sliding_window
+    valid &= _in_window(key_pos[None, None, :], q_pos[:, None, None], sliding_window)
   qg = q.reshape(t, nk, n // nk, h)  # [T, K, G, H]
   s = jnp.einsum("tkgh,sjkh->tkgsj", qg.astype(k.dtype), k,
                  preferred_element_type=jnp.float32) * scale
   s = _softcap(s, soft_cap)
   vmask = valid[:, None, None, :, :]  # [T, 1, 1, S, Skv]
   s = jnp.where(vmask, s, _NEG)
-  p = jax.nn.softmax(s.reshape(t, nk, n // nk, -1), axis=-1).reshape(s.shape)
-  p = jnp.where(vmask, p, 0.0)
+  m = jnp.max(s, axis=(3, 4))  # [T, K, G]
+  sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, nk, n // nk)
+  if sink is not None:
+    m = jnp.maximum(m, sink)
+  p = jnp.where(vmask, jnp.exp(s - m[..., None, None]), 0.0)
+  denom = jnp.sum(p, axis=(3, 4))
+  if sink is not None:
+    denom += jnp.exp(sink - m)
   out = jnp.einsum("tkgsj,sjkh->tkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out = out / jnp.maximum(denom, 1e-30)[..., None]
   return out.reshape(t, n, h).astype(q.dtype)
 
 
@@ -307,8 +362,8 @@ def native_supported(q_shape: tuple[int, ...], kv: KVCache, prefill: bool = Fals
 
 
 def native_prefill_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *,
-                             scale: float, sliding_window: int | None = None,
-                             soft_cap: float | None = None):
+                             scale: float, sliding_window=None, soft_cap: float | None = None,
+                             sinks: jax.Array | None = None):
   """`ragged_attention`'s contract through the native kernel -> (out [T, N, H], kv).
 
   Each packed row is one query over its own sequence's table: row i of chunk c
@@ -327,23 +382,25 @@ def native_prefill_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *
   keys = jnp.where(rows < cu_q_lens[-1], keys, 0)
   out, kv = native_multi_query_attention(q[:, None], kv, block_tables[chunk], keys[:, None],
                                          scale=scale, sliding_window=sliding_window,
-                                         soft_cap=soft_cap)
+                                         soft_cap=soft_cap, sinks=sinks)
   return out[:, 0], kv
 
 
 def native_multi_query_attention(q, kv: KVCache, block_tables, q_lens, *, scale: float,
-                                 sliding_window: int | None = None,
-                                 soft_cap: float | None = None):
+                                 sliding_window=None, soft_cap: float | None = None,
+                                 sinks: jax.Array | None = None):
   """`xla_multi_query_attention`'s contract through the native kernel -> (out, kv)."""
   out = kernels_cpu.paged_attention.paged_attention(
       q, kv.k, kv.v, block_tables, q_lens, kv_dtype=kv.dtype, scale=scale,
-      sliding_window=sliding_window, soft_cap=soft_cap)
+      sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
   return out.astype(q.dtype), kv
 
 
 def decode_attention(backend: str, q, kv: KVCache, block_tables, seq_lens, *,
                      block_tokens: int = 128, **kw):
-  """Dispatches decode attention to the resolved backend; returns (out, kv)."""
+  """Dispatches decode attention to the resolved backend; returns (out, kv).
+
+  `kw`: scale, and optionally sliding_window, soft_cap, sinks (module doc)."""
   if backend == "xla" and native_supported((q.shape[0], 1, *q.shape[1:]), kv):
     out, kv = native_multi_query_attention(q[:, None], kv, block_tables, seq_lens[:, None], **kw)
     return out[:, 0], kv

@@ -3,8 +3,9 @@
 The reference gathers each row's keys from its block table and runs a plain
 masked softmax; the kernel must match it for every pool kind it reads
 (float32, bfloat16 as uint16, int8 rows with a scale), one and several
-queries per row, rows that see no key, a sliding window and a soft cap, and
-block tables whose unused entries point anywhere in the pool. The serving
+queries per row, rows that see no key, a sliding window (static or traced)
+and a soft cap, per-head attention sinks, and block tables whose unused
+entries point anywhere in the pool. The serving
 dispatch (`serving.runner.attention`) must route decode and verification
 through it and agree with its own XLA loop.
 """
@@ -39,8 +40,10 @@ def _pool(kind: str, seed: int) -> tuple[jax.Array, jax.Array]:
   return store(k), store(v)
 
 
-def _reference(q, k_pages, v_pages, tables, q_lens, kind, scale, window=None, soft_cap=None):
-  """Dense: gather [B, W*ps, K, H], mask, softmax; float32 throughout."""
+def _reference(q, k_pages, v_pages, tables, q_lens, kind, scale, window=None, soft_cap=None,
+               sinks=None):
+  """Dense: gather [B, W*ps, K, H], mask, softmax (with each head's sink logit as one more
+  column, whose probability is then dropped); float32 throughout."""
   kv = KVCache(k=k_pages, v=v_pages, num_pages=PAGES, dtype=kind)
   k = from_storage(k_pages[tables], kv).astype(jnp.float32).reshape(tables.shape[0], -1, K, H)
   v = from_storage(v_pages[tables], kv).astype(jnp.float32).reshape(tables.shape[0], -1, K, H)
@@ -54,7 +57,12 @@ def _reference(q, k_pages, v_pages, tables, q_lens, kind, scale, window=None, so
   if window:
     valid &= pos[None, None, :] >= q_lens[:, :, None] - window
   valid = valid[:, :, None, None, :]
-  p = jax.nn.softmax(jnp.where(valid, s, -1e30), axis=-1)
+  s = jnp.where(valid, s, -1e30)
+  if sinks is not None:  # [N] -> [B, T, K, G, 1], one more column
+    sink = jnp.broadcast_to(sinks.reshape(K, n // K, 1), (*s.shape[:-1], 1))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+  else:
+    p = jax.nn.softmax(s, axis=-1)
   p = jnp.where(valid, p, 0.0)
   out = jnp.einsum("btkgs,bskh->btkgh", p, v, precision="highest")
   return out.reshape(b, t, n, H)
@@ -93,6 +101,41 @@ def test_window_and_soft_cap(window, soft_cap):
                                scale=0.3, sliding_window=window, soft_cap=soft_cap)
   want = _reference(q, k_pages, v_pages, tables, q_lens, "float32", 0.3, window, soft_cap)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (7, 2.0)])
+def test_sinks(kind, window, soft_cap):
+  """GPT-OSS sinks: one more logit per head in the softmax, no value; a row with no
+  key gives zeros."""
+  k_pages, v_pages = _pool(kind, seed=9)
+  q, tables, q_lens = _case(3, 2, seed=10)
+  sinks = jnp.asarray(np.random.default_rng(11).normal(0, 2, N).astype(np.float32))
+  got = native.paged_attention(q, k_pages, v_pages, tables, q_lens, kv_dtype=kind, scale=0.3,
+                               sliding_window=window, soft_cap=soft_cap, sinks=sinks)
+  want = _reference(q, k_pages, v_pages, tables, q_lens, kind, 0.3, window, soft_cap, sinks)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+  assert not np.asarray(got)[0, 0].any()
+  plain = _reference(q, k_pages, v_pages, tables, q_lens, kind, 0.3, window, soft_cap)
+  assert not np.allclose(np.asarray(got)[1:], np.asarray(plain)[1:], atol=1e-3)
+
+
+@needs_native
+def test_traced_window_per_layer():
+  """A scanned layer stack passes its layer's window traced: 0 means no window."""
+  k_pages, v_pages = _pool("float32", seed=12)
+  q, tables, q_lens = _case(4, 2, seed=13)
+  windows = jnp.asarray([5, 0, 9], jnp.int32)
+
+  def step(_, w):
+    return None, native.paged_attention(q, k_pages, v_pages, tables, q_lens,
+                                        kv_dtype="float32", scale=0.3, sliding_window=w)
+
+  _, got = jax.jit(lambda w: jax.lax.scan(step, None, w))(windows)
+  for i, w in enumerate([5, None, 9]):
+    want = _reference(q, k_pages, v_pages, tables, q_lens, "float32", 0.3, w)
+    np.testing.assert_allclose(np.asarray(got[i]), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 @needs_native
