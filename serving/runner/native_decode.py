@@ -77,7 +77,7 @@ def run_layers(layers: list, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
   h, k, v = decoder.decode_layers(
       x, positions, meta["kv_index"], meta["block_tables"], meta["seq_lens"],
       jnp.asarray(model_layers.rope_inv_freq(cfg)), norms, kv.k, kv.v, weights, formats,
-      num_heads=cfg.num_heads, num_pages=kv.num_pages, window=cfg.sliding_window or 0,
+      num_heads=cfg.num_heads, num_pages=kv.num_pages, window=cfg.layer_windows[0] or 0,
       page_kind=decoder.PAGE_KINDS[kv.dtype], eps=cfg.rms_norm_eps,
       scale=cfg.head_dim ** -0.5)
   return h.astype(x.dtype), KVCache(k=k, v=v, num_pages=kv.num_pages, dtype=kv.dtype)

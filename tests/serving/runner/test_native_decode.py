@@ -135,8 +135,12 @@ def test_matches_op_by_op(kv_dtype, activation_bits, rows):
 
 
 @needs_native
-def test_sliding_window_matches():
-  cfg = dataclasses.replace(CFG, sliding_window=5)
+@pytest.mark.parametrize("layer_types", [(), ("sliding_attention",) * 3,
+                                         ("full_attention",) * 3])
+def test_sliding_window_matches(layer_types):
+  """One window for every layer (`sliding_window`, or per-layer types all alike; all
+  full-attention layers ignore `sliding_window`)."""
+  cfg = dataclasses.replace(CFG, sliding_window=5, layer_types=layer_types)
   layers = _layers(cfg)
   positions, meta = _step([ROWS[2], ROWS[0]])
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 128)), jnp.float32)
@@ -184,6 +188,14 @@ def test_chosen_only_where_it_fits(monkeypatch):
                                        None)
   assert not native_decode.runs_native(layers, dataclasses.replace(CFG, qk_norm=True), kv, x,
                                        None)
+  for change in (dict(attention_sinks=True), dict(attn_soft_cap=50.0), dict(attn_scale=0.1),
+                 dict(family="gemma3"),
+                 dict(sliding_window=4, layer_types=("sliding_attention", "full_attention",
+                                                     "sliding_attention"))):
+    assert not native_decode.runs_native(layers, dataclasses.replace(CFG, **change), kv, x,
+                                         None), change
+  one_window = dataclasses.replace(CFG, sliding_window=4, layer_types=("sliding_attention",) * 3)
+  assert native_decode.runs_native(layers, one_window, kv, x, None)
   assert not native_decode.runs_native(layers, CFG, kv, x.astype(jnp.bfloat16), None)
   float_wq = [{**lp, "wq": jnp.zeros((128, 128))} for lp in layers]
   assert not native_decode.runs_native(float_wq, CFG, kv, x, None)
