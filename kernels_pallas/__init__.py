@@ -14,6 +14,12 @@ float32 scale (4 bytes), dequantized per block inside the kernels. Query head
 ``n`` uses kv head ``n // G`` with ``G = N // K``. ``impl``: ``"ref"`` (pure
 jnp, any platform), ``"tpu"`` (Pallas Mosaic TPU), ``"gpu"`` (Pallas Triton).
 ``interpret=True`` runs a kernel through the Pallas interpreter (CPU tests).
+
+Per-layer options: ``sliding_window`` is None, a Python int (static) or an
+int32 scalar array (traced, e.g. a layer's entry of a per-layer window array
+inside ``lax.scan``; ``<= 0`` means no window), passed to the kernels as a
+``[1]`` operand; ``sinks`` is None or ``[N]`` float32 per-head sink logits
+(GPT-OSS: each joins its head's softmax denominator, with no value).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from kernels_pallas.paged_attention import (
+  common,
   decode_gpu,
   decode_tpu,
   ragged_gpu,
@@ -57,10 +65,10 @@ def _check_platform(impl: str, interpret: bool) -> None:
                      "use impl='ref' or interpret=True")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
-                           sliding_window=None, soft_cap=None, impl="ref", interpret=False,
-                           block_sizes: BlockSizes | None = None, kv_quant: str | None = None):
+                           sliding_window=None, soft_cap=None, sinks=None, impl="ref",
+                           interpret=False, block_sizes: BlockSizes | None = None,
+                           kv_quant: str | None = None):
   """Decode attention: one new query token per sequence over its KV pages.
 
   Args:
@@ -76,8 +84,11 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
     seq_lens: [B] int32 number of valid keys (including the query's own);
       0 marks a padding row, whose output is zeros.
     scale: logit scale (usually ``H ** -0.5``), static.
-    sliding_window: None, or w: keys at positions ``> q_pos - w`` only.
+    sliding_window: None, or w: keys at positions ``> q_pos - w`` only. A
+      Python int is static; an int32 scalar array is traced (``<= 0``: none).
     soft_cap: None, or c: logits become ``c * tanh(logits / c)``.
+    sinks: None, or [N] float32 per-head sink logits: one more softmax term
+      per head, with no value (GPT-OSS).
     impl: "ref" | "tpu" | "gpu".
     interpret: run the Pallas kernel in interpret mode (ignored for "ref").
     block_sizes: override the tuned ``BlockSizes`` (kernels only).
@@ -86,20 +97,21 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   Returns:
     [B, N, H] in q's dtype (softmax and accumulation in float32).
   """
+  static_window, window = common.split_window(sliding_window)
   validation.check_decode(q, k_pages, v_pages, block_tables, seq_lens, kv_quant)
-  validation.check_options(scale, sliding_window, soft_cap, impl)
+  validation.check_options(scale, static_window, soft_cap, impl, window)
+  validation.check_sinks(sinks, q.shape[1])
   _check_platform(impl, interpret)
-  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
-  if impl == "ref":
-    return ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, **kwargs)
-  return _DECODE[impl](q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
-                       interpret=interpret, block_sizes=block_sizes)
+  return _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, _window_operand(window),
+                       sinks, scale=scale, sliding_window=static_window, soft_cap=soft_cap,
+                       impl=impl, interpret=interpret, block_sizes=block_sizes,
+                       kv_quant=kv_quant)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
-                           sliding_window=None, soft_cap=None, impl="ref", interpret=False,
-                           block_sizes: BlockSizes | None = None, kv_quant: str | None = None):
+                           sliding_window=None, soft_cap=None, sinks=None, impl="ref",
+                           interpret=False, block_sizes: BlockSizes | None = None,
+                           kv_quant: str | None = None):
   """Causal attention for a ragged batch of query tokens over paged KV.
 
   Args:
@@ -115,18 +127,55 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
       non-decreasing.
     kv_lens: [S] int32 total keys of each sequence including its new queries;
       query i of sequence s sits at position ``kv_lens[s] - q_len_s + i``.
-    scale, sliding_window, soft_cap, impl, interpret, block_sizes, kv_quant: as in
-      ``paged_decode_attention`` (``block_sizes.q_block`` sets the query tile).
+    scale, sliding_window, soft_cap, sinks, impl, interpret, block_sizes, kv_quant: as
+      in ``paged_decode_attention`` (``block_sizes.q_block`` sets the query tile).
 
   Returns:
     [T, N, H] in q's dtype.
   """
+  static_window, window = common.split_window(sliding_window)
   validation.check_ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, kv_quant)
-  validation.check_options(scale, sliding_window, soft_cap, impl)
+  validation.check_options(scale, static_window, soft_cap, impl, window)
+  validation.check_sinks(sinks, q.shape[1])
   _check_platform(impl, interpret)
-  kwargs = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
+  return _ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, _window_operand(window),
+                 sinks, scale=scale, sliding_window=static_window, soft_cap=soft_cap, impl=impl,
+                 interpret=interpret, block_sizes=block_sizes, kv_quant=kv_quant)
+
+
+def _window_operand(window):
+  """A traced window as the kernels' ``[1]`` int32 operand (None stays None)."""
+  return None if window is None else jnp.reshape(window, (1,)).astype(jnp.int32)
+
+
+def _kernel_options(sinks, **kwargs) -> dict:
+  """Keyword options of one kernel or reference call (sinks in float32)."""
+  return dict(kwargs, sinks=None if sinks is None else sinks.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _paged_decode(q, k_pages, v_pages, block_tables, seq_lens, window, sinks, *, scale,
+                  sliding_window, soft_cap, impl, interpret, block_sizes, kv_quant):
+  """`paged_decode_attention` after validation, jitted (`window`: None or int32 [1])."""
+  kwargs = _kernel_options(sinks, scale=scale, soft_cap=soft_cap, kv_quant=kv_quant)
   if impl == "ref":
-    return ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens,
-                                      **kwargs)
+    return ref_paged_decode_attention(
+      q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
+      sliding_window=sliding_window if window is None else window[0])
+  return _DECODE[impl](q, k_pages, v_pages, block_tables, seq_lens, **kwargs,
+                       sliding_window=sliding_window, window=window, interpret=interpret,
+                       block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _ragged(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, window, sinks, *, scale,
+            sliding_window, soft_cap, impl, interpret, block_sizes, kv_quant):
+  """`ragged_paged_attention` after validation, jitted (`window`: None or int32 [1])."""
+  kwargs = _kernel_options(sinks, scale=scale, soft_cap=soft_cap, kv_quant=kv_quant)
+  if impl == "ref":
+    return ref_ragged_paged_attention(
+      q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, **kwargs,
+      sliding_window=sliding_window if window is None else window[0])
   return _RAGGED[impl](q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, **kwargs,
-                       interpret=interpret, block_sizes=block_sizes)
+                       sliding_window=sliding_window, window=window, interpret=interpret,
+                       block_sizes=block_sizes)

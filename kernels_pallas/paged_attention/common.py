@@ -2,7 +2,17 @@
 
 The visible key range of a query row set is ``[first_key, last_key]`` where
 ``last_key`` is the newest query position and ``first_key`` is 0 or, with a
-sliding window ``w``, ``oldest query position - w + 1``. Kernels only visit page
+sliding window ``w``, ``oldest query position - w + 1``. A window is static
+(a Python int >= 1, or None) or traced: an int32 scalar the kernels receive as
+a ``[1]`` operand (scalar prefetch on TPU, a small input on GPU), so a layer
+stack scanned with ``lax.scan`` can give each layer its own; a traced window
+``<= 0`` means none (full attention).
+
+Attention sinks (GPT-OSS): per-head sink logits join each query row's softmax
+denominator and contribute no value, so the online softmax starts from
+``m = sink``, ``l = exp(sink - sink) = 1`` instead of ``m = NEG``, ``l = 0``
+(``softmax_start``); a row that sees no key then gives zeros, as without
+sinks. The soft cap applies to the q.k logits only, never to the sink. Kernels only visit page
 blocks that intersect it and clamp every block-table read to the sequence's
 own pages, so entries past a sequence's last page are never touched.
 
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 # Finite "minus infinity": keeps exp(NEG - m) == 0 without inf - inf NaNs.
@@ -84,11 +95,31 @@ def load_rows(ref, lead: tuple, start: int, head_dim: int, kv_quant: str | None)
   return dequantize(rows, scale_bytes, kv_quant)
 
 
+def split_window(sliding_window):
+  """A caller's window -> (static int | None, traced array | None).
+
+  A Python (or numpy) int is static; anything else (a jax scalar, traced
+  inside a scanned layer stack) is the traced window, which the kernels take
+  as a ``[1]`` int32 operand.
+  """
+  if sliding_window is None or isinstance(sliding_window, (int, np.integer)):
+    return (None if sliding_window is None else int(sliding_window)), None
+  return None, jnp.asarray(sliding_window)
+
+
+def window_value(sliding_window, window_ref):
+  """The window a kernel applies: the static one, or the traced scalar in ``window_ref``."""
+  return sliding_window if window_ref is None else window_ref[0]
+
+
 def first_visible_key(oldest_q_pos, sliding_window):
   """Position of the oldest key any query in the set may see."""
   if sliding_window is None:
     return jnp.zeros_like(oldest_q_pos)
-  return jnp.maximum(oldest_q_pos - sliding_window + 1, 0)
+  first = jnp.maximum(oldest_q_pos - sliding_window + 1, 0)
+  if isinstance(sliding_window, int):
+    return first
+  return jnp.where(sliding_window > 0, first, 0)
 
 
 def div(x, divisor: int):
@@ -139,5 +170,16 @@ def key_mask(key_pos, q_pos, kv_len, sliding_window):
   """Broadcasting visibility of keys at ``key_pos`` to queries at ``q_pos``."""
   mask = (key_pos <= q_pos) & (key_pos < kv_len)
   if sliding_window is not None:
-    mask &= key_pos > q_pos - sliding_window
+    inside = key_pos > q_pos - sliding_window
+    if not isinstance(sliding_window, int):
+      inside |= sliding_window <= 0
+    mask &= inside
   return mask
+
+
+def softmax_start(shape, sinks):
+  """Initial (m, l) of an online softmax over rows ``shape``: (NEG, 0), or with the rows'
+  sink logits ``sinks`` (float32, broadcastable to ``shape``) (sink, 1)."""
+  if sinks is None:
+    return jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32)
+  return jnp.broadcast_to(sinks, shape).astype(jnp.float32), jnp.ones(shape, jnp.float32)

@@ -18,6 +18,11 @@ multiple of ``pages_per_block`` (itself a power of two), and ``page_size`` and
 of H codes + 4 scale bytes) are gathered as ``[ppb, page_size, H]`` codes plus
 four ``[ppb, page_size, 1]`` byte loads and dequantized in registers
 (``common.load_rows``), so every loaded tensor keeps a power-of-two size.
+
+A traced sliding window (``window``: int32 ``[1]``) is one more (whole) input;
+sinks (``[N]`` f32) a ``[K, Gp]`` input whose row seeds ``m`` (the sink) and
+``l`` (1) of the first split only, so the split epilogue counts each sink
+once. Neither adds an operand when absent.
 """
 
 from __future__ import annotations
@@ -39,17 +44,24 @@ def _decode_kernel(
   v_ref,  # [P, page_size, R]
   tables_ref,  # [Wp] int32, this sequence's block table
   lens_ref,  # [B] int32
-  # Outputs: o_ref [Gp, H]; with num_splits > 1 it holds the unnormalised f32
+  # Then window_ref [1] int32 (traced window only), sinks_ref [Gp] f32 (with sinks only);
+  # outputs: o_ref [Gp, H]; with num_splits > 1 it holds the unnormalised f32
   # accumulator and m_ref, l_ref [Gp] f32 the split's softmax statistics.
-  o_ref,
-  *stat_refs,
+  *refs,
   pages_per_block: int,
   num_splits: int,
   scale: float,
   sliding_window: int | None,
+  traced_window: bool,
+  has_sinks: bool,
   soft_cap: float | None,
   kv_quant: str | None,
 ):
+  refs = list(refs)
+  window_ref = refs.pop(0) if traced_window else None
+  sinks_ref = refs.pop(0) if has_sinks else None
+  o_ref, *stat_refs = refs
+  window = common.window_value(sliding_window, window_ref)
   b, split = pl.program_id(0), pl.program_id(2)
   group_pad, head_dim = q_ref.shape
   page_size = k_ref.shape[1]
@@ -57,8 +69,7 @@ def _decode_kernel(
   seq_len = lens_ref[b]
   q_pos = seq_len - 1
   last_page = common.last_page(seq_len, page_size, tables_ref.shape[0])
-  first_blk, last_blk = common.decode_block_range(seq_len, sliding_window,
-                                                  keys_per_block=block_k)
+  first_blk, last_blk = common.decode_block_range(seq_len, window, keys_per_block=block_k)
   stop = jnp.where(seq_len > 0, last_blk + 1, first_blk)
   # This split's share of the visible blocks [first_blk, stop).
   per_split = common.div(stop - first_blk + num_splits - 1, num_splits)
@@ -75,7 +86,7 @@ def _decode_kernel(
     v = common.load_rows(v_ref, (ids, slice(None)), 0, head_dim, kv_quant)
     k, v = k.reshape(block_k, head_dim), v.reshape(block_k, head_dim)
     key_pos = blk * block_k + jnp.arange(block_k)
-    mask = common.key_mask(key_pos, q_pos, seq_len, sliding_window)  # [block_k]
+    mask = common.key_mask(key_pos, q_pos, seq_len, window)  # [block_k]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = common.cap_logits(s * scale, soft_cap)  # [Gp, block_k]
     s = jnp.where(mask[None, :], s, common.NEG)
@@ -87,11 +98,13 @@ def _decode_kernel(
                              preferred_element_type=jnp.float32)
     return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc + pv
 
-  init = (
-    jnp.full((group_pad,), common.NEG, jnp.float32),
-    jnp.zeros((group_pad,), jnp.float32),
-    jnp.zeros((group_pad, head_dim), jnp.float32),
-  )
+  sinks = None
+  if sinks_ref is not None:  # the first split carries the sink; the others start empty
+    sinks = jnp.where(split == 0, sinks_ref[...], common.NEG)
+  m, l = common.softmax_start((group_pad,), sinks)
+  if sinks_ref is not None:
+    l = jnp.where(split == 0, l, 0.0)
+  init = (m, l, jnp.zeros((group_pad, head_dim), jnp.float32))
   m, l, acc = jax.lax.fori_loop(start, stop, body, init)
   if num_splits > 1:
     m_ref, l_ref = stat_refs
@@ -142,12 +155,15 @@ def check_pow2(name, value):
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None,
+                           window=None, sinks=None):
   """GPU paged decode attention; contract of ``kernels_pallas.paged_decode_attention``.
 
   q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (page_size
   and H powers of two; uint8 [..., H + 4] with ``kv_quant``); block_tables
-  [B, W] int32; seq_lens [B] int32 -> [B, N, H] in q's dtype.
+  [B, W] int32; seq_lens [B] int32; window None or int32 [1] (a traced window,
+  replacing the static ``sliding_window``); sinks None or [N] f32 -> [B, N, H]
+  in q's dtype.
   """
   batch, num_q_heads, head_dim = q.shape
   num_pages, page_size, num_kv_heads, row = k_pages.shape
@@ -171,26 +187,31 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
   q_spec = pl.BlockSpec((None, None, group_pad, head_dim), lambda b, h, s: (b, h, 0, 0))
   page_spec = pl.BlockSpec((num_pages, page_size, None, row),
                            lambda b, h, s: (0, 0, h, 0))
+  inputs = [q4, k_pages, v_pages, tables, seq_lens]
+  in_specs = [q_spec, page_spec, page_spec,
+              pl.BlockSpec((None, padded_width), lambda b, h, s: (b, 0)),
+              pl.BlockSpec((batch,), lambda b, h, s: (0,))]
+  if window is not None:
+    inputs.append(window)
+    in_specs.append(pl.BlockSpec((1,), lambda b, h, s: (0,)))
+  if sinks is not None:  # [N] -> [K, Gp]
+    inputs.append(jnp.pad(sinks.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group))))
+    in_specs.append(pl.BlockSpec((None, group_pad), lambda b, h, s: (h, 0)))
   out_specs, out_shape = _outputs(q4.shape, q.dtype, splits)
   kernel = functools.partial(_decode_kernel, pages_per_block=ppb, num_splits=splits,
-                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                             kv_quant=kv_quant)
+                             scale=scale, sliding_window=sliding_window,
+                             traced_window=window is not None, has_sinks=sinks is not None,
+                             soft_cap=soft_cap, kv_quant=kv_quant)
   out = pl.pallas_call(
     kernel,
     grid=(batch, num_kv_heads, splits),
-    in_specs=[
-      q_spec,
-      page_spec,
-      page_spec,
-      pl.BlockSpec((None, padded_width), lambda b, h, s: (b, 0)),
-      pl.BlockSpec((batch,), lambda b, h, s: (0,)),
-    ],
+    in_specs=in_specs,
     out_specs=out_specs,
     out_shape=out_shape,
     compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps,
                                          num_stages=sizes.num_stages),
     interpret=interpret,
-  )(q4, k_pages, v_pages, tables, seq_lens)
+  )(*inputs)
   if splits > 1:
     out = _combine_splits(*out).astype(q.dtype)
   # [B, K, Gp, H] -> [B, N, H]

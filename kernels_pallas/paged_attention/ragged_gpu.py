@@ -10,7 +10,9 @@ registers. It stores only the rows it owns (masked store); the first tile of
 each block also zeroes the block's padding rows. Page ids are clamped to the
 sequence's own pages, keys past ``kv_len`` are masked in logits and values.
 Quantized pages (``kv_quant``) are dequantized per gathered block as in
-``decode_gpu``.
+``decode_gpu``. A traced sliding window (``window``: int32 ``[1]``) is one
+more whole input; sinks (``[N]`` f32) a ``[K, Gp]`` input that seeds ``m`` (the
+sink) and ``l`` (1) of each stacked row. Neither adds an operand when absent.
 """
 
 from __future__ import annotations
@@ -37,16 +39,23 @@ def _ragged_kernel(
   tile_seq_ref,  # [num_tiles] int32
   tile_qblock_ref,  # [num_tiles] int32
   tile_first_ref,  # [num_tiles] int32
-  # Outputs.
-  o_ref,  # [T_pad, Gp, H]
-  *,
+  # Then window_ref [1] int32 (traced window only), sinks_ref [Gp] f32 (with sinks only);
+  # the output o_ref [T_pad, Gp, H].
+  *refs,
   q_block: int,
   pages_per_block: int,
   scale: float,
   sliding_window: int | None,
+  traced_window: bool,
+  has_sinks: bool,
   soft_cap: float | None,
   kv_quant: str | None,
 ):
+  refs = list(refs)
+  window_ref = refs.pop(0) if traced_window else None
+  sinks_ref = refs.pop(0) if has_sinks else None
+  (o_ref,) = refs
+  window = common.window_value(sliding_window, window_ref)
   t = pl.program_id(0)
   _, group_pad, head_dim = q_ref.shape
   page_size = k_ref.shape[1]
@@ -54,7 +63,7 @@ def _ragged_kernel(
   block_k = pages_per_block * page_size
   rows_n = q_block * group_pad
   bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref, q_block=q_block,
-                         num_seqs=num_seqs, keys_per_block=block_k, sliding_window=sliding_window)
+                         num_seqs=num_seqs, keys_per_block=block_k, sliding_window=window)
   kv_len = bd["kv_len"]
   last_page = common.last_page(kv_len, page_size, tables_ref.shape[1])
   rows = bd["row0"] + jnp.arange(q_block)
@@ -74,7 +83,7 @@ def _ragged_kernel(
     v = common.load_rows(v_ref, (ids, slice(None)), 0, head_dim, kv_quant)
     k, v = k.reshape(block_k, head_dim), v.reshape(block_k, head_dim)
     key_pos = blk * block_k + jnp.arange(block_k)
-    mask = common.key_mask(key_pos[None, :], q_pos[:, None], kv_len, sliding_window)
+    mask = common.key_mask(key_pos[None, :], q_pos[:, None], kv_len, window)
     mask &= row_ok[:, None]  # [rows_n, block_k]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = jnp.where(mask, common.cap_logits(s * scale, soft_cap), common.NEG)
@@ -86,11 +95,11 @@ def _ragged_kernel(
                              preferred_element_type=jnp.float32)
     return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc + pv
 
-  init = (
-    jnp.full((rows_n,), common.NEG, jnp.float32),
-    jnp.zeros((rows_n,), jnp.float32),
-    jnp.zeros((rows_n, head_dim), jnp.float32),
-  )
+  sinks = None
+  if sinks_ref is not None:  # [Gp] -> [bq * Gp], the stacked rows' heads
+    sinks = jnp.broadcast_to(sinks_ref[...][None, :], (q_block, group_pad)).reshape(rows_n)
+  m, l = common.softmax_start((rows_n,), sinks)
+  init = (m, l, jnp.zeros((rows_n, head_dim), jnp.float32))
   stop = jnp.where(bd["valid"] & (kv_len > 0), bd["last_blk"] + 1, bd["first_blk"])
   _, l, acc = jax.lax.fori_loop(bd["first_blk"], stop, body, init)
   l = l[:, None]
@@ -104,14 +113,16 @@ def _ragged_kernel(
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None,
+                           window=None, sinks=None):
   """GPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
 
   q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16
   (page_size and H powers of two; uint8 [..., H + 4] with ``kv_quant``);
-  block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32 ->
-  [T, N, H] in q's dtype. ``block_sizes.q_block`` counts stacked rows
-  (tokens * padded G), a power of two.
+  block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32; window
+  None or int32 [1] (a traced window, replacing the static ``sliding_window``);
+  sinks None or [N] f32 -> [T, N, H] in q's dtype. ``block_sizes.q_block``
+  counts stacked rows (tokens * padded G), a power of two.
   """
   num_tokens, num_q_heads, head_dim = q.shape
   num_pages, page_size, num_kv_heads, row = k_pages.shape
@@ -141,18 +152,25 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
 
   q_spec = pl.BlockSpec((q4.shape[0], None, group_pad, head_dim), lambda t, h: (0, h, 0, 0))
   page_spec = pl.BlockSpec((num_pages, page_size, None, row), lambda t, h: (0, 0, h, 0))
+  small = [tables, cu_q_lens, kv_lens, schedule.seq, schedule.q_block, schedule.first]
+  small += [] if window is None else [window]
+  inputs = [q4, k_pages, v_pages, *small]
+  in_specs = [q_spec, page_spec, page_spec, *(whole(x) for x in small)]
+  if sinks is not None:  # [N] -> [K, Gp]
+    inputs.append(jnp.pad(sinks.reshape(num_kv_heads, group), ((0, 0), (0, group_pad - group))))
+    in_specs.append(pl.BlockSpec((None, group_pad), lambda t, h: (h, 0)))
   kernel = functools.partial(_ragged_kernel, q_block=q_block, pages_per_block=ppb, scale=scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap, kv_quant=kv_quant)
-  small = (tables, cu_q_lens, kv_lens, schedule.seq, schedule.q_block, schedule.first)
+                             sliding_window=sliding_window, traced_window=window is not None,
+                             has_sinks=sinks is not None, soft_cap=soft_cap, kv_quant=kv_quant)
   out = pl.pallas_call(
     kernel,
     grid=(schedule.seq.shape[0], num_kv_heads),
-    in_specs=[q_spec, page_spec, page_spec, *(whole(x) for x in small)],
+    in_specs=in_specs,
     out_specs=q_spec,
     out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
     compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps,
                                          num_stages=sizes.num_stages),
     interpret=interpret,
-  )(q4, k_pages, v_pages, *small)
+  )(*inputs)
   # [T_pad, K, Gp, H] -> [T, N, H]
   return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)

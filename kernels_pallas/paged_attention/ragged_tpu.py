@@ -17,6 +17,11 @@ tile. Quantized pages (``kv_quant``) are uint8 rows of R = H + 4 lanes, viewed
 dequantized in VMEM once per step and shared by its G query heads.
 Consecutive tiles of one query block keep the output block resident: the
 first zeroes it, each merges its own rows with a row mask.
+
+A traced sliding window (``window``: int32 ``[1]``) is a seventh scalar-prefetch
+operand (index maps and body read it); sinks (``[N]`` f32) are a
+``[K / hb, hb * G, 1, 1]`` VMEM input that seeds ``m`` (the sink) and ``l`` (1)
+of every row at a tile's first page block. Neither adds an operand when absent.
 """
 
 from __future__ import annotations
@@ -39,22 +44,30 @@ def _ragged_kernel(
   tile_seq_ref,  # [num_tiles] int32
   tile_qblock_ref,  # [num_tiles] int32
   tile_first_ref,  # [num_tiles] int32
-  # Inputs (VMEM blocks).
-  q_ref,  # [bq, hb * G * H]
-  *refs,  # ppb K page blocks [page_size, hb * R], ppb V page blocks, then outputs and scratch:
+  *refs,  # window_ref [1] int32 (traced window only); then the inputs (VMEM blocks):
+  # q_ref [bq, hb * G * H]; ppb K page blocks [page_size, hb * R], ppb V page blocks;
+  # sinks_ref [hb * G, 1, 1] f32 (with sinks only); then outputs and scratch:
   # o_ref [bq, hb * G * H]; m_ref, l_ref [hb * G, bq, 1] f32; acc_ref [hb * G, bq, H] f32
   pages_per_block: int,
   group: int,
   num_seqs: int,
   scale: float,
   sliding_window: int | None,
+  traced_window: bool,
+  has_sinks: bool,
   soft_cap: float | None,
   kv_quant: str | None,
 ):
   del tables_ref
   ppb = pages_per_block
+  refs = list(refs)
+  window_ref = refs.pop(0) if traced_window else None
+  q_ref = refs.pop(0)
   k_refs, v_refs = refs[:ppb], refs[ppb : 2 * ppb]
-  o_ref, m_ref, l_ref, acc_ref = refs[2 * ppb :]
+  refs = refs[2 * ppb :]
+  sinks_ref = refs.pop(0) if has_sinks else None
+  o_ref, m_ref, l_ref, acc_ref = refs
+  window = common.window_value(sliding_window, window_ref)
   t, kv_blk, num_kv_blocks = pl.program_id(1), pl.program_id(2), pl.num_programs(2)
   q_block = q_ref.shape[0]
   page_size = k_refs[0].shape[0]
@@ -64,7 +77,7 @@ def _ragged_kernel(
   keys_per_block = ppb * page_size
   bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref, q_block=q_block,
                          num_seqs=num_seqs, keys_per_block=keys_per_block,
-                         sliding_window=sliding_window)
+                         sliding_window=window)
   rows = bd["row0"] + jax.lax.broadcasted_iota(jnp.int32, (q_block, 1), 0)
   row_in = (rows >= bd["lo"]) & (rows < bd["hi"])
   q_pos = rows + bd["q_shift"]  # [bq, 1]
@@ -72,8 +85,9 @@ def _ragged_kernel(
 
   @pl.when(kv_blk == 0)
   def _init():
-    m_ref[...] = jnp.full(m_ref.shape, common.NEG, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    m, l = common.softmax_start(m_ref.shape, None if sinks_ref is None else sinks_ref[...])
+    m_ref[...] = m
+    l_ref[...] = l
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     @pl.when(tile_first_ref[t] == 1)
@@ -86,7 +100,7 @@ def _ragged_kernel(
     for j in range(ppb):
       base = kv_blk * keys_per_block + j * page_size
       key_pos = base + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
-      masks.append(common.key_mask(key_pos, q_pos, kv_len, sliding_window) & row_in)
+      masks.append(common.key_mask(key_pos, q_pos, kv_len, window) & row_in)
       v_ok.append(base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < kv_len)
     for h in range(kv_heads):
       def load(ref, h=h):  # [page_size, H] of kv head h
@@ -127,15 +141,17 @@ def _ragged_kernel(
 
 def _page_index_map(slot, *, pages_per_block, page_size, pages_per_seq, q_block, num_seqs,
                     sliding_window):
-  """Index map of K/V page slot ``slot`` for grid step (h, t, kv)."""
+  """Index map of K/V page slot ``slot`` for grid step (h, t, kv); the scalar-prefetch
+  refs follow (a traced window last)."""
 
   def index_map(h, t, kv_blk, tables_ref, cu_ref, kv_lens_ref, tile_seq_ref, tile_qblock_ref,
-                tile_first_ref):
+                tile_first_ref, *window_ref):
     del tile_first_ref
+    window = common.window_value(sliding_window, window_ref[0] if window_ref else None)
     bd = tiles.tile_bounds(t, tile_seq_ref, tile_qblock_ref, cu_ref, kv_lens_ref,
                            q_block=q_block, num_seqs=num_seqs,
                            keys_per_block=pages_per_block * page_size,
-                           sliding_window=sliding_window)
+                           sliding_window=window)
     kv_blk = jnp.clip(kv_blk, bd["first_blk"], jnp.maximum(bd["last_blk"], bd["first_blk"]))
     last_page = common.last_page(bd["kv_len"], page_size, pages_per_seq)
     page = jnp.minimum(kv_blk * pages_per_block + slot, last_page)
@@ -157,13 +173,15 @@ def _page_specs(pages_per_block, page_size, lanes, **index_kw):
 
 def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None):
+                           block_sizes: tuning.BlockSizes | None = None, kv_quant=None,
+                           window=None, sinks=None):
   """TPU ragged paged attention; contract of ``kernels_pallas.ragged_paged_attention``.
 
   q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (uint8
-  [..., H + 4] with ``kv_quant``);
-  block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens [S] int32 ->
-  [T, N, H] in q's dtype. ``block_sizes.q_block`` must be a multiple of 8.
+  [..., H + 4] with ``kv_quant``); block_tables [S, W] int32; cu_q_lens [S+1]
+  int32; kv_lens [S] int32; window None or int32 [1] (a traced window, replacing
+  the static ``sliding_window``); sinks None or [N] f32 -> [T, N, H] in q's
+  dtype. ``block_sizes.q_block`` must be a multiple of 8.
   """
   num_tokens, num_q_heads, head_dim = q.shape
   num_pages, page_size, num_kv_heads, row = k_pages.shape
@@ -189,11 +207,18 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   page_specs = _page_specs(ppb, page_size, hb * row, pages_per_seq=pages_per_seq,
                           q_block=q_block, num_seqs=num_seqs, sliding_window=sliding_window)
   q_spec = pl.BlockSpec((q_block, hb * group * head_dim),
-                        lambda h, t, kv, tab, cu, kvl, tseq, tqb, tfirst: (tqb[t], h))
+                        lambda h, t, kv, tab, cu, kvl, tseq, tqb, *_: (tqb[t], h))
+  prefetch = [block_tables.reshape(-1), cu_q_lens, kv_lens, schedule.seq, schedule.q_block,
+              schedule.first] + ([] if window is None else [window])
+  inputs = [q2, *([k_flat] * ppb), *([v_flat] * ppb)]
+  in_specs = [q_spec, *page_specs, *page_specs]
+  if sinks is not None:  # [N] -> [K / hb, hb * G, 1, 1]
+    inputs.append(sinks.reshape(num_kv_heads // hb, hb * group, 1, 1))
+    in_specs.append(pl.BlockSpec((None, hb * group, 1, 1), lambda h, *_: (h, 0, 0, 0)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=6,
+    num_scalar_prefetch=len(prefetch),
     grid=(num_kv_heads // hb, schedule.seq.shape[0], pl.cdiv(pages_per_seq, ppb)),
-    in_specs=[q_spec, *page_specs, *page_specs],
+    in_specs=in_specs,
     out_specs=q_spec,
     scratch_shapes=[
       pltpu.VMEM((hb * group, q_block, 1), jnp.float32),
@@ -203,6 +228,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
   )
   kernel = functools.partial(_ragged_kernel, pages_per_block=ppb, group=group,
                              num_seqs=num_seqs, scale=scale, sliding_window=sliding_window,
+                             traced_window=window is not None, has_sinks=sinks is not None,
                              soft_cap=soft_cap, kv_quant=kv_quant)
   out = pl.pallas_call(
     kernel,
@@ -212,7 +238,6 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=("parallel", "arbitrary", "arbitrary")),
     interpret=interpret,
-  )(block_tables.reshape(-1), cu_q_lens, kv_lens, schedule.seq, schedule.q_block,
-    schedule.first, q2, *([k_flat] * ppb), *([v_flat] * ppb))
+  )(*prefetch, *inputs)
   # [T_pad, N * H] -> [T, N, H]
   return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)

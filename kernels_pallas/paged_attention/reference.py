@@ -7,8 +7,11 @@ the engine uses on CPU. Page ids past a sequence's last page are replaced by
 page 0 before the gather, so garbage block-table entries are never read.
 
 Masking rule (shared with every kernel): a query at position ``i`` sees key
-``j`` iff ``j <= i`` and, with a sliding window ``w``, ``i - j < w``. Logits are
-``scale * q.k``, then ``soft_cap * tanh(logits / soft_cap)`` when capped.
+``j`` iff ``j <= i`` and, with a sliding window ``w``, ``i - j < w`` (a traced
+window ``<= 0``: no window). Logits are ``scale * q.k``, then
+``soft_cap * tanh(logits / soft_cap)`` when capped. With ``sinks`` (``[N]``,
+GPT-OSS) head n's sink logit joins every row's softmax as one more column
+whose probability is then dropped (it has no value).
 
 Quantized pages (``kv_quant``) are dequantized after the gather, as the kernels
 do per block (``common.dequantize``): only the gathered pages, never the pool.
@@ -44,25 +47,31 @@ def _gather_pages(pages, block_tables, num_valid_pages, kv_quant):
   return gathered.reshape(rows, width * page_size, num_kv_heads, gathered.shape[-1])
 
 
-def _attend(q, k, v, valid, scale, soft_cap):
+def _attend(q, k, v, valid, scale, soft_cap, sinks=None):
   """Masked softmax attention of one query row per r.
 
-  q [R, N, H]; k, v [R, L, K, H]; valid [R, L] bool. Returns [R, N, H] in q's
-  dtype; rows with no valid key are zeros.
+  q [R, N, H]; k, v [R, L, K, H]; valid [R, L] bool; sinks None or [N] float32.
+  Returns [R, N, H] in q's dtype; rows with no valid key are zeros.
   """
   rows, num_q_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
+  group = num_q_heads // num_kv_heads
   # [R, N, H] -> [R, K, G, H]
-  qg = q.astype(jnp.float32).reshape(rows, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+  qg = q.astype(jnp.float32).reshape(rows, num_kv_heads, group, head_dim)
   logits = jnp.einsum("rkgh,rlkh->rkgl", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   mask = valid[:, None, None, :]
   logits = jnp.where(mask, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
+  if sinks is not None:  # [N] -> [1, K, G, 1]
+    sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+    row_max = jnp.maximum(row_max, sink)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   probs = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
   denom = jnp.sum(probs, axis=-1, keepdims=True)
+  if sinks is not None:
+    denom += jnp.exp(sink - row_max)
   v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
   out = jnp.einsum("rkgl,rlkh->rkgh", probs, v, precision=_HIGHEST)
   out = out / jnp.where(denom > 0, denom, 1.0)
@@ -72,19 +81,17 @@ def _attend(q, k, v, valid, scale, soft_cap):
 
 def _key_mask(key_pos, q_pos, kv_len, sliding_window):
   """key_pos [L]; q_pos, kv_len [R] -> [R, L] visibility."""
-  valid = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len[:, None])
-  if sliding_window is not None:
-    valid &= key_pos[None, :] > q_pos[:, None] - sliding_window
-  return valid
+  return common.key_mask(key_pos[None, :], q_pos[:, None], kv_len[:, None], sliding_window)
 
 
 def ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
-                               sliding_window=None, soft_cap=None, kv_quant=None):
+                               sliding_window=None, soft_cap=None, kv_quant=None, sinks=None):
   """Reference paged decode attention; same contract as ``paged_decode_attention``.
 
   q [B, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] f32|bf16 (uint8
   [..., H + 4] with ``kv_quant``); block_tables [B, W] int32; seq_lens [B]
-  int32. Returns [B, N, H] in q's dtype.
+  int32; sliding_window None, an int or a traced int32 scalar (<= 0: none);
+  sinks None or [N] float32. Returns [B, N, H] in q's dtype.
   """
   page_size = k_pages.shape[1]
   num_valid_pages = (seq_lens + page_size - 1) // page_size
@@ -92,7 +99,7 @@ def ref_paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, s
   v = _gather_pages(v_pages, block_tables, num_valid_pages, kv_quant)
   key_pos = jnp.arange(k.shape[1])
   valid = _key_mask(key_pos, seq_lens - 1, seq_lens, sliding_window)
-  return _attend(q, k, v, valid, scale, soft_cap)
+  return _attend(q, k, v, valid, scale, soft_cap, sinks)
 
 
 def ragged_token_layout(cu_q_lens, kv_lens, num_tokens):
@@ -113,12 +120,13 @@ def ragged_token_layout(cu_q_lens, kv_lens, num_tokens):
 
 
 def ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, *, scale,
-                               sliding_window=None, soft_cap=None, kv_quant=None):
+                               sliding_window=None, soft_cap=None, kv_quant=None, sinks=None):
   """Reference ragged paged attention; same contract as ``ragged_paged_attention``.
 
   q [T, N, H] f32|bf16; k_pages, v_pages [P, page_size, K, H] (uint8 [..., H + 4]
-  with ``kv_quant``); block_tables [S, W]
-  int32; cu_q_lens [S+1] int32; kv_lens [S] int32. Returns [T, N, H] in q's dtype.
+  with ``kv_quant``); block_tables [S, W] int32; cu_q_lens [S+1] int32; kv_lens
+  [S] int32; sliding_window and sinks as in ``ref_paged_decode_attention``.
+  Returns [T, N, H] in q's dtype.
   Materialises [T, W * page_size, K, H] keys: a reference, not a fast path.
   """
   page_size = k_pages.shape[1]
@@ -130,4 +138,4 @@ def ref_ragged_paged_attention(q, k_pages, v_pages, block_tables, cu_q_lens, kv_
   v = _gather_pages(v_pages, tables, num_valid_pages, kv_quant)
   key_pos = jnp.arange(k.shape[1])
   valid = _key_mask(key_pos, q_pos, kv_len, sliding_window)
-  return _attend(q, k, v, valid, scale, soft_cap)
+  return _attend(q, k, v, valid, scale, soft_cap, sinks)

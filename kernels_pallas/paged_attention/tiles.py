@@ -60,7 +60,8 @@ def ragged_tiles(cu_q_lens, num_tokens: int, q_block: int) -> Tiles:
 
 def tile_bounds(t, tile_seq, tile_qblock, cu_q_lens, kv_lens, *, q_block: int, num_seqs: int,
                 keys_per_block: int, sliding_window):
-  """Scalars of tile ``t`` (works on SMEM refs or arrays).
+  """Scalars of tile ``t`` (works on SMEM refs or arrays); ``sliding_window``: None,
+  a static int, or a traced scalar (<= 0: none), see ``common``.
 
   Returns a dict: ``seq`` (clamped to a real id), ``valid`` (a real tile with
   rows), ``row0`` (first row of the block), ``lo``/``hi`` (the tile's own rows
@@ -78,7 +79,7 @@ def tile_bounds(t, tile_seq, tile_qblock, cu_q_lens, kv_lens, *, q_block: int, n
   valid = (raw < num_seqs) & (lo < hi)
   first_key = 0
   if sliding_window is not None:
-    first_key = jnp.maximum(lo + q_shift - sliding_window + 1, 0)
+    first_key = common.first_visible_key(lo + q_shift, sliding_window)
   last_key = jnp.maximum(hi - 1 + q_shift, 0)
   return dict(seq=seq, valid=valid, row0=row0, lo=lo, hi=hi, q_shift=q_shift, kv_len=kv_len,
               first_blk=common.div(first_key, keys_per_block),

@@ -66,16 +66,32 @@ def _check_block_tables(block_tables, rows: int) -> None:
     raise ValueError(f"block_tables must be [{rows}, pages_per_seq>=1], got {block_tables.shape}")
 
 
-def check_options(scale, sliding_window, soft_cap, impl) -> None:
-  """Checks the keyword options common to decode and ragged attention."""
+def check_options(scale, sliding_window, soft_cap, impl, window=None) -> None:
+  """Checks the keyword options common to decode and ragged attention: the static
+  ``sliding_window`` and the traced ``window`` of ``common.split_window``."""
   if not isinstance(scale, (int, float)) or scale <= 0:
     raise ValueError(f"scale must be a positive Python number, got {scale!r}")
   if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-    raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    raise ValueError(f"sliding_window must be None, a positive int or an int32 scalar array, "
+                     f"got {sliding_window!r}")
+  if window is not None and (not jnp.issubdtype(window.dtype, jnp.integer) or window.size != 1):
+    raise ValueError(f"a traced sliding_window must be one integer, got {window.dtype} "
+                     f"{window.shape}")
   if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
     raise ValueError(f"soft_cap must be None or a positive number, got {soft_cap!r}")
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_sinks(sinks, num_q_heads: int) -> None:
+  """``sinks``: None, or float ``[num_q_heads]`` per-head sink logits."""
+  if sinks is None:
+    return
+  if sinks.shape != (num_q_heads,):
+    raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), "
+                     f"got {sinks.shape}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a float array, got {sinks.dtype}")
 
 
 def check_decode(q, k_pages, v_pages, block_tables, seq_lens, kv_quant=None) -> None:
