@@ -2,15 +2,19 @@
 # Device check for the Pallas paged-attention kernels on a CUDA machine.
 #
 # 1. Runs tests/kernels_pallas with JAX on the GPU: the GPU (Triton) kernels
-#    compiled (not interpreted) against the references; TPU cases skip.
+#    compiled (not interpreted) against the references, including attention
+#    sinks, soft caps and traced per-layer windows (a scanned layer stack);
+#    TPU cases skip.
 # 2. Runs benchmarks/kernel_bench.py: decode (Llama-3-8B-like: 32 q heads,
 #    8 kv heads, head dim 128, bf16, batch 64, context 2048) for ref and gpu,
 #    decode at batch 4 (split-K), a ragged prefill (8 x 2048 tokens) for the
-#    gpu kernel, and a small block-size sweep while time remains.
+#    gpu kernel, GPT-OSS-like decode and prefill (64 q heads, 8 kv heads, head
+#    dim 64, sinks, a traced window of 128), and a small block-size sweep while
+#    time remains.
 # Writes everything and a summary to $OUT (default ./device_check_out); the
 # benchmarks' run records go to $OUT/results (copy them into benchmarks/results/).
 # Needs a jax with CUDA support (jax[cuda12]) in the active environment.
-# Budget: < 8 minutes in all. The tests get at most 240 s; each benchmark gets
+# Budget: < 8 minutes in all. The tests get at most 300 s; each benchmark gets
 # at most 120 s and never more than what is left of a 450 s budget (the rest
 # is start-up and the summary), so the whole script stays under 8 minutes.
 #
@@ -35,7 +39,7 @@ print('jax', jax.__version__, jax.devices())" >> "$summary" 2>&1; then
 fi
 
 status=0
-timeout 240 python -m pytest tests/kernels_pallas -q -rs \
+timeout 300 python -m pytest tests/kernels_pallas -q -rs \
   --junitxml="$out/kernel_tests.xml" > "$out/kernel_tests.txt" 2>&1 || status=1
 {
   echo "## kernel tests (GPU kernels compiled; exit status in the last line)"
@@ -61,6 +65,10 @@ bench() {  # name, then kernel_bench.py arguments; skipped when the budget is sp
 bench bench_decode --op decode --impls ref,gpu --reps 20
 bench bench_prefill --op ragged --impls gpu --batch 8 --context 2048 --reps 5
 bench bench_decode_b4 --op decode --impls gpu --batch 4 --reps 20  # split-K path
+# GPT-OSS-like layers: sinks and a per-layer (traced) window of 128 keys.
+oss=(--q_heads 64 --kv_heads 8 --head_dim 64 --sinks --sliding_window 128 --traced_window)
+bench bench_decode_oss --op decode --impls ref,gpu --reps 20 "${oss[@]}"
+bench bench_prefill_oss --op ragged --impls gpu --batch 8 --context 2048 --reps 5 "${oss[@]}"
 
 # Block-size sweep for the tuning table, while the 8-minute budget allows.
 for ppb in 4 16; do

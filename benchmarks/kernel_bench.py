@@ -10,7 +10,10 @@ full causal prefill of ``batch`` sequences of ``context`` tokens through
 visible query-key pair) against ~80 GFLOP/s (CPU f32) or ~790 TFLOP/s (H200
 bf16 dense).
 
-Defaults: on GPU a Llama-3-8B-like layer (32 q heads, 8 kv heads, head dim
+``--sliding_window w`` limits each query to its last w keys (the work counts
+only those), ``--traced_window`` passes w as a jit argument (the per-layer
+window of a scanned layer stack), ``--sinks`` adds per-head sink logits
+(GPT-OSS). Defaults: on GPU a Llama-3-8B-like layer (32 q heads, 8 kv heads, head dim
 128, bf16, batch 64, context 2048, page size 16) for ``ref`` (XLA) and
 ``gpu`` (Triton); on CPU a tiny shape for ``ref``, plus the Pallas kernels in
 interpret mode with ``--interpret`` (correctness path, not a speed figure).
@@ -77,25 +80,47 @@ def make_prefill_inputs(seed, *, batch, context, **shape):
   return q, k_pages, v_pages, tables, cu_q_lens, seq_lens
 
 
-def run(op, impls, shape, *, reps, interpret, block_sizes=None):
+def visible_keys(lens, window: int) -> int:
+  """Query-key pairs a causal prefill of sequences of ``lens`` tokens visits (window 0:
+  none): query i sees min(i + 1, window) keys."""
+  pairs = 0
+  for n in lens:
+    seen = np.arange(1, n + 1)
+    pairs += int(np.sum(np.minimum(seen, window) if window else seen))
+  return pairs
+
+
+def run(op, impls, shape, *, reps, interpret, block_sizes=None, window=0, traced=False,
+        sinks=False):
   """Times each impl; returns result rows with the work unit per second."""
   scale = shape["head_dim"] ** -0.5
   itemsize = jnp.dtype(shape["dtype"]).itemsize
   if op == "decode":
     args = make_inputs(0, **shape)
     attention = paged_decode_attention
-    work = int(np.sum(args[-1])) * shape["kv_heads"] * shape["head_dim"] * 2 * itemsize
+    lens = np.asarray(args[-1])
+    keys = int(np.sum(np.minimum(lens, window) if window else lens))
+    work = keys * shape["kv_heads"] * shape["head_dim"] * 2 * itemsize
   else:
     args = make_prefill_inputs(0, **shape)
     attention = ragged_paged_attention
-    pairs = shape["batch"] * shape["context"] * (shape["context"] + 1) // 2
-    work = 4 * shape["q_heads"] * shape["head_dim"] * pairs
+    work = 4 * shape["q_heads"] * shape["head_dim"] * visible_keys(
+      [shape["context"]] * shape["batch"], window)
+  options = dict(scale=scale, sliding_window=window or None)
+  if sinks:
+    options["sinks"] = jax.random.normal(jax.random.key(7), (shape["q_heads"],), jnp.float32)
+  if traced:  # the window as a jit argument, as in a scanned layer stack
+    args = (jnp.int32(window), *args)
   rows, first_out = [], None
   for impl in impls:
     interp = interpret and impl != "ref"
     sizes = None if impl == "ref" else block_sizes
-    fn = jax.jit(lambda *a, impl=impl, interp=interp, sizes=sizes: attention(
-      *a, scale=scale, impl=impl, interpret=interp, block_sizes=sizes))
+    if traced:
+      fn = jax.jit(lambda w, *a, impl=impl, interp=interp, sizes=sizes: attention(
+        *a, **dict(options, sliding_window=w), impl=impl, interpret=interp, block_sizes=sizes))
+    else:
+      fn = jax.jit(lambda *a, impl=impl, interp=interp, sizes=sizes: attention(
+        *a, **options, impl=impl, interpret=interp, block_sizes=sizes))
     seconds = time_call(fn, args, reps)
     out = np.asarray(fn(*args), np.float32)
     if first_out is None:
@@ -122,6 +147,10 @@ def main():
   parser.add_argument("--q_block", type=int, default=0)
   parser.add_argument("--num_splits", type=int, default=0)
   parser.add_argument("--kv_heads_per_block", type=int, default=0)
+  parser.add_argument("--sliding_window", type=int, default=0, help="0: no window")
+  parser.add_argument("--traced_window", action="store_true",
+                      help="pass the window as a jit argument (a scanned layer's window)")
+  parser.add_argument("--sinks", action="store_true", help="per-head sink logits (GPT-OSS)")
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--peak_gbps", type=float, default=PEAK_GBPS.get(backend, 27.0))
   parser.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS.get(backend, 0.08))
@@ -135,8 +164,13 @@ def main():
     block_sizes = BlockSizes(pages_per_block=opts.pages_per_block, q_block=opts.q_block,
                              num_splits=opts.num_splits,
                              kv_heads_per_block=opts.kv_heads_per_block)
+  if opts.traced_window and not opts.sliding_window:
+    parser.error("--traced_window needs --sliding_window")
   rows = run(opts.op, opts.impls.split(","), shape, reps=opts.reps, interpret=opts.interpret,
-             block_sizes=block_sizes)
+             block_sizes=block_sizes, window=opts.sliding_window, traced=opts.traced_window,
+             sinks=opts.sinks)
+  attn = dict(sliding_window=opts.sliding_window, traced_window=opts.traced_window,
+              sinks=opts.sinks)
   # decode: bytes -> GB/s; ragged: FLOPs -> GFLOP/s
   unit, peak = ("GB/s", opts.peak_gbps) if opts.op == "decode" else ("GFLOP/s",
                                                                       opts.peak_tflops * 1e3)
@@ -146,7 +180,8 @@ def main():
     r["peak_fraction"] = r["rate"] / peak
   device = jax.devices()[0].device_kind
   print(f"# paged {opts.op}, {device}, jax {jax.__version__}, peak {peak:g} {unit}, "
-        f"{ {k: str(v) for k, v in shape.items()} }, block sizes {block_sizes or 'tuned'}")
+        f"{ {k: str(v) for k, v in shape.items()} }, {attn}, "
+        f"block sizes {block_sizes or 'tuned'}")
   print(f"{'impl':<14}{'ms':>10}{unit:>10}{'of peak':>9}{'max|diff|':>11}")
   for r in rows:
     name = r["impl"] + (" (interp)" if r["interpret"] else "")
@@ -155,14 +190,14 @@ def main():
   if opts.output:
     record = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   jax=jax.__version__, device=device, backend=backend, op=opts.op,
-                  shape={k: str(v) for k, v in shape.items()}, reps=opts.reps,
+                  shape={k: str(v) for k, v in shape.items()}, attention=attn, reps=opts.reps,
                   block_sizes=str(block_sizes or "tuned"), results=rows)
     with open(opts.output, "w") as f:
       json.dump(record, f, indent=2)
   if opts.record:
     setup = dict(op=opts.op, device=device, backend=backend, impls=opts.impls,
                  interpret=opts.interpret, shape={k: str(v) for k, v in shape.items()},
-                 reps=opts.reps, block_sizes=str(block_sizes or "tuned"),
+                 attention=attn, reps=opts.reps, block_sizes=str(block_sizes or "tuned"),
                  peak=f"{peak:g} {unit}")
     run_record.write_record("kernel_bench", run_record.command_line(), setup, {"impls": rows},
                             results_dir=opts.results_dir)

@@ -29,18 +29,21 @@ KERNELS = {
   ("cuda", "decode"): decode_gpu.paged_decode_attention,
   ("cuda", "ragged"): ragged_gpu.ragged_paged_attention,
 }
-# (kv heads, group, head dim, dtype, window, cap, TPU kv heads per block)
+# (kv heads, group, head dim, dtype, window, cap, TPU kv heads per block, sinks, traced
+# window: an int32 [1] operand, scalar-prefetched on TPU)
 CONFIGS = [
-  (2, 4, 128, jnp.bfloat16, None, None, 0),
-  (2, 3, 64, jnp.float32, 8, 2.0, 0),
-  (8, 1, 128, jnp.bfloat16, None, 30.0, 0),
-  (1, 8, 64, jnp.bfloat16, 16, None, 0),
-  (4, 2, 128, jnp.bfloat16, None, None, 4),
+  (2, 4, 128, jnp.bfloat16, None, None, 0, False, False),
+  (2, 3, 64, jnp.float32, 8, 2.0, 0, False, False),
+  (8, 1, 128, jnp.bfloat16, None, 30.0, 0, False, False),
+  (1, 8, 64, jnp.bfloat16, 16, None, 0, False, False),
+  (4, 2, 128, jnp.bfloat16, None, None, 4, False, False),
+  (2, 4, 64, jnp.bfloat16, 16, None, 0, True, True),  # GPT-OSS-like: sinks, per-layer window
+  (2, 3, 128, jnp.float32, None, 2.0, 2, True, False),
 ]
 
 
 def _lower(platform, op, config, kv_quant=None):
-  kv_heads, group, head_dim, dtype, window, cap, heads_per_block = config
+  kv_heads, group, head_dim, dtype, window, cap, heads_per_block, sinks, traced = config
   common = dict(page_size=16, num_kv_heads=kv_heads, group=group, head_dim=head_dim,
                 dtype=dtype, poison=False, kv_quant=kv_quant)
   if op == "decode":
@@ -50,9 +53,12 @@ def _lower(platform, op, config, kv_quant=None):
     x = testing.make_ragged_inputs(0, [5, 1, 16], [37, 16, 16], num_tokens=32, **common)
     args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)
   sizes = BlockSizes(pages_per_block=2, q_block=16, kv_heads_per_block=heads_per_block)
-  fn = functools.partial(KERNELS[platform, op], scale=head_dim**-0.5, sliding_window=window,
-                         soft_cap=cap, block_sizes=sizes, kv_quant=kv_quant)
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  extra = dict(sinks=jnp.linspace(-1.0, 1.0, kv_heads * group) if sinks else None,
+               window=jnp.full((1,), window, jnp.int32) if traced else None)
+  fn = functools.partial(KERNELS[platform, op], scale=head_dim**-0.5,
+                         sliding_window=None if traced else window, soft_cap=cap,
+                         block_sizes=sizes, kv_quant=kv_quant)
+  return jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -64,7 +70,7 @@ def test_kernel_lowers(platform, op, config):
   assert target in text
 
 
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=str)
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3], CONFIGS[5]], ids=str)
 @pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
 @pytest.mark.parametrize("op", ["decode", "ragged"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

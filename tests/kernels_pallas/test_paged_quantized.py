@@ -11,15 +11,22 @@ query rows are NaN, block-table entries past a sequence are garbage.
 On CPU each kernel runs in Pallas interpret mode (see test_paged_kernels.py).
 """
 
-import functools
 import zlib
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_paged_kernels import _FAST_COMPILE, BF16, F32, DecodeCase, RaggedCase, _check, _mode
+from test_paged_kernels import (
+  BF16,
+  F32,
+  DecodeCase,
+  RaggedCase,
+  _check,
+  _mode,
+  case_options,
+  run_kernel,
+)
 
 from kernels_pallas import BlockSizes, paged_decode_attention, ragged_paged_attention
 from kernels_pallas.paged_attention import reference, testing
@@ -40,6 +47,8 @@ DECODE_CASES = [
   DecodeCase(16, 2, 1, 64, F32, (1, 16, 37, 0), pages_per_block=2),
   DecodeCase(32, 1, 4, 128, BF16, (64, 1, 50), window=40, cap=5.0, pages_per_block=1,
              num_splits=2),
+  DecodeCase(16, 2, 2, 64, F32, (37, 0, 16), window=9, pages_per_block=2, num_splits=2,
+             sinks=True, traced=True),
 ]
 RAGGED_CASES = [
   # chunked prefill + decode + whole prefill of exactly one page
@@ -47,12 +56,9 @@ RAGGED_CASES = [
   # a sequence with no new queries, decode at an exact page multiple, window, cap
   RaggedCase(32, 1, 4, 128, BF16, (12, 0, 1), (40, 5, 64), 24, window=20, cap=3.0,
              pages_per_block=2, q_block=16),
+  RaggedCase(16, 2, 2, 64, F32, (5, 1), (37, 16), 16, window=9, pages_per_block=2,
+             sinks=True, traced=True),
 ]
-
-
-def _kernel(fn, impl, interpret, **opts):
-  return jax.jit(functools.partial(fn, **opts, impl=impl, interpret=interpret),
-                 compiler_options=_FAST_COMPILE if interpret else None)
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
@@ -65,14 +71,15 @@ def test_decode_kernel_quantized_pages(impl, kv_quant, case):
     num_kv_heads=case.kv_heads, group=case.group, head_dim=case.head_dim, dtype=case.dtype,
     kv_quant=kv_quant)
   assert x.k_pages.dtype == jnp.uint8 and x.k_pages.shape[-1] == case.head_dim + 4
-  opts = dict(scale=case.head_dim**-0.5, sliding_window=case.window, soft_cap=case.cap)
+  opts, ref_opts = case_options(case, zlib.crc32(str(case).encode()))
   sizes = BlockSizes(pages_per_block=case.pages_per_block, num_splits=case.num_splits)
-  kernel = _kernel(paged_decode_attention, impl, interpret, **opts, block_sizes=sizes,
+  args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.lens)
+  out = run_kernel(paged_decode_attention, args, opts, interpret, impl=impl, block_sizes=sizes,
                    kv_quant=kv_quant)
-  out = kernel(x.q, x.k_pages, x.v_pages, x.block_tables, x.lens)
   assert out.shape == x.q.shape and out.dtype == x.q.dtype
   ref = paged_decode_attention(x.q, dequantize_np(x.k_pages, kv_quant),
-                               dequantize_np(x.v_pages, kv_quant), x.block_tables, x.lens, **opts)
+                               dequantize_np(x.v_pages, kv_quant), x.block_tables, x.lens,
+                               **ref_opts)
   _check(out, ref, case.dtype)
 
 
@@ -85,15 +92,15 @@ def test_ragged_kernel_quantized_pages(impl, kv_quant, case):
     zlib.crc32(f"{case}{kv_quant}".encode()), case.q_lens, case.kv_lens,
     num_tokens=case.num_tokens, page_size=case.page_size, num_kv_heads=case.kv_heads,
     group=case.group, head_dim=case.head_dim, dtype=case.dtype, kv_quant=kv_quant)
-  opts = dict(scale=case.head_dim**-0.5, sliding_window=case.window, soft_cap=case.cap)
+  opts, ref_opts = case_options(case, zlib.crc32(str(case).encode()))
   sizes = BlockSizes(pages_per_block=case.pages_per_block, q_block=case.q_block)
-  kernel = _kernel(ragged_paged_attention, impl, interpret, **opts, block_sizes=sizes,
+  args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)
+  out = run_kernel(ragged_paged_attention, args, opts, interpret, impl=impl, block_sizes=sizes,
                    kv_quant=kv_quant)
-  out = kernel(x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)
   assert out.shape == x.q.shape and out.dtype == x.q.dtype
   ref = ragged_paged_attention(x.q, dequantize_np(x.k_pages, kv_quant),
                                dequantize_np(x.v_pages, kv_quant), x.block_tables, x.cu_q_lens,
-                               x.lens, **opts)
+                               x.lens, **ref_opts)
   _check(out, ref, case.dtype)
 
 

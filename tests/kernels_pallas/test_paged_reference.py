@@ -48,6 +48,34 @@ def test_decode_ref_hand_worked(seq_len, window, cap, expected):
   np.testing.assert_allclose(np.asarray(out).ravel(), [expected], rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+  "seq_len, window, sink, expected",
+  [
+    (2, None, math.log(4.0), 3.5),  # weights 1, 3 and the sink's 4: (4 + 8 * 3) / 8
+    (1, None, 0.0, 2.0),  # one key (weight 1) and the sink (1): 4 / 2
+    (0, None, 5.0, 0.0),  # padding row: zeros, sink or not
+    (2, 1, math.log(3.0), 4.0),  # window 1: key ln 3 (weight 3) and the sink (3): 8 * 3 / 6
+  ],
+)
+def test_decode_ref_sinks_hand_worked(seq_len, window, sink, expected):
+  """GPT-OSS sinks: one more softmax term per head, contributing no value."""
+  k, v, tables = _hand_pool()
+  out = ref_paged_decode_attention(jnp.ones((1, 1, 1), jnp.float32), k, v, tables,
+                                   jnp.array([seq_len], jnp.int32), scale=1.0,
+                                   sliding_window=window, sinks=jnp.array([sink], jnp.float32))
+  np.testing.assert_allclose(np.asarray(out).ravel(), [expected], rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, expected", [(1, 8.0), (2, 7.0), (0, 7.0), (-3, 7.0)])
+def test_ref_traced_window_hand_worked(window, expected):
+  """A traced window (jit argument) masks like the static one; <= 0 means none."""
+  k, v, tables = _hand_pool()
+  q = jnp.ones((1, 1, 1), jnp.float32)
+  out = jax.jit(lambda w: paged_decode_attention(q, k, v, tables, jnp.array([2], jnp.int32),
+                                                 scale=1.0, sliding_window=w))(jnp.int32(window))
+  np.testing.assert_allclose(np.asarray(out).ravel(), [expected], rtol=1e-5)
+
+
 def test_ragged_ref_hand_worked():
   """Two queries of one sequence (kv_len 2) plus a padding row."""
   k, v, tables = _hand_pool()
@@ -57,8 +85,9 @@ def test_ragged_ref_hand_worked():
   np.testing.assert_allclose(np.asarray(out).ravel(), [4.0, 7.0, 0.0], rtol=1e-5)
 
 
-def _dense_causal(q, k, v, scale, window=None, cap=None):
-  """float64 dense attention. q [L, N, H]; k, v [L, K, H]; query i at position i."""
+def _dense_causal(q, k, v, scale, window=None, cap=None, sinks=None):
+  """float64 dense attention. q [L, N, H]; k, v [L, K, H]; query i at position i;
+  sinks [N]: one more softmax column per head (transformers' GPT-OSS), then dropped."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   length, num_q_heads, _ = q.shape
   group = num_q_heads // k.shape[1]
@@ -72,9 +101,12 @@ def _dense_causal(q, k, v, scale, window=None, cap=None):
   if window is not None:
     mask &= i - j < window
   logits = np.where(mask, logits, -np.inf)
+  if sinks is not None:
+    sink = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], (*logits.shape[:2], 1))
+    logits = np.concatenate([logits, sink], axis=-1)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  return np.einsum("nij,jnh->inh", p, v)
+  return np.einsum("nij,jnh->inh", p[..., :length], v)
 
 
 def _contiguous_kv(inputs, seq, length):
@@ -86,8 +118,10 @@ def _contiguous_kv(inputs, seq, length):
   return k[:length], v[:length]
 
 
-@pytest.mark.parametrize("window, cap", [(None, None), (5, None), (None, 2.0)])
-def test_refs_match_dense_causal(window, cap):
+@pytest.mark.parametrize("window, cap, sinks", [(None, None, False), (5, None, False),
+                                                (None, 2.0, False), (5, 2.0, True),
+                                                (None, None, True)])
+def test_refs_match_dense_causal(window, cap, sinks):
   """Every prefix's decode output and a chunked-prefill ragged call equal dense attention."""
   length, group, head_dim = 13, 3, 8
   inputs = testing.make_ragged_inputs(0, [length], [length], num_tokens=length, page_size=4,
@@ -95,8 +129,9 @@ def test_refs_match_dense_causal(window, cap):
                                       dtype=jnp.float32)
   k, v = _contiguous_kv(inputs, 0, length)
   scale = head_dim**-0.5
-  dense = _dense_causal(inputs.q, k, v, scale, window, cap)
-  opts = dict(scale=scale, sliding_window=window, soft_cap=cap)
+  sinks = jnp.asarray([1.5, -0.5, 0.0, 2.0, -3.0, 0.7], jnp.float32) if sinks else None
+  dense = _dense_causal(inputs.q, k, v, scale, window, cap, sinks)
+  opts = dict(scale=scale, sliding_window=window, soft_cap=cap, sinks=sinks)
 
   full = ref_ragged_paged_attention(inputs.q, inputs.k_pages, inputs.v_pages,
                                     inputs.block_tables, inputs.cu_q_lens, inputs.lens, **opts)
@@ -181,12 +216,20 @@ def test_decode_validation(overrides, error, match):
     (dict(sliding_window=0), "sliding_window"),
     (dict(soft_cap=-1.0), "soft_cap"),
     (dict(scale=0.0), "scale"),
+    (dict(sliding_window=jnp.float32(4.0)), "traced sliding_window must be one integer"),
+    (dict(sliding_window=jnp.ones((2,), jnp.int32)), "traced sliding_window"),
+    (dict(sinks=jnp.zeros((2,), jnp.float32)), r"sinks must have shape \(4,\)"),
   ],
 )
 def test_option_validation(options, match):
   options = {"scale": 1.0, **options}
   with pytest.raises(ValueError, match=match):
     paged_decode_attention(**_decode_args(), **options)
+
+
+def test_sinks_dtype_validation():
+  with pytest.raises(TypeError, match="sinks must be a float"):
+    paged_decode_attention(**_decode_args(), scale=1.0, sinks=jnp.zeros((4,), jnp.int32))
 
 
 def test_ragged_validation():
