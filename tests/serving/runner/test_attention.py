@@ -330,3 +330,34 @@ def test_sinks_only_start_the_softmax():
                                           sinks=jnp.asarray([np.log(3.0)], jnp.float32),
                                           block_tokens=1)
   np.testing.assert_allclose(np.asarray(out)[:, 0, 0], [1.0, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_pallas_dispatch_passes_sinks_and_traced_window(kind):
+  """backend "pallas_interpret" (the kernels in interpret mode): decode and ragged calls
+  inside a jit with a traced window and sinks equal dense attention."""
+  kv, tables, lens, dense, sinks, rng = _sink_case(kind, seed=23)
+  h, q_lens = 16, [1, 4, 0, 21]
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  q = rng.standard_normal((len(lens), 6, h)).astype(np.float32)
+  qp = rng.standard_normal((32, 6, h)).astype(np.float32)
+
+  @jax.jit
+  def call(w):
+    kw = dict(scale=h ** -0.5, sliding_window=w, soft_cap=3.0, sinks=sinks)
+    dec, _ = attention.decode_attention("pallas_interpret", jnp.asarray(q), kv,
+                                        jnp.asarray(tables), jnp.asarray(lens, jnp.int32), **kw)
+    pre, _ = attention.ragged_attention("pallas_interpret", jnp.asarray(qp), kv,
+                                        jnp.asarray(tables), jnp.asarray(cu),
+                                        jnp.asarray(lens, jnp.int32), **kw)
+    return dec, pre
+
+  dec, pre = call(jnp.int32(6))
+  assert not np.asarray(dec)[2].any()
+  for i in (0, 1, 3):
+    ref = dense_causal(q[i:i + 1], *dense[i], np.array([lens[i] - 1]), h ** -0.5, 6, 3.0, sinks)
+    np.testing.assert_allclose(np.asarray(dec[i:i + 1]), ref, rtol=2e-5, atol=2e-5)
+    rows = slice(cu[i], cu[i + 1])
+    ref = dense_causal(qp[rows], *dense[i], lens[i] - q_lens[i] + np.arange(q_lens[i]),
+                       h ** -0.5, 6, 3.0, sinks)
+    np.testing.assert_allclose(np.asarray(pre[rows]), ref, rtol=2e-5, atol=2e-5)
