@@ -90,7 +90,10 @@ def _ragged_kernel(
     m_new = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp(m_prev - m_new)
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-    v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+    v_ok = key_pos < kv_len
+    if window is not None:  # pages behind the window may be released: anything (NaN)
+      v_ok &= key_pos >= bd["first_key"]
+    v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)
     return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc + pv

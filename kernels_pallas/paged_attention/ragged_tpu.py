@@ -101,7 +101,11 @@ def _ragged_kernel(
       base = kv_blk * keys_per_block + j * page_size
       key_pos = base + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
       masks.append(common.key_mask(key_pos, q_pos, kv_len, window) & row_in)
-      v_ok.append(base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < kv_len)
+      row_pos = base + jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
+      ok = row_pos < kv_len
+      if window is not None:  # pages behind the window may be released: anything (NaN)
+        ok &= row_pos >= bd["first_key"]
+      v_ok.append(ok)
     for h in range(kv_heads):
       def load(ref, h=h):  # [page_size, H] of kv head h
         return common.load_rows(ref, (slice(None),), h * row, head_dim, kv_quant)

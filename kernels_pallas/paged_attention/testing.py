@@ -5,6 +5,9 @@ reserved dummy page. Everything a correct kernel must never read is poisoned:
 unused pages and the unused tail of each sequence's last page hold NaN, and
 block-table entries past a sequence's pages are garbage (ids of NaN pages or
 out-of-range ids). Any out-of-bounds read then shows up as NaN in the output.
+With a sliding ``window``, the pages wholly behind the window of a sequence's
+oldest query are poisoned too: the engine releases them for reuse, so they
+may hold anything while the block table still names them.
 With ``kv_quant`` the pools are quantized to the uint8 ``[..., H + 4]`` layout
 (``quantize_pages``); poisoned rows get a NaN scale, so they still read as NaN.
 """
@@ -52,8 +55,9 @@ def quantize_pages(pages, kv_quant: str):
 
 
 def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq, spare_pages,
-               dtype, poison, kv_quant=None):
-  """K/V page pools and block tables holding ``kv_lens[s]`` keys for each sequence."""
+               dtype, poison, kv_quant=None, released=None):
+  """K/V page pools and block tables holding ``kv_lens[s]`` keys for each sequence;
+  with ``poison``, the pages holding only keys below ``released[s]`` are NaN."""
   needed = [-(-n // page_size) for n in kv_lens]
   if max(needed, default=0) > pages_per_seq:
     raise ValueError(f"{pages_per_seq=} too small for {kv_lens=}")
@@ -76,6 +80,8 @@ def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq
       rows = min(page_size, n - j * page_size)
       k[page, :rows] = rng.standard_normal((rows, num_kv_heads, head_dim))
       v[page, :rows] = rng.standard_normal((rows, num_kv_heads, head_dim))
+    gone = (released[s] if poison and released else 0) // page_size  # pages behind the window
+    k[pages[:gone]], v[pages[:gone]] = np.nan, np.nan
   if kv_quant:
     return quantize_pages(k, kv_quant), quantize_pages(v, kv_quant), jnp.asarray(tables)
   return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables)
@@ -83,24 +89,27 @@ def _page_pool(rng, kv_lens, *, page_size, num_kv_heads, head_dim, pages_per_seq
 
 def make_decode_inputs(seed, seq_lens, *, page_size, num_kv_heads, group, head_dim, dtype,
                        kv_dtype=None, pages_per_seq=None, spare_pages=2,
-                       poison=True, kv_quant=None) -> PagedInputs:
+                       poison=True, kv_quant=None, window=None) -> PagedInputs:
   """Random decode inputs: q [B, K*group, H] and a poisoned page pool (``kv_dtype``,
-  or quantized uint8 [..., H + 4] with ``kv_quant``)."""
+  or quantized uint8 [..., H + 4] with ``kv_quant``; pages behind ``window``
+  poisoned as released)."""
   rng = np.random.default_rng(seed)
   if pages_per_seq is None:
     pages_per_seq = max(1, max(-(-n // page_size) for n in seq_lens) + 1)
   k, v, tables = _page_pool(
     rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
     pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=kv_dtype or dtype,
-    poison=poison, kv_quant=kv_quant)
+    poison=poison, kv_quant=kv_quant,
+    released=None if window is None else [max(n - window, 0) for n in seq_lens])
   q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
   return PagedInputs(jnp.asarray(q, dtype), k, v, tables, jnp.asarray(seq_lens, jnp.int32))
 
 
 def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_heads, group,
                        head_dim, dtype, kv_dtype=None, pages_per_seq=None, spare_pages=2,
-                       poison=True, kv_quant=None) -> PagedInputs:
-  """Random ragged inputs: q [num_tokens, K*group, H]; rows past sum(q_lens) are padding."""
+                       poison=True, kv_quant=None, window=None) -> PagedInputs:
+  """Random ragged inputs: q [num_tokens, K*group, H]; rows past sum(q_lens) are padding;
+  pages behind ``window`` of each sequence's oldest query poisoned as released."""
   if any(ql > kl for ql, kl in zip(q_lens, kv_lens, strict=True)):
     raise ValueError(f"each q_len must be <= its kv_len: {q_lens=} {kv_lens=}")
   if sum(q_lens) > num_tokens:
@@ -111,7 +120,9 @@ def make_ragged_inputs(seed, q_lens, kv_lens, *, num_tokens, page_size, num_kv_h
   k, v, tables = _page_pool(
     rng, kv_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
     pages_per_seq=pages_per_seq, spare_pages=spare_pages, dtype=kv_dtype or dtype,
-    poison=poison, kv_quant=kv_quant)
+    poison=poison, kv_quant=kv_quant,
+    released=None if window is None else [max(kv - ql - window + 1, 0) if ql else 0
+                                          for ql, kv in zip(q_lens, kv_lens, strict=True)])
   q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
   if poison:
     q[sum(q_lens):] = np.nan

@@ -66,7 +66,9 @@ def tile_bounds(t, tile_seq, tile_qblock, cu_q_lens, kv_lens, *, q_block: int, n
   Returns a dict: ``seq`` (clamped to a real id), ``valid`` (a real tile with
   rows), ``row0`` (first row of the block), ``lo``/``hi`` (the tile's own rows
   ``[lo, hi)``), ``q_shift`` (row r's query position is ``r + q_shift``),
-  ``kv_len``, ``first_blk``/``last_blk`` (the visible page blocks, inclusive).
+  ``kv_len``, ``first_key`` (the oldest key any of its rows sees; keys before it may
+  sit in pages released behind a window), ``first_blk``/``last_blk`` (the visible
+  page blocks, inclusive).
   """
   raw = tile_seq[t]
   seq = jnp.minimum(raw, num_seqs - 1)
@@ -82,5 +84,5 @@ def tile_bounds(t, tile_seq, tile_qblock, cu_q_lens, kv_lens, *, q_block: int, n
     first_key = common.first_visible_key(lo + q_shift, sliding_window)
   last_key = jnp.maximum(hi - 1 + q_shift, 0)
   return dict(seq=seq, valid=valid, row0=row0, lo=lo, hi=hi, q_shift=q_shift, kv_len=kv_len,
-              first_blk=common.div(first_key, keys_per_block),
+              first_key=first_key, first_blk=common.div(first_key, keys_per_block),
               last_blk=common.div(last_key, keys_per_block))

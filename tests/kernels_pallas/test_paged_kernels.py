@@ -5,8 +5,9 @@ GQA ratios 1/3/4/8, head dims 64/128, f32 and bf16, lengths 1 and exact page
 multiples, padding rows, sliding window (static, or traced as in a scanned
 layer stack, where 0 means none), soft cap, GPT-OSS attention sinks, several
 pages per block) on
-a poisoned page pool (NaN in every unused page, page tail and padding query;
-garbage block-table entries), so an out-of-bounds read shows up as NaN.
+a poisoned page pool (NaN in every unused page, page tail and padding query,
+and in the pages behind a window, which the engine releases; garbage
+block-table entries), so an out-of-bounds read shows up as NaN.
 
 On CPU each kernel runs in Pallas interpret mode. A kernel runs compiled when
 the default backend is its own platform (``benchmarks/device_check.sh`` on a
@@ -161,7 +162,8 @@ def test_decode_kernel_matches_reference(impl, case):
   seed = zlib.crc32(str(case).encode())
   inputs = testing.make_decode_inputs(
     seed, case.seq_lens, page_size=case.page_size,
-    num_kv_heads=case.kv_heads, group=case.group, head_dim=case.head_dim, dtype=case.dtype)
+    num_kv_heads=case.kv_heads, group=case.group, head_dim=case.head_dim, dtype=case.dtype,
+    window=case.window or None)
   args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.lens)
   opts, ref_opts = case_options(case, seed)
   sizes = None
@@ -180,7 +182,7 @@ def test_ragged_kernel_matches_reference(impl, case):
   inputs = testing.make_ragged_inputs(
     seed, case.q_lens, case.kv_lens, num_tokens=case.num_tokens,
     page_size=case.page_size, num_kv_heads=case.kv_heads, group=case.group,
-    head_dim=case.head_dim, dtype=case.dtype)
+    head_dim=case.head_dim, dtype=case.dtype, window=case.window or None)
   args = (inputs.q, inputs.k_pages, inputs.v_pages, inputs.block_tables, inputs.cu_q_lens,
           inputs.lens)
   opts, ref_opts = case_options(case, seed)

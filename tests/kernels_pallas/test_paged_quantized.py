@@ -69,7 +69,7 @@ def test_decode_kernel_quantized_pages(impl, kv_quant, case):
   x = testing.make_decode_inputs(
     zlib.crc32(f"{case}{kv_quant}".encode()), case.seq_lens, page_size=case.page_size,
     num_kv_heads=case.kv_heads, group=case.group, head_dim=case.head_dim, dtype=case.dtype,
-    kv_quant=kv_quant)
+    kv_quant=kv_quant, window=case.window or None)
   assert x.k_pages.dtype == jnp.uint8 and x.k_pages.shape[-1] == case.head_dim + 4
   opts, ref_opts = case_options(case, zlib.crc32(str(case).encode()))
   sizes = BlockSizes(pages_per_block=case.pages_per_block, num_splits=case.num_splits)
@@ -91,7 +91,8 @@ def test_ragged_kernel_quantized_pages(impl, kv_quant, case):
   x = testing.make_ragged_inputs(
     zlib.crc32(f"{case}{kv_quant}".encode()), case.q_lens, case.kv_lens,
     num_tokens=case.num_tokens, page_size=case.page_size, num_kv_heads=case.kv_heads,
-    group=case.group, head_dim=case.head_dim, dtype=case.dtype, kv_quant=kv_quant)
+    group=case.group, head_dim=case.head_dim, dtype=case.dtype, kv_quant=kv_quant,
+    window=case.window or None)
   opts, ref_opts = case_options(case, zlib.crc32(str(case).encode()))
   sizes = BlockSizes(pages_per_block=case.pages_per_block, q_block=case.q_block)
   args = (x.q, x.k_pages, x.v_pages, x.block_tables, x.cu_q_lens, x.lens)

@@ -361,3 +361,35 @@ def test_pallas_dispatch_passes_sinks_and_traced_window(kind):
     ref = dense_causal(qp[rows], *dense[i], lens[i] - q_lens[i] + np.arange(q_lens[i]),
                        h ** -0.5, 6, 3.0, sinks)
     np.testing.assert_allclose(np.asarray(pre[rows]), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("h", [8, 16])  # 16: the native kernel where built
+def test_pages_behind_the_window_are_never_read(h):
+  """The engine releases pages wholly behind a sliding window; the block table still
+  names them and they may hold anything (NaN here). Decode, verification and the
+  engine's batched prefill must not let them leak."""
+  rng = np.random.default_rng(24)
+  lens, q_lens, window = [30, 21, 9], [9, 5, 9], 6
+  cache, tables, dense = make_cache(rng, lens, 4, 2, h, 40, BLOCKS_CONFIG.block_table_width)
+  k, v = np.array(cache.k), np.array(cache.v)
+  for i, (n, ql) in enumerate(zip(lens, q_lens, strict=True)):
+    gone = max(n - ql - window + 1, 0) // 4  # pages behind the oldest new query's window
+    k[tables[i, :gone]], v[tables[i, :gone]] = np.nan, np.nan
+  kv = KVCache(k=jnp.asarray(k), v=jnp.asarray(v), num_pages=40, dtype="float32")
+  kw = dict(scale=h ** -0.5, sliding_window=window, block_tokens=8)
+  t = 3  # verification: the last 3 positions of each row
+  qv = rng.standard_normal((3, t, 4, h)).astype(np.float32)
+  q_pos = np.asarray(lens)[:, None] - t + np.arange(t)
+  out, _ = attention.verify_attention("xla", jnp.asarray(qv), kv, jnp.asarray(tables),
+                                      jnp.asarray(q_pos + 1, jnp.int32), **kw)
+  qp = rng.standard_normal((128, 4, h)).astype(np.float32)
+  cu_q, kv_lens, tbl, blocks = engine_prefill(lens, q_lens, tables)
+  pre, _ = attention.ragged_attention("xla", jnp.asarray(qp), kv, tbl, cu_q, kv_lens,
+                                      blocks=blocks, **kw)
+  cu = np.concatenate([[0], np.cumsum(q_lens)])
+  for i, (n, ql) in enumerate(zip(lens, q_lens, strict=True)):
+    ref = dense_causal(qv[i], *dense[i], q_pos[i], h ** -0.5, window)
+    np.testing.assert_allclose(np.asarray(out[i]), ref, rtol=2e-5, atol=2e-5)
+    rows = slice(cu[i], cu[i + 1])
+    ref = dense_causal(qp[rows], *dense[i], n - ql + np.arange(ql), h ** -0.5, window)
+    np.testing.assert_allclose(np.asarray(pre[rows]), ref, rtol=2e-5, atol=2e-5)
