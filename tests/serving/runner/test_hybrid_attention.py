@@ -21,7 +21,6 @@ import torch
 import transformers
 from compile_watch import compile_events
 
-import kernels_cpu
 from checkpoints import load_checkpoint
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
@@ -32,16 +31,6 @@ from tiny_models import VOCAB, byte_tokenizer, torch_greedy
 
 WINDOW = 16
 LAYER_TYPES = ["full_attention", "sliding_attention"] * 2
-
-
-@pytest.fixture(autouse=True)
-def xla_attention(monkeypatch):
-  """The XLA attention path: a hybrid model's per-layer window is a traced value, which
-  the native CPU kernels take only once they learn to (issue 36, the kernels' part)."""
-  monkeypatch.setenv("XLASERVE_NATIVE", "0")
-  kernels_cpu.library.available.cache_clear()
-  yield
-  kernels_cpu.library.available.cache_clear()
 
 
 @pytest.fixture(scope="module")
