@@ -40,6 +40,15 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Phi-4-mini's shape: RoPE on 3/4 of each head, LongRoPE (short set up to 128
+    # positions), tied embeddings; plus a sliding window smaller than test prompts.
+    "phi3": lambda: transformers.Phi3Config(
+        **{**_COMMON, "tie_word_embeddings": True}, pad_token_id=None, sliding_window=16,
+        original_max_position_embeddings=128, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+                      "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
+    # Phi-3-mini-4k's shape: plain RoPE on whole heads, a sliding window.
+    "phi3_mini": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=None, sliding_window=16),
 }
 
 
