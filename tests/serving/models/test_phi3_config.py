@@ -13,7 +13,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from checkpoints.orbax_io import config_from_dict, config_to_dict
-from serving.models import llama, phi3
+from serving.models import layers, phi3
 from serving.models.model_config import LongRopeScaling, ModelConfig, RopeScaling
 
 _BASE = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=32064,
@@ -77,8 +77,8 @@ def test_rotary_math_equals_transformers(raw, seq_len):
   else:
     want, want_scale = ROPE_INIT_FUNCTIONS[kind](hf, None, seq_len=seq_len)
   cfg = ModelConfig.from_hf_config(raw).for_max_model_len(seq_len)
-  np.testing.assert_allclose(llama.rope_inv_freq(cfg), want.numpy(), rtol=1e-6)
-  assert llama.rope_attention_scale(cfg) == pytest.approx(want_scale, rel=1e-12)
+  np.testing.assert_allclose(layers.rope_inv_freq(cfg), want.numpy(), rtol=1e-6)
+  assert layers.rope_attention_scale(cfg) == pytest.approx(want_scale, rel=1e-12)
 
 
 def test_factor_and_attention_factor_overrides():
