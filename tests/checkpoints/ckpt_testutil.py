@@ -29,6 +29,8 @@ ARCHS = {
                          "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}}),
 }
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Phi-3's vocabulary ends: <|endoftext|> (EOS) and <|end|> (end of a turn).
+PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|end|>"]
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -138,33 +140,39 @@ def llama_cpp_rope_factors(cfg) -> np.ndarray:
   return torch.tensor(rope_factors, dtype=torch.float32).numpy()
 
 
-def byte_vocab() -> tuple[list[str], list[int], list[str]]:
+def byte_vocab(specials: list[str] = SPECIALS) -> tuple[list[str], list[int], list[str]]:
   """A 261-token byte-level vocabulary: 256 bytes, 3 control tokens, 2 merges."""
-  tokens = list(bytes_to_unicode().values()) + SPECIALS + ["Ġt", "he"]
-  types = [1] * 256 + [3] * len(SPECIALS) + [1, 1]
+  tokens = list(bytes_to_unicode().values()) + specials + ["Ġt", "he"]
+  types = [1] * 256 + [3] * len(specials) + [1, 1]
   return tokens, types, ["Ġ t", "h e"]
 
 
-def add_tokenizer(w: gguf.GGUFWriter, pre: str = "gpt-2") -> None:
-  tokens, types, merges = byte_vocab()
+def add_tokenizer(w: gguf.GGUFWriter, pre: str = "gpt-2", specials: list[str] = SPECIALS,
+                  bos: str = "<|im_start|>", eos: str = "<|im_end|>") -> None:
+  tokens, types, merges = byte_vocab(specials)
   w.add_tokenizer_model("gpt2")
   w.add_tokenizer_pre(pre)
   w.add_token_list(tokens)
   w.add_token_types(types)
   w.add_token_merges(merges)
-  w.add_bos_token_id(tokens.index("<|im_start|>"))
-  w.add_eos_token_id(tokens.index("<|im_end|>"))
+  w.add_bos_token_id(tokens.index(bos))
+  w.add_eos_token_id(tokens.index(eos))
   w.add_add_bos_token(False)
 
 
 def gguf_from_model(model: transformers.PreTrainedModel, path: str, arch: str,
-                    split_max_tensors: int = 0) -> None:
+                    split_max_tensors: int = 0, chat_template: str | None = None) -> None:
   """Writes `model` as an F32 GGUF the way llama.cpp's converter lays it out."""
   cfg = model.config
   sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
   w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
   _add_arch_metadata(w, arch, cfg)
-  add_tokenizer(w)
+  if arch == "phi3":
+    add_tokenizer(w, specials=PHI3_SPECIALS, bos="<|endoftext|>", eos="<|endoftext|>")
+  else:
+    add_tokenizer(w)
+  if chat_template is not None:
+    w.add_chat_template(chat_template)
   w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
   w.add_tensor("output_norm.weight", sd["model.norm.weight"])
   if (cfg.rope_parameters or {}).get("rope_type") == "llama3":
