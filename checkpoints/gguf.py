@@ -14,7 +14,8 @@
    the same file.
 4. `raw_tensor(reader, name)` gives a tensor's quantized blocks untouched
    (name, ggml type, logical shape, bytes) for quantized serving paths; the
-   Q/K un-permutation moves whole rows, so it applies to raw blocks too.
+   Q/K un-permutation moves whole rows, so it applies to raw blocks too, as
+   does cutting a Phi-3 fused tensor into its parts (`gguf_tensor_slot`).
 """
 
 from __future__ import annotations
@@ -260,13 +261,18 @@ def _put_phi3_fused(builder: ParamsBuilder, cfg: ModelConfig, t: Any, layer: int
     builder.put(key, part.T, layer, source=t.name)
 
 
-def raw_tensor(reader: Any, name: str, unpermute: bool = True) -> RawTensor:
-  """The quantized blocks of tensor `name`; llama Q/K rows un-permuted by default."""
+def raw_tensor(reader: Any, name: str, unpermute: bool = True,
+               rows: slice | None = None) -> RawTensor:
+  """The quantized blocks of tensor `name`; llama Q/K rows un-permuted by default; with
+  `rows`, only those rows (whole rows of blocks: a Phi-3 fused tensor's part)."""
   t = next((t for t in reader.tensors if t.name == name), None)
   if t is None:
     raise KeyError(f"no tensor {name!r} in GGUF file")
   shape = tuple(int(d) for d in reversed(t.shape))
   data = np.asarray(t.data)
+  if rows is not None:
+    data = data[rows]
+    shape = (data.shape[0], *shape[1:])
   m = _BLK_RE.fullmatch(name)
   part = m.group(2) if m else ""
   if unpermute and field(reader, "general.architecture") == "llama" and part.startswith(
@@ -290,6 +296,17 @@ def gguf_tensor_name(key: str, layer: int | None = None) -> str:
   if not names:
     raise KeyError(f"no GGUF tensor for params key {key!r}")
   return names[0]
+
+
+def gguf_tensor_slot(cfg: ModelConfig, key: str, layer: int | None = None
+                     ) -> tuple[str, slice | None]:
+  """The GGUF tensor holding params leaf `key` (of `layer`) and its rows there (None: the
+  whole tensor): Phi-3's q/k/v and gate/up are row blocks of attn_qkv and ffn_up."""
+  if cfg.family == "phi3" and layer is not None:
+    for part, keys in _PHI3_FUSED.items():
+      if key in keys:
+        return f"blk.{layer}.{part}", phi3.fused_rows(cfg)[key]
+  return gguf_tensor_name(key, layer), None
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,

@@ -139,15 +139,17 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   kept_names = _kept_tensor_names(cfg, method, keep, head_keep, types)
   loaded = load_gguf(path, reader=reader, skip_tensors=kept_names)  # the others dequantized
   cfg, params = loaded.config, loaded.params
-  kept = lambda name: quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, name))
+  def kept(name: str, rows: slice | None = None):
+    return quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, name, rows=rows))
+
   stacked = dict(params["layers"])
   per_layer: dict[str, list] = {}
   for key in quantize.kept_keys(cfg):
-    names = [gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers)]
-    if not any(types.get(n) in keep for n in names):
+    slots = [gguf_io.gguf_tensor_slot(cfg, key, i) for i in range(cfg.num_layers)]
+    if not any(types.get(n) in keep for n, _ in slots):
       continue
-    weights = [kept(n) if types.get(n) in keep else stacked[key][i]
-               for i, n in enumerate(names)]
+    weights = [kept(n, rows) if types.get(n) in keep else stacked[key][i]
+               for i, (n, rows) in enumerate(slots)]
     together = (quantize.stack_blocks(weights)
                 if all(is_quantized(w) for w in weights) else None)
     if together is not None:
@@ -171,7 +173,7 @@ def _kept_tensor_names(cfg: ModelConfig, method: str, keep: set, head_keep: set,
                        types: dict[str, Any]) -> frozenset[str]:
   """The GGUF tensors whose blocks `load_gguf_quantized` keeps (so never dequantized)."""
   names = {n for key in quantize.kept_keys(cfg)
-           for n in (gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers))
+           for n, _ in (gguf_io.gguf_tensor_slot(cfg, key, i) for i in range(cfg.num_layers))
            if types.get(n) in keep}
   for key in ("embed", "lm_head"):
     name = gguf_io.gguf_tensor_name(key)

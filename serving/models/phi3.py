@@ -130,17 +130,26 @@ def longrope_scaling(raw: dict[str, Any], rope: dict[str, Any], max_pos: int
       use_long=False)
 
 
+def fused_rows(cfg: ModelConfig) -> dict[str, slice]:
+  """The rows of the fused qkv_proj / attn_qkv (wq, wk, wv) and gate_up_proj / ffn_up
+  (w_gate, w_up) tensors ([out, in]) that each params key takes."""
+  q, k, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+  return {"wq": slice(0, q), "wk": slice(q, q + k), "wv": slice(q + k, q + 2 * k),
+          "w_gate": slice(0, f), "w_up": slice(f, 2 * f)}
+
+
 def split_qkv(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """A fused qkv_proj / attn_qkv [(N+2K)*H, ...] -> its q, k, v rows (views)."""
-  q, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  if w.shape[0] != q + 2 * k:
-    raise ValueError(f"fused qkv has {w.shape[0]} rows; this config needs {q + 2 * k}")
-  return w[:q], w[q:q + k], w[q + k:]
+  rows = fused_rows(cfg)
+  if w.shape[0] != rows["wv"].stop:
+    raise ValueError(f"fused qkv has {w.shape[0]} rows; this config needs {rows['wv'].stop}")
+  return w[rows["wq"]], w[rows["wk"]], w[rows["wv"]]
 
 
 def split_gate_up(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
   """A fused gate_up_proj / ffn_up [2F, ...] -> (gate rows, up rows) (views)."""
-  f = cfg.intermediate_size
-  if w.shape[0] != 2 * f:
-    raise ValueError(f"fused gate_up has {w.shape[0]} rows; this config needs {2 * f}")
-  return w[:f], w[f:]
+  rows = fused_rows(cfg)
+  if w.shape[0] != rows["w_up"].stop:
+    raise ValueError(f"fused gate_up has {w.shape[0]} rows; this config needs "
+                     f"{rows['w_up'].stop}")
+  return w[rows["w_gate"]], w[rows["w_up"]]
