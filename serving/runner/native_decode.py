@@ -31,12 +31,15 @@ from serving.models.quantized import is_quantized
 from serving.runner.kv_cache import KVCache
 
 LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kernel's order
+# Families whose layer is the kernel's: pre-norm RMSNorm, RoPE, attention, SwiGLU (Phi-3's
+# fused projections arrive split; its partial rotary and LongRoPE are refused below).
+NATIVE_FAMILIES = ("llama", "phi3")
 
 
 def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: Any) -> bool:
   """Whether `run_layers` takes this decode step (see module doc); x [B, D]."""
   if (jax.default_backend() != "cpu" or not decoder.enabled() or lora is not None
-      or cfg.family != "llama" or cfg.is_hybrid or cfg.attention_sinks
+      or cfg.family not in NATIVE_FAMILIES or cfg.is_hybrid or cfg.attention_sinks
       or cfg.attn_soft_cap is not None or cfg.attn_scale is not None
       or cfg.is_moe or cfg.qkv_bias or cfg.qk_norm or x.dtype != jnp.float32
       or cfg.rotary_dim != cfg.head_dim or model_layers.rope_attention_scale(cfg) != 1.0
