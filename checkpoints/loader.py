@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -10,7 +9,7 @@ import numpy as np
 
 from checkpoints import gguf as gguf_io
 from checkpoints import hf, hf_quantized, presets, quantize
-from checkpoints.layout import LoadedModel, resolve_dtype
+from checkpoints.layout import LoadedModel, merge_eos, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
 from checkpoints.tokenizer import Tokenizer
 from serving.models.model_config import ModelConfig
@@ -97,7 +96,7 @@ def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
   tokenizer = None
   if os.path.exists(os.path.join(path, "tokenizer.json")):
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-  return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
+  return LoadedModel(config=merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
                      source=os.path.abspath(path))
 
 
@@ -110,16 +109,8 @@ def load_gguf(path: str, dtype: Any = np.float32, reader: Any = None,
   config = ModelConfig.from_hf_config(gguf_io.gguf_hf_config(reader))
   params = gguf_io.load_gguf_params(reader, config, dtype, skip_tensors)
   tokenizer = Tokenizer.from_gguf_metadata(reader, extra_eos_ids=config.eos_token_ids)
-  return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
+  return LoadedModel(config=merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
                      source=os.path.abspath(path))
-
-
-def _merge_eos(config: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
-  """config.eos_token_ids followed by the tokenizer's other end-of-generation ids."""
-  if tokenizer is None:
-    return config
-  extra = sorted(set(tokenizer.eos_token_ids) - set(config.eos_token_ids))
-  return dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *extra))
 
 
 def load_gguf_quantized(path: str, method: str) -> LoadedModel:

@@ -6,7 +6,8 @@ tests/tiny_models.py) through the engine at tp = 2 and at pp = 2 (one layer
 per stage), with prompts longer than the window and one longer than a
 prefill chunk; the greedy tokens must equal `transformers`. The fused
 q/k/v and gate/up projections are split at load, so the rule table shards
-them as it shards Llama's.
+them as it shards Llama's, and `checkpoints.hf_sharded` reads each device's
+block of each part straight from the fused tensor.
 """
 
 from __future__ import annotations
@@ -39,11 +40,19 @@ def test_greedy_tokens_match_transformers(reference_and_result, layout):
   assert result[layout]["devices"] == 2
 
 
+@pytest.mark.slow
+def test_fused_parts_read_per_device_block(reference_and_result):
+  assert reference_and_result[1]["hf_sliced_equal"]  # checkpoints.hf_sharded at tp=2
+
+
 def _worker(path: str) -> None:
+  import checkpoints
   from serving.entrypoints.engine_builder import build_engine
   from serving.types import SamplingParams
+  from sharding import ParallelConfig
 
-  out = {}
+  out = {"hf_sliced_equal": stu.hf_sliced_equal(path, checkpoints.load_checkpoint(path),
+                                                ParallelConfig(tp=2))}
   params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
   for name, layout in LAYOUTS.items():
     engine = build_engine(path, stu.engine_config(max_model_len=64, num_pages=32,
