@@ -2,7 +2,9 @@
 
 1. `read_gguf(path)` opens the file with `Any` (memory-mapped).
 2. `gguf_hf_config(reader)` turns `{arch}.*` metadata into a HF config dict
-   (architectures llama, incl. Mixtral-style MoE, qwen2, qwen3, qwen3moe).
+   (architectures llama, incl. Mixtral-style MoE, qwen2, qwen3, qwen3moe, phi3:
+   its fused attn_qkv / ffn_up (gate rows, then up rows) are split into our
+   leaves, its rope_factors_long / _short tensors become LongRoPE scaling).
 3. `load_gguf_params(reader, cfg)` dequantizes each tensor to float with
    `gguf.quants.dequantize` (types in `SUPPORTED_TYPES`) and copies it into the
    params tree. For llama-arch files the Q/K rows are un-permuted: llama.cpp's
@@ -12,7 +14,8 @@
    the same file.
 4. `raw_tensor(reader, name)` gives a tensor's quantized blocks untouched
    (name, ggml type, logical shape, bytes) for quantized serving paths; the
-   Q/K un-permutation moves whole rows, so it applies to raw blocks too.
+   Q/K un-permutation moves whole rows, so it applies to raw blocks too, as
+   does cutting a Phi-3 fused tensor into its parts (`gguf_tensor_slot`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from checkpoints.gguf_reader import GGUFFile, metadata_value, open_gguf
 from checkpoints.layout import Params, ParamsBuilder
+from serving.models import phi3
 from serving.models.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
@@ -34,7 +38,12 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # general.architecture -> HF model_type (llama with experts becomes mixtral).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "phi3": "phi3"}
+# Phi-3's fused tensors (rows as in HF: q, k, v; gate, up) -> the params keys they split into.
+_PHI3_FUSED = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
+# Tensors folded into the config (rope_scaling), not params.
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _TOP = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),
         "output.weight": ("lm_head", True)}
@@ -129,7 +138,28 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
                                                     cfg["rope_theta"])
   if arch == "qwen2":
     cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
+  if arch == "phi3":
+    cfg.update(_phi3_config(reader, cfg))
   return cfg
+
+
+def _phi3_config(reader: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+  """Phi-3's extra HF config keys from llama.cpp's metadata and rope factor tensors
+  (convert_hf_to_gguf.py's Phi3MiniModel writes them)."""
+  g = lambda key, default=None: field(reader, f"phi3.{key}", default)
+  head_dim = cfg["head_dim"]
+  extra = {"partial_rotary_factor": g("rope.dimension_count", head_dim) / head_dim,
+           "sliding_window": g("attention.sliding_window") or None,
+           "original_max_position_embeddings": g("rope.scaling.original_context_length",
+                                                 cfg["max_position_embeddings"])}
+  tensors = {t.name: t for t in reader.tensors}
+  if "rope_factors_long.weight" in tensors:
+    extra["rope_scaling"] = {
+        "rope_type": "longrope",
+        "long_factor": dequantize_tensor(tensors["rope_factors_long.weight"]).tolist(),
+        "short_factor": dequantize_tensor(tensors["rope_factors_short.weight"]).tolist(),
+        "attention_factor": float(g("rope.scaling.attn_factor", 1.0))}
+  return extra
 
 
 def check_tensor_type(t: Any) -> None:
@@ -194,8 +224,13 @@ def load_gguf_params(reader: Any, cfg: ModelConfig, dtype: Any = np.float32,
   """Dequantizes every tensor into the params tree (one tensor in flight); tensors named
   in `skip_tensors` (their blocks are kept quantized by the caller) are left unwritten."""
   builder = ParamsBuilder(cfg, dtype)
-  permute = field(reader, "general.architecture") == "llama"
+  arch = field(reader, "general.architecture")
+  permute = arch == "llama"
   for t in reader.tensors:
+    m = _BLK_RE.fullmatch(t.name)
+    if arch == "phi3" and m and m.group(2) in _PHI3_FUSED:
+      _put_phi3_fused(builder, cfg, t, int(m.group(1)), _PHI3_FUSED[m.group(2)], skip_tensors)
+      continue
     key, layer, transpose = _route(t.name, cfg)
     if key is None:
       continue
@@ -212,13 +247,32 @@ def load_gguf_params(reader: Any, cfg: ModelConfig, dtype: Any = np.float32,
   return builder.finish()
 
 
-def raw_tensor(reader: Any, name: str, unpermute: bool = True) -> RawTensor:
-  """The quantized blocks of tensor `name`; llama Q/K rows un-permuted by default."""
+def _put_phi3_fused(builder: ParamsBuilder, cfg: ModelConfig, t: Any, layer: int,
+                    keys: tuple[str, ...], skip_tensors: frozenset[str]) -> None:
+  """A Phi-3 fused tensor [out, in], split by rows into `keys` ([in, out] each)."""
+  check_tensor_type(t)
+  if t.name in skip_tensors:
+    for key in keys:
+      builder.skip(key, layer)
+    return
+  w = dequantize_tensor(t)
+  parts = phi3.split_qkv(w, cfg) if keys[0] == "wq" else phi3.split_gate_up(w, cfg)
+  for key, part in zip(keys, parts, strict=True):
+    builder.put(key, part.T, layer, source=t.name)
+
+
+def raw_tensor(reader: Any, name: str, unpermute: bool = True,
+               rows: slice | None = None) -> RawTensor:
+  """The quantized blocks of tensor `name`; llama Q/K rows un-permuted by default; with
+  `rows`, only those rows (whole rows of blocks: a Phi-3 fused tensor's part)."""
   t = next((t for t in reader.tensors if t.name == name), None)
   if t is None:
     raise KeyError(f"no tensor {name!r} in GGUF file")
   shape = tuple(int(d) for d in reversed(t.shape))
   data = np.asarray(t.data)
+  if rows is not None:
+    data = data[rows]
+    shape = (data.shape[0], *shape[1:])
   m = _BLK_RE.fullmatch(name)
   part = m.group(2) if m else ""
   if unpermute and field(reader, "general.architecture") == "llama" and part.startswith(
@@ -242,6 +296,17 @@ def gguf_tensor_name(key: str, layer: int | None = None) -> str:
   if not names:
     raise KeyError(f"no GGUF tensor for params key {key!r}")
   return names[0]
+
+
+def gguf_tensor_slot(cfg: ModelConfig, key: str, layer: int | None = None
+                     ) -> tuple[str, slice | None]:
+  """The GGUF tensor holding params leaf `key` (of `layer`) and its rows there (None: the
+  whole tensor): Phi-3's q/k/v and gate/up are row blocks of attn_qkv and ffn_up."""
+  if cfg.family == "phi3" and layer is not None:
+    for part, keys in _PHI3_FUSED.items():
+      if key in keys:
+        return f"blk.{layer}.{part}", phi3.fused_rows(cfg)[key]
+  return gguf_tensor_name(key, layer), None
 
 
 def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
@@ -287,7 +352,7 @@ def rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) 
 
 def _route(name: str, cfg: ModelConfig) -> tuple[str | None, int | None, bool]:
   """(params key, layer, transpose) for a GGUF tensor name."""
-  if name == "rope_freqs.weight":  # folded into config.rope_scaling
+  if name in _CONFIG_TENSORS:  # folded into config.rope_scaling
     return None, None, False
   if name in _TOP:
     key, transpose = _TOP[name]

@@ -13,6 +13,8 @@ one tensor). Weight names covered:
   model.layers.{i}.mlp.{gate,up,down}_proj (dense)
   Mixtral:   block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1/w3/w2
   Qwen3-MoE: mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj
+  Phi-3:     self_attn.qkv_proj [(N+2K)*H, D] -> wq / wk / wv, mlp.gate_up_proj [2F, D]
+             (gate rows first) -> w_gate / w_up (serving/models/phi3.py)
   fused (transformers 5 in-memory layout, `save_original_format=False`):
     {mlp,block_sparse_moe}.experts.gate_up_proj [E, 2M, D] (gate rows first),
     {mlp,block_sparse_moe}.experts.down_proj [E, D, M]
@@ -36,6 +38,7 @@ import numpy as np
 from safetensors import safe_open
 
 from checkpoints.layout import Params, ParamsBuilder
+from serving.models import phi3
 from serving.models.model_config import ModelConfig
 
 _TOP_LEVEL = {
@@ -62,6 +65,9 @@ _LAYER = {
     "mlp.gate.weight": ("router", True),
     "block_sparse_moe.gate.weight": ("router", True),
 }
+# Phi-3's fused dense projections -> the params keys of their row blocks, in order.
+_FUSED_DENSE = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"),
+                "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
 _EXPERT_KEYS = {"w1": "we_gate", "w3": "we_up", "w2": "we_down",
                 "gate_proj": "we_gate", "up_proj": "we_up", "down_proj": "we_down"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -172,6 +178,8 @@ def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> Non
     key, transpose = _LAYER[rest]
     value = read()
     builder.put(key, value.T if transpose else value, layer, source=name)
+  elif rest in _FUSED_DENSE:
+    _put_fused(builder, cfg, rest, read(), layer, name)
   elif em := _EXPERT_RE.fullmatch(rest):
     builder.put(_EXPERT_KEYS[em.group(2)], read().T, layer, int(em.group(1)), source=name)
   elif fm := _FUSED_RE.fullmatch(rest):
@@ -184,6 +192,15 @@ def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> Non
       builder.put("we_up", up.transpose(0, 2, 1), layer, source=name)
   else:
     raise ValueError(f"unsupported tensor {name!r} in a {cfg.model_type} checkpoint")
+
+
+def _put_fused(builder: ParamsBuilder, cfg: ModelConfig, rest: str, value: np.ndarray,
+               layer: int, name: str) -> None:
+  """A Phi-3 fused projection [out, in], split into its params leaves ([in, out] each)."""
+  parts = (phi3.split_qkv(value, cfg) if rest == "self_attn.qkv_proj.weight"
+           else phi3.split_gate_up(value, cfg))
+  for key, part in zip(_FUSED_DENSE[rest], parts, strict=True):
+    builder.put(key, part.T, layer, source=name)
 
 
 def _as_list(value: Any) -> list[int]:

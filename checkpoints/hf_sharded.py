@@ -12,7 +12,8 @@ processes each reads only the blocks of its own devices.
 The shardings are those of an orbax restore (`checkpoint.restore_shardings`).
 Names come from checkpoints/hf.py's tables; the fused transformers-5 expert
 layout (`experts.gate_up_proj`) is not sliceable here: load it with
-`load_checkpoint`.
+`load_checkpoint`. Phi-3's fused `qkv_proj` / `gate_up_proj` are: each part
+is a row range (serving/models/phi3.py `fused_rows`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import numpy as np
 from safetensors import safe_open
 
 from checkpoints import hf
-from checkpoints.layout import LoadedModel, resolve_dtype
+from checkpoints.layout import LoadedModel, merge_eos, resolve_dtype
 from checkpoints.sharded import restore_shardings
 from checkpoints.tokenizer import Tokenizer
+from serving.models import phi3
 from serving.models.layout import param_shapes
 from serving.models.model_config import ModelConfig
 
@@ -53,7 +55,7 @@ def load_hf_sharded(path: str, mesh: jax.sharding.Mesh, dtype: Any = np.float32)
   tokenizer = None
   if os.path.exists(os.path.join(path, "tokenizer.json")):
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=cfg.eos_token_ids)
-  return LoadedModel(config=cfg, params=params, tokenizer=tokenizer,
+  return LoadedModel(config=merge_eos(cfg, tokenizer), params=params, tokenizer=tokenizer,
                      source=os.path.abspath(path))
 
 
@@ -81,6 +83,10 @@ class _Reader:
                         if f"model.layers.0.{suffix}" in self.files}
     self.moe_prefix = ("block_sparse_moe" if "model.layers.0.block_sparse_moe.gate.weight"
                        in self.files else "mlp")
+    # Phi-3: each part of a fused projection is a row range of it, so it reads per block too.
+    self.fused_parts = {key: (suffix, phi3.fused_rows(cfg)[key])
+                        for suffix, keys in hf._FUSED_DENSE.items()
+                        if f"model.layers.0.{suffix}" in self.files for key in keys}
 
   def _block(self, name: str, transpose: bool, index: tuple[slice, ...]) -> np.ndarray:
     """Our [in, out] block `index` of HF tensor `name` (stored [out, in] when transposed)."""
@@ -101,6 +107,10 @@ class _Reader:
           experts = range(*index[1].indices(self.cfg.num_experts))
           rows.append(np.stack([self._block(self._expert_name(key, layer, e), True, index[2:])
                                 for e in experts]))
+        elif key in self.fused_parts:
+          suffix, part = self.fused_parts[key]
+          cols = slice(part.start + index[2].start, part.start + index[2].stop)
+          rows.append(self._block(f"model.layers.{layer}.{suffix}", True, (index[1], cols)))
         else:
           suffix, transpose = self.layer_names[key]
           rows.append(self._block(f"model.layers.{layer}.{suffix}", transpose, index[1:]))

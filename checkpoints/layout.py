@@ -112,6 +112,14 @@ def _slot_name(key: str, layer: int | None, expert: int | None) -> str:
   return name if expert is None else f"{name}[expert {expert}]"
 
 
+def merge_eos(config: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
+  """config.eos_token_ids followed by the tokenizer's other end-of-generation ids."""
+  if tokenizer is None:
+    return config
+  extra = sorted(set(tokenizer.eos_token_ids) - set(config.eos_token_ids))
+  return dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *extra))
+
+
 @dataclasses.dataclass
 class LoadedModel:
   """What every loader returns.

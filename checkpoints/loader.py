@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -10,7 +9,7 @@ import numpy as np
 
 from checkpoints import gguf as gguf_io
 from checkpoints import hf, hf_quantized, presets, quantize
-from checkpoints.layout import LoadedModel, resolve_dtype
+from checkpoints.layout import LoadedModel, merge_eos, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
 from checkpoints.tokenizer import Tokenizer
 from serving.models.model_config import ModelConfig
@@ -97,7 +96,7 @@ def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
   tokenizer = None
   if os.path.exists(os.path.join(path, "tokenizer.json")):
     tokenizer = Tokenizer.from_hf_dir(path, extra_eos_ids=config.eos_token_ids)
-  return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
+  return LoadedModel(config=merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
                      source=os.path.abspath(path))
 
 
@@ -110,16 +109,8 @@ def load_gguf(path: str, dtype: Any = np.float32, reader: Any = None,
   config = ModelConfig.from_hf_config(gguf_io.gguf_hf_config(reader))
   params = gguf_io.load_gguf_params(reader, config, dtype, skip_tensors)
   tokenizer = Tokenizer.from_gguf_metadata(reader, extra_eos_ids=config.eos_token_ids)
-  return LoadedModel(config=_merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
+  return LoadedModel(config=merge_eos(config, tokenizer), params=params, tokenizer=tokenizer,
                      source=os.path.abspath(path))
-
-
-def _merge_eos(config: ModelConfig, tokenizer: Tokenizer | None) -> ModelConfig:
-  """config.eos_token_ids followed by the tokenizer's other end-of-generation ids."""
-  if tokenizer is None:
-    return config
-  extra = sorted(set(tokenizer.eos_token_ids) - set(config.eos_token_ids))
-  return dataclasses.replace(config, eos_token_ids=(*config.eos_token_ids, *extra))
 
 
 def load_gguf_quantized(path: str, method: str) -> LoadedModel:
@@ -139,15 +130,17 @@ def load_gguf_quantized(path: str, method: str) -> LoadedModel:
   kept_names = _kept_tensor_names(cfg, method, keep, head_keep, types)
   loaded = load_gguf(path, reader=reader, skip_tensors=kept_names)  # the others dequantized
   cfg, params = loaded.config, loaded.params
-  kept = lambda name: quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, name))
+  def kept(name: str, rows: slice | None = None):
+    return quantize.gguf_quantized_weight(gguf_io.raw_tensor(reader, name, rows=rows))
+
   stacked = dict(params["layers"])
   per_layer: dict[str, list] = {}
   for key in quantize.kept_keys(cfg):
-    names = [gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers)]
-    if not any(types.get(n) in keep for n in names):
+    slots = [gguf_io.gguf_tensor_slot(cfg, key, i) for i in range(cfg.num_layers)]
+    if not any(types.get(n) in keep for n, _ in slots):
       continue
-    weights = [kept(n) if types.get(n) in keep else stacked[key][i]
-               for i, n in enumerate(names)]
+    weights = [kept(n, rows) if types.get(n) in keep else stacked[key][i]
+               for i, (n, rows) in enumerate(slots)]
     together = (quantize.stack_blocks(weights)
                 if all(is_quantized(w) for w in weights) else None)
     if together is not None:
@@ -171,7 +164,7 @@ def _kept_tensor_names(cfg: ModelConfig, method: str, keep: set, head_keep: set,
                        types: dict[str, Any]) -> frozenset[str]:
   """The GGUF tensors whose blocks `load_gguf_quantized` keeps (so never dequantized)."""
   names = {n for key in quantize.kept_keys(cfg)
-           for n in (gguf_io.gguf_tensor_name(key, i) for i in range(cfg.num_layers))
+           for n, _ in (gguf_io.gguf_tensor_slot(cfg, key, i) for i in range(cfg.num_layers))
            if types.get(n) in keep}
   for key in ("embed", "lm_head"):
     name = gguf_io.gguf_tensor_name(key)

@@ -4,7 +4,9 @@
 `LoraWeights` on the host: per layer and target module, `a [In, r]` and
 `b [r, Out]` in float32 with the adapter's scaling (`lora_alpha / r`, or
 `lora_alpha / sqrt(r)` with rsLoRA) already folded into `b`, in the params
-layout of serving/models/layout.py (`x @ w`, HF module names mapped to ours).
+layout of serving/models/layout.py (`x @ w`, HF module names mapped to ours;
+Phi-3's fused `qkv_proj` / `gate_up_proj` adapters split into the parts'
+slots, each with the shared A and its rows of B).
 
 Everything an adapter could get wrong is refused with a `LoraError` that says
 what: a missing or malformed config, a PEFT type other than LoRA, DoRA,
@@ -34,6 +36,9 @@ HF_MODULES = {
     "self_attn.o_proj": "wo", "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up",
     "mlp.down_proj": "w_down",
 }
+# Fused HF modules (Phi-3) -> the params keys their output rows split into, in order: one
+# shared A, B's rows cut per key (exact: B A x stacks the parts' updates).
+FUSED_MODULES = {"self_attn.qkv_proj": ("wq", "wk", "wv"), "mlp.gate_up_proj": ("w_gate", "w_up")}
 _TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(.+)\.lora_([AB])"
                         r"(?:\.[^.]+)?\.weight$")
 _CONFIG = "adapter_config.json"
@@ -125,13 +130,14 @@ def load_lora_adapter(path: str, model_cfg: ModelConfig, *, max_rank: int) -> Lo
   if not os.path.isfile(file):
     raise LoraError(f"{path}: no {_WEIGHTS}")
   dims = module_dims(model_cfg)
-  halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+  halves: dict[tuple[int, tuple[str, ...]], dict[str, np.ndarray]] = {}
   try:
     with safe_open(file, framework="np") as f:
       for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
-        layer, key, half = _route(name, model_cfg, dims)
-        _check_shape(tuple(f.get_slice(name).get_shape()), half, rank, dims[key], name)
-        halves.setdefault((layer, key), {})[half] = _checked_tensor(f.get_tensor(name), name)
+        layer, keys, half = _route(name, model_cfg, dims)
+        _check_shape(tuple(f.get_slice(name).get_shape()), half, rank, _dims_of(keys, dims),
+                     name)
+        halves.setdefault((layer, keys), {})[half] = _checked_tensor(f.get_tensor(name), name)
   except LoraError:
     raise
   except Exception as e:  # noqa: BLE001 -- a corrupt or truncated file
@@ -139,29 +145,43 @@ def load_lora_adapter(path: str, model_cfg: ModelConfig, *, max_rank: int) -> Lo
   if not halves:
     raise LoraError(f"{file}: holds no LoRA tensors")
   layers: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-  for (layer, key), ab in sorted(halves.items()):
+  for (layer, keys), ab in sorted(halves.items()):
     if set(ab) != {"A", "B"}:
-      raise LoraError(f"layer {layer} {key}: lora_A and lora_B must both be present")
+      raise LoraError(f"layer {layer} {'/'.join(keys)}: lora_A and lora_B must both be present")
     a, b = ab["A"], ab["B"]  # PEFT: A [r, In], B [Out, r] (shapes checked before reading)
-    layers.setdefault(layer, {})[key] = (np.ascontiguousarray(a.T),
-                                         np.ascontiguousarray(b.T * np.float32(scaling)))
+    a = np.ascontiguousarray(a.T)
+    start = 0
+    for key in keys:
+      if key in layers.get(layer, {}):
+        raise LoraError(f"layer {layer} {key}: adapted twice (fused and separate modules)")
+      stop = start + dims[key][1]
+      layers.setdefault(layer, {})[key] = (a, np.ascontiguousarray(b[start:stop].T
+                                                                   * np.float32(scaling)))
+      start = stop
   return LoraWeights(rank=rank, scaling=scaling, layers=layers)
 
 
-def _route(name: str, cfg: ModelConfig, dims: dict) -> tuple[int, str, str]:
+def _route(name: str, cfg: ModelConfig, dims: dict) -> tuple[int, tuple[str, ...], str]:
+  """(layer, params keys the module's output splits into, "A" | "B") of a tensor name."""
   m = _TENSOR_RE.match(name)
   if m is None:
     raise LoraError(f"tensor {name!r}: not a LoRA weight of a decoder layer's projection "
                     "(embeddings, the LM head and modules_to_save are not supported)")
   layer, module, half = int(m.group(1)), m.group(2), m.group(3)
-  key = HF_MODULES.get(module)
-  if key is None or key not in dims:
-    supported = ", ".join(k for k, v in HF_MODULES.items() if v in dims)
+  keys = FUSED_MODULES.get(module) or ((HF_MODULES[module],) if module in HF_MODULES else ())
+  if not keys or not all(k in dims for k in keys):
+    supported = ", ".join([*(k for k, v in HF_MODULES.items() if v in dims),
+                           *(k for k, v in FUSED_MODULES.items() if set(v) <= set(dims))])
     raise LoraError(f"tensor {name!r}: module {module!r} cannot take an adapter on this "
                     f"model (supported: {supported})")
   if layer >= cfg.num_layers:
     raise LoraError(f"tensor {name!r}: layer {layer} but the model has {cfg.num_layers}")
-  return layer, key, half
+  return layer, keys, half
+
+
+def _dims_of(keys: tuple[str, ...], dims: dict) -> tuple[int, int]:
+  """(In, Out) of a module whose output is the concatenation of `keys`' outputs."""
+  return dims[keys[0]][0], sum(dims[k][1] for k in keys)
 
 
 def _check_shape(shape: tuple, half: str, rank: int, dims: tuple[int, int], name: str) -> None:

@@ -19,6 +19,9 @@ import safetensors.numpy
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Phi-3's modules: fused q/k/v and gate/up projections.
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+FUSED_ATTENTION_TARGETS = ("qkv_proj", "o_proj")
 
 
 def save_random_adapter(base, path: str, *, rank: int, seed: int,

@@ -23,6 +23,16 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                bos_token_id=256, eos_token_id=257, tie_word_embeddings=False)
 
+# Phi-3's chat tokens after <s> and </s>: <|endoftext|> is the config's EOS, turns end with
+# <|end|>; generation_config lists all three ends (as the published checkpoints do).
+PHI3_SPECIALS = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
+PHI3_EOS = 258
+PHI3_GENERATION_EOS = [258, 259, 260]
+# Phi-4-mini's template (without tools).
+PHI3_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + "
+                      "message['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt "
+                      "%}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
     "llama3": lambda: transformers.LlamaConfig(**{**_COMMON, "rope_theta": 500000.0}, rope_scaling={
@@ -40,6 +50,17 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # Phi-4-mini's shape: RoPE on 3/4 of each head, LongRoPE (short set up to 128
+    # positions), tied embeddings; plus a sliding window smaller than test prompts.
+    "phi3": lambda: transformers.Phi3Config(
+        **{**_COMMON, "tie_word_embeddings": True, "eos_token_id": PHI3_EOS}, pad_token_id=None,
+        sliding_window=16,
+        original_max_position_embeddings=128, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+                      "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}),
+    # Phi-3-mini-4k's shape: plain RoPE on whole heads, a sliding window.
+    "phi3_mini": lambda: transformers.Phi3Config(**{**_COMMON, "eos_token_id": PHI3_EOS},
+                                                 pad_token_id=None, sliding_window=16),
 }
 
 
@@ -69,6 +90,9 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTr
       if "norm" in name:
         p.add_(0.1 * torch.randn_like(p))
   model.save_pretrained(path)
+  if config.model_type == "phi3":
+    _write_phi3_tokenizer(path)
+    return model
   byte_tokenizer().save(os.path.join(path, "tokenizer.json"))
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
@@ -76,6 +100,18 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTr
                                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"},
               f)
   return model
+
+
+def _write_phi3_tokenizer(path: str) -> None:
+  """Phi-3's chat files: its special tokens, template and generation_config EOS list."""
+  tok = byte_tokenizer()
+  tok.add_special_tokens(list(PHI3_SPECIALS))
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "<|endoftext|>", "add_bos_token": False,
+               "chat_template": PHI3_CHAT_TEMPLATE}, f)
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump({"bos_token_id": 256, "eos_token_id": PHI3_GENERATION_EOS}, f)
 
 
 def torch_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.models.lora import apply_lora
-from serving.models.model_config import ModelConfig
+from serving.models.model_config import LongRopeScaling, ModelConfig
 
 Params = dict[str, Any]
 # A layer's LoRA: (its {module: (a, b)} slots, each row's slot, method) or None.
@@ -34,15 +34,17 @@ ExpertsFn = Callable[..., jax.Array]
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
-  """Inverse RoPE frequencies [H/2] (float32) for base `theta` (default
-  cfg.rope_theta), with cfg's llama3 scaling if configured."""
-  h = cfg.head_dim
+  """Inverse RoPE frequencies [rotary_dim / 2] (float32) for base `theta` (default
+  cfg.rope_theta), scaled as cfg configures: llama3, or the LongRoPE factor set in use."""
+  h = cfg.rotary_dim
   theta = cfg.rope_theta if theta is None else theta
   inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
   inv = inv.astype(np.float32)
   rs = cfg.rope_scaling
   if rs is None:
     return inv
+  if isinstance(rs, LongRopeScaling):
+    return (inv / np.asarray(rs.factors, np.float32)).astype(np.float32)
   low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
   high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -54,15 +56,30 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-  """Rotate-half RoPE. x [T, heads, H]; positions [T] int32."""
-  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, H]
+def rope_attention_scale(cfg: ModelConfig) -> float:
+  """The factor on RoPE's cos and sin (LongRoPE's attention factor; else 1)."""
+  rs = cfg.rope_scaling
+  return rs.attention_factor if isinstance(rs, LongRopeScaling) else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               scale: float = 1.0) -> jax.Array:
+  """Rotate-half RoPE on the first R = 2 * len(inv_freq) dims of each head (the rest
+  pass through: partial rotary), cos and sin times `scale`. x [T, heads, H];
+  positions [T] int32."""
+  rot = 2 * inv_freq.shape[0]
+  freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, R]
   cos, sin = jnp.cos(emb)[:, None, :], jnp.sin(emb)[:, None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   xf = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-  return (xf * cos + rotated * sin).astype(x.dtype)
+  xr = xf[..., :rot] if rot < x.shape[-1] else xf
+  half = rot // 2
+  out = xr * cos + jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1) * sin
+  if rot < x.shape[-1]:
+    out = jnp.concatenate([out, xf[..., rot:]], axis=-1)
+  return out.astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -12,17 +12,49 @@ support is decided there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
 
+  rope_type: ClassVar[str] = "llama3"
   factor: float
   low_freq_factor: float
   high_freq_factor: float
   original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LongRopeScaling:
+  """Phi-3 LongRoPE (`rope_type` "longrope"; "su" in older configs).
+
+  Each rotary frequency is divided by its factor from one of two sets, and
+  cos / sin are multiplied by `attention_factor`. `transformers` picks the set
+  per forward call from the sequence length (long once it exceeds
+  `original_max_position_embeddings`); a batch of sequences of any lengths
+  shares one set here, so the set is fixed per engine as vLLM fixes it: long
+  when the engine's `max_model_len` exceeds `original_max_position_embeddings`
+  (`ModelConfig.for_max_model_len`). Outputs equal `transformers`' where its
+  choice for the sequence's length is the same.
+  """
+
+  rope_type: ClassVar[str] = "longrope"
+  short_factor: tuple[float, ...]
+  long_factor: tuple[float, ...]
+  original_max_position_embeddings: int
+  attention_factor: float
+  use_long: bool
+
+  @property
+  def factors(self) -> tuple[float, ...]:
+    """The factor set in use."""
+    return self.long_factor if self.use_long else self.short_factor
+
+
+# rope_type -> its scaling class (checkpoints/orbax_io.py reads configs back with it).
+ROPE_SCALINGS = {cls.rope_type: cls for cls in (RopeScaling, LongRopeScaling)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +71,9 @@ class ModelConfig:
   head_dim: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | LongRopeScaling | None = None
+  # Rotary embedding on the first `rotary_dim` = int(head_dim * factor) dims of each head.
+  partial_rotary_factor: float = 1.0
   max_position_embeddings: int = 4096
   tie_word_embeddings: bool = False
   qkv_bias: bool = False
@@ -66,6 +100,15 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
+    if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+      raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim="
+                       f"{self.rotary_dim}: it must be even and in (0, head_dim={self.head_dim}]")
+    rs = self.rope_scaling
+    if isinstance(rs, LongRopeScaling):
+      for name, factors in (("short_factor", rs.short_factor), ("long_factor", rs.long_factor)):
+        if len(factors) != self.rotary_dim // 2:
+          raise ValueError(f"longrope {name} has {len(factors)} entries; "
+                           f"rotary_dim={self.rotary_dim} needs {self.rotary_dim // 2}")
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of layer `layer` (None: full attention)."""
@@ -90,6 +133,20 @@ class ModelConfig:
   @property
   def is_moe(self) -> bool:
     return self.num_experts > 0
+
+  @property
+  def rotary_dim(self) -> int:
+    """Dims of each head the rotary embedding turns (the rest pass through)."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+    """This config as an engine of `max_model_len` serves it: LongRoPE takes its long
+    factors exactly when `max_model_len` exceeds the original context (vLLM's rule)."""
+    rs = self.rope_scaling
+    if not isinstance(rs, LongRopeScaling):
+      return self
+    use_long = max_model_len > rs.original_max_position_embeddings
+    return dataclasses.replace(self, rope_scaling=dataclasses.replace(rs, use_long=use_long))
 
   @property
   def num_params(self) -> int:

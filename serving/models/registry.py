@@ -39,6 +39,8 @@ FAMILIES = (
                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"),
            model_types=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"),
            gguf_architectures=("llama", "qwen2", "qwen3", "qwen3moe")),
+    Family("phi3", architectures=("Phi3ForCausalLM",), model_types=("phi3",),
+           gguf_architectures=("phi3",)),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -3,13 +3,13 @@
 `runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
 `rows` rows takes the fused custom call instead of `causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
-QKV bias, Q/K norms or hybrid attention (one window for every layer), no
-LoRA, unrolled layers whose seven linear weights all run the native matvec
-at this row count (quantized groups of 32 as stored: GGUF Q4_1 / Q4_0 /
-Q8_0, our int8), float32 activations and a
-float32 or bfloat16 KV pool. Everything else (prefill, verification, larger
-batches, other models) runs op by op, as before; both paths compute the same
-values (tests/serving/runner/test_native_decode.py).
+QKV bias, Q/K norms or hybrid attention (one window for every layer), with
+RoPE on whole heads and unscaled cos / sin, no LoRA, unrolled layers whose
+seven linear weights all run the native matvec at this row count (quantized
+groups of 32 as stored: GGUF Q4_1 / Q4_0 / Q8_0, our int8), float32
+activations and a float32 or bfloat16 KV pool. Everything else (prefill,
+verification, larger batches, other models) runs op by op, as before; both
+paths compute the same values (tests/serving/runner/test_native_decode.py).
 
 `run_layers(...)` has `causal_lm.run_layers`' contract for a decode step:
 h [B, D] -> (h, kv), the K/V of each row written at its `kv_index`.
@@ -31,14 +31,18 @@ from serving.models.quantized import is_quantized
 from serving.runner.kv_cache import KVCache
 
 LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kernel's order
+# Families whose layer is the kernel's: pre-norm RMSNorm, RoPE, attention, SwiGLU (Phi-3's
+# fused projections arrive split; its partial rotary and LongRoPE are refused below).
+NATIVE_FAMILIES = ("llama", "phi3")
 
 
 def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: Any) -> bool:
   """Whether `run_layers` takes this decode step (see module doc); x [B, D]."""
   if (jax.default_backend() != "cpu" or not decoder.enabled() or lora is not None
-      or cfg.family != "llama" or cfg.is_hybrid or cfg.attention_sinks
+      or cfg.family not in NATIVE_FAMILIES or cfg.is_hybrid or cfg.attention_sinks
       or cfg.attn_soft_cap is not None or cfg.attn_scale is not None
       or cfg.is_moe or cfg.qkv_bias or cfg.qk_norm or x.dtype != jnp.float32
+      or cfg.rotary_dim != cfg.head_dim or model_layers.rope_attention_scale(cfg) != 1.0
       or kv.dtype not in decoder.PAGE_KINDS or not isinstance(layers, (list, tuple))):
     return False
   mesh = jax.sharding.get_abstract_mesh()

@@ -7,7 +7,9 @@ anything reaches a device, in this order:
   1. `check_supported` refuses what the runner cannot serve: a draft model
      without speculative_method="draft" (or the method without one), a draft
      model on a mesh, LoRA adapters with pipeline stages;
-  2. on a mesh (tp*ep*dp*pp > 1, or one given), the params are adapted to its
+  2. the model config is resolved for `max_model_len`
+     (`ModelConfig.for_max_model_len`: LongRoPE's factor set); on a mesh
+     (tp*ep*dp*pp > 1, or one given), the params are adapted to its
      `sharding.Placement` (KV heads repeated for tp, layers padded for pp
      stages) and the config with them;
   3. `quantization` quantizes them (checkpoints/quantizers.py);
@@ -146,6 +148,7 @@ def prepare_weights(params: Params, model_cfg: ModelConfig, engine_cfg: EngineCo
   itself None (one device) when tp*ep*dp*pp == 1. Steps: module doc.
   """
   mesh = mesh if mesh is not None else sharding.mesh_for(engine_cfg.parallel)
+  model_cfg = model_cfg.for_max_model_len(engine_cfg.scheduler.max_model_len)
   placement = sharding.Placement(mesh, model_cfg) if mesh is not None else None
   check_supported(engine_cfg, placement, draft is not None)
   served_cfg = model_cfg
@@ -162,6 +165,7 @@ def prepare_weights(params: Params, model_cfg: ModelConfig, engine_cfg: EngineCo
   draft_weights = None
   if draft is not None:
     draft_params, draft_cfg = draft
+    draft_cfg = draft_cfg.for_max_model_len(engine_cfg.scheduler.max_model_len)
     check_vocabulary(draft_cfg.vocab_size, served_cfg.vocab_size)
     draft_weights = DraftWeights(causal_lm.unstack_layers(draft_params) if unroll else draft_params,
                                  draft_cfg)

@@ -1,5 +1,6 @@
 """GGUF: block formats against independent numpy decoders; whole models; the real file."""
 
+import dataclasses
 import os
 
 import gguf
@@ -182,7 +183,7 @@ def test_fast_reader_matches_gguf_py(quant_file):
 
 @pytest.mark.parametrize("model_type,arch", [("llama", "llama"), ("qwen2", "qwen2"),
                                              ("qwen3", "qwen3"), ("qwen3_moe", "qwen3moe"),
-                                             ("mixtral", "llama")])
+                                             ("mixtral", "llama"), ("phi3", "phi3")])
 def test_model_round_trip(tmp_path, model_type, arch):
   """HF weights -> GGUF laid out like llama.cpp (Q/K permuted for llama) -> our params."""
   model = tiny_model(model_type, seed=3)
@@ -219,16 +220,36 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, orig, factor):
   assert_params_equal(loaded.params, expected_params(model))
 
 
+def test_phi3_gguf_config_equals_hf(tmp_path):
+  """llama.cpp's Phi-3 metadata (rope dims, original context, sliding window, attention
+  factor) and rope_factors_long / _short tensors give the config the HF directory gives
+  (floats as float32, which the file stores and the rotary math uses)."""
+  model = tiny_model("phi3", seed=5)
+  path = str(tmp_path / "phi3.gguf")
+  gguf_from_model(model, path, "phi3")
+  got = load_checkpoint(path).config
+  want = ModelConfig.from_hf_config(model.config.to_dict())
+  assert want.partial_rotary_factor == 0.75 and want.sliding_window == 16
+  got_rs, want_rs = got.rope_scaling, want.rope_scaling
+  for name in ("short_factor", "long_factor", "attention_factor"):
+    np.testing.assert_array_equal(np.float32(getattr(got_rs, name)),
+                                  np.float32(getattr(want_rs, name)), err_msg=name)
+  assert got_rs.original_max_position_embeddings == want_rs.original_max_position_embeddings
+  assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)
+  same = dict(bos_token_id=None, eos_token_ids=(), rope_scaling=None, rms_norm_eps=0.0)
+  assert dataclasses.replace(got, **same) == dataclasses.replace(want, **same)
+
+
 def test_unsupported_architecture(tmp_path):
   path = str(tmp_path / "phi.gguf")
-  w = gguf.GGUFWriter(path, "phi3")
+  w = gguf.GGUFWriter(path, "phi2")
   add_tokenizer(w)
   w.add_tensor("token_embd.weight", np.zeros((261, 8), np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(ValueError, match="phi3"):
+  with pytest.raises(ValueError, match="phi2"):
     load_checkpoint(path)
 
 

@@ -138,3 +138,44 @@ def test_config_must_be_an_object(tmp_path):
     json.dump([1, 2], f)
   with pytest.raises(LoraError, match="expected a JSON object"):
     load_lora_adapter(path, CFG, max_rank=8)
+
+
+def _fused(rng, rank: int, d_in: int, d_out: int) -> dict[str, np.ndarray]:
+  return {"A": rng.standard_normal((rank, d_in)).astype(np.float32),
+          "B": rng.standard_normal((d_out, rank)).astype(np.float32)}
+
+
+def test_fused_phi3_modules_split_into_their_parts(tmp_path):
+  """Phi-3's qkv_proj / gate_up_proj adapters: one A shared by the parts, B's rows cut
+  at q | k | v and gate | up (so each part's update is exactly its rows of B A x)."""
+  rng = np.random.default_rng(1)
+  qkv, gate_up = _fused(rng, 4, 64, 64 + 2 * 32), _fused(rng, 4, 64, 2 * 128)
+  tensors = {f"{PREFIX}.0.self_attn.qkv_proj.lora_{h}.weight": qkv[h] for h in "AB"}
+  tensors |= {f"{PREFIX}.0.mlp.gate_up_proj.lora_{h}.weight": gate_up[h] for h in "AB"}
+  path = write(tmp_path, dims={}, layers=0, rank=4, alpha=8, tensors=tensors)
+  w = load_lora_adapter(path, CFG, max_rank=4)
+  assert w.targets == ("w_gate", "w_up", "wk", "wq", "wv")
+  for key, (module, lo, hi) in {"wq": (qkv, 0, 64), "wk": (qkv, 64, 96),
+                                "wv": (qkv, 96, 128), "w_gate": (gate_up, 0, 128),
+                                "w_up": (gate_up, 128, 256)}.items():
+    a, b = w.layers[0][key]
+    np.testing.assert_array_equal(a, module["A"].T)
+    np.testing.assert_allclose(b, 2.0 * module["B"][lo:hi].T, err_msg=key)
+
+
+def test_fused_and_separate_module_refused(tmp_path):
+  rng = np.random.default_rng(2)
+  qkv = _fused(rng, 4, 64, 128)
+  tensors = {f"{PREFIX}.0.self_attn.qkv_proj.lora_{h}.weight": qkv[h] for h in "AB"}
+  path = write(tmp_path, dims={"wk": DIMS["wk"]}, layers=1, rank=4, tensors=tensors)
+  with pytest.raises(LoraError, match="layer 0 wk: adapted twice"):
+    load_lora_adapter(path, CFG, max_rank=4)
+
+
+def test_fused_module_shape_checked(tmp_path):
+  rng = np.random.default_rng(3)
+  qkv = _fused(rng, 4, 64, 96)  # this model's q, k and v take 128 rows
+  tensors = {f"{PREFIX}.0.self_attn.qkv_proj.lora_{h}.weight": qkv[h] for h in "AB"}
+  path = write(tmp_path, dims={}, layers=0, rank=4, tensors=tensors)
+  with pytest.raises(LoraError, match=r"shape \(96, 4\) .*expected \(128, 4\)"):
+    load_lora_adapter(path, CFG, max_rank=4)

@@ -118,13 +118,15 @@ def test_five_six_bit_and_k_quant_types_match_gguf_dequantization(qtype):
 def write_quantized_gguf(model, path: str, arch: str, block_type) -> None:
   """`model` as a GGUF whose linear tensors (2-D, and MoE experts 3-D) are blocks:
   `block_type(name, shape)` -> (GGML type, uint8 blocks) or None to keep float32."""
-  from ckpt_testutil import _add_arch_metadata, _block_tensors, add_tokenizer
+  from ckpt_testutil import _add_arch_metadata, _add_phi3, _block_tensors, add_tokenizer
 
   cfg = model.config
   sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
   w = gguf.GGUFWriter(path, arch)
   _add_arch_metadata(w, arch, cfg)
   add_tokenizer(w)
+  if arch == "phi3":
+    _add_phi3(w, cfg)
 
   def add(name, value):
     blocks = block_type(name, value) if value.ndim >= 2 else None
@@ -235,3 +237,27 @@ def test_moe_experts_kept_from_gguf(tmp_path):
   tokens = np.arange(3, 60, dtype=np.int32) % model.config.vocab_size
   got, want = _runner_logits(kept, tokens), _runner_logits(load_gguf(path), tokens)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_phi3_fused_blocks_kept_per_part(tmp_path):
+  """A Q8_0 Phi-3 GGUF under quantization="gguf": each part of the fused attn_qkv and
+  ffn_up tensors keeps its rows of blocks (never decoded), equal to the float load's
+  split, and the runner's logits equal the float model's."""
+  from checkpoints import load_gguf
+
+  model = tiny_model("phi3")
+
+  def block_type(name, value):
+    return Q.Q8_0, gguf.quants.quantize(value, Q.Q8_0)
+
+  path = str(tmp_path / "phi3-q8.gguf")
+  write_quantized_gguf(model, path, "phi3", block_type)
+  kept, floats = load_quantized(path, "gguf"), load_gguf(path)
+  assert kept.config == floats.config and kept.config.family == "phi3"
+  for key in ("wq", "wk", "wv", "w_gate", "w_up", "w_down"):
+    w = kept.params["layers"][key]
+    assert quant.is_quantized(w) and w.kind == "int8", key
+    np.testing.assert_array_equal(_as_linear(w), floats.params["layers"][key], err_msg=key)
+  tokens = np.arange(3, 40, dtype=np.int32) % model.config.vocab_size
+  np.testing.assert_allclose(_runner_logits(kept, tokens), _runner_logits(floats, tokens),
+                             rtol=1e-4, atol=1e-4)

@@ -6,12 +6,19 @@ with requests of the base model in the same batches (3 slots, prompts of
 several lengths, chunked prefill): each request's first-step top logprobs
 must equal peft's log-softmax within 1e-4, and 12 greedy tokens must be
 identical to a greedy loop over the peft model. MoE families take adapters
-on their attention projections (experts have no slots).
+on their attention projections (experts have no slots); Phi-3's adapters are
+on its fused qkv_proj / gate_up_proj modules.
 """
 
 import numpy as np
 import pytest
-from lora_testutil import ALL_TARGETS, ATTENTION_TARGETS, save_random_adapter
+from lora_testutil import (
+  ALL_TARGETS,
+  ATTENTION_TARGETS,
+  FUSED_ATTENTION_TARGETS,
+  FUSED_TARGETS,
+  save_random_adapter,
+)
 from tiers import fast_first
 
 from serving.config import EngineConfig
@@ -22,15 +29,17 @@ from tiny_models import FAMILIES, VOCAB, save_tiny_model, torch_greedy
 NUM_TOKENS = 12
 LOGPROB_TOL = 1e-4
 MOE = {"mixtral", "qwen3_moe"}
+FUSED = {"phi3", "phi3_mini"}  # adapters on qkv_proj / gate_up_proj
 
 
 
 @pytest.mark.parametrize("family", fast_first(sorted(FAMILIES), fast=("llama",)))
 def test_lora_matches_peft(family, tmp_path):
   base = save_tiny_model(family, str(tmp_path / "base"))
-  full = ATTENTION_TARGETS if family in MOE else ALL_TARGETS
+  attention = FUSED_ATTENTION_TARGETS if family in FUSED else ATTENTION_TARGETS
+  full = attention if family in MOE else (FUSED_TARGETS if family in FUSED else ALL_TARGETS)
   specs = {"a4": dict(rank=4, targets=full),
-           "b8": dict(rank=8, targets=ATTENTION_TARGETS),
+           "b8": dict(rank=8, targets=attention),
            "c8": dict(rank=8, targets=full, rslora=True, alpha=4.0)}
   refs = {None: base}
   for i, (name, kw) in enumerate(specs.items()):

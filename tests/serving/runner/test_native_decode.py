@@ -20,7 +20,7 @@ import pytest
 import kernels_cpu
 from checkpoints import quantizers
 from serving.models import causal_lm, quantized
-from serving.models.model_config import ModelConfig
+from serving.models.model_config import LongRopeScaling, ModelConfig
 from serving.runner import native_decode, steps
 from serving.runner.kv_cache import KVCache, create_kv_cache
 
@@ -197,6 +197,17 @@ def test_chosen_only_where_it_fits(monkeypatch):
   one_window = dataclasses.replace(CFG, sliding_window=4, layer_types=("sliding_attention",) * 3)
   assert native_decode.runs_native(layers, one_window, kv, x, None)
   assert not native_decode.runs_native(layers, CFG, kv, x.astype(jnp.bfloat16), None)
+  # Phi-3's layer is the kernel's, but not its RoPE on part of each head or LongRoPE's
+  # scaled cos / sin.
+  phi3 = dataclasses.replace(CFG, family="phi3", model_type="phi3")
+  assert native_decode.runs_native(layers, phi3, kv, x, None)
+  assert not native_decode.runs_native(
+      layers, dataclasses.replace(phi3, partial_rotary_factor=0.75), kv, x, None)
+  longrope = LongRopeScaling(short_factor=(1.0,) * 16, long_factor=(2.0,) * 16,
+                             original_max_position_embeddings=64, attention_factor=1.2,
+                             use_long=False)
+  assert not native_decode.runs_native(
+      layers, dataclasses.replace(phi3, rope_scaling=longrope), kv, x, None)
   float_wq = [{**lp, "wq": jnp.zeros((128, 128))} for lp in layers]
   assert not native_decode.runs_native(float_wq, CFG, kv, x, None)
   # Beside a dense copy, batches over 8 rows multiply the copy: op by op.
@@ -213,21 +224,23 @@ def _pool_int8():
 
 
 @needs_native
-def test_llm_greedy_tokens_same_with_and_without(monkeypatch, tmp_path):
-  """Tiny SmolLM2-shaped model, int8 groups of 32: the engine's decode steps take the fused
-  call, and give the op-by-op path's greedy tokens."""
+@pytest.mark.parametrize("family", ["smollm2", "phi3_mini"])
+def test_llm_greedy_tokens_same_with_and_without(family, monkeypatch, tmp_path):
+  """Tiny SmolLM2-shaped model and Phi-3-mini-shaped one (a 16-token window), int8 groups
+  of 32: the engine's decode steps take the fused call, and give the op-by-op path's
+  greedy tokens."""
   tiny_models = pytest.importorskip("tiny_models")
   from serving import LLM, SamplingParams
 
-  path = str(tmp_path / "smollm2")
-  tiny_models.save_tiny_model("smollm2", path)
+  path = str(tmp_path / family)
+  tiny_models.save_tiny_model(family, path)
   engine = dict(max_num_seqs=4, max_model_len=128, num_pages=32, max_num_batched_tokens=32,
                 dtype="float32", quantization="int8", compilation_cache=False)
   greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
   prompts = ["hello world", "the quick brown fox jumps", "a"]
   fused = LLM(path, **engine)
   layers = fused.engine.runner.params["layers"]
-  x = jnp.ones((1, 96), jnp.float32)
+  x = jnp.ones((1, fused.engine.runner.model_cfg.hidden_size), jnp.float32)
   assert native_decode.runs_native(layers, fused.engine.runner.model_cfg,
                                    fused.engine.runner.state.kv, x, None)
   got = [o.token_ids for o in fused.generate(prompts, greedy)]
