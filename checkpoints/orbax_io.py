@@ -26,7 +26,7 @@ from typing import Any
 from checkpoints.layout import LoadedModel, Params, resolve_dtype
 from checkpoints.quantize import from_saveable, to_saveable
 from checkpoints.tokenizer import Tokenizer
-from serving.models.model_config import ModelConfig, RopeScaling
+from serving.models.model_config import ModelConfig, RopeScaling, YarnScaling
 from serving.models.quantized import is_quantized
 
 MARKER_FILE = "xlaserve_checkpoint.json"
@@ -101,8 +101,9 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
   d = dict(d)
-  if d.get("rope_scaling"):
-    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  rs = d.get("rope_scaling")
+  if rs:
+    d["rope_scaling"] = YarnScaling(**rs) if rs.get("rope_type") == "yarn" else RopeScaling(**rs)
   d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
   d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}  # JSON lists
   known = {f.name for f in dataclasses.fields(ModelConfig)}

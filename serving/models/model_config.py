@@ -26,6 +26,24 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN frequency scaling (`rope_type == "yarn"`), resolved as transformers'
+  `_compute_yarn_parameters` does (serving/models/gpt_oss.py parses it):
+  `attention_factor` multiplies cos and sin."""
+
+  factor: float
+  beta_fast: float
+  beta_slow: float
+  original_max_position_embeddings: int
+  truncate: bool
+  attention_factor: float
+  rope_type: str = "yarn"  # tells the two scalings apart in a saved config
+
+
+MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A model's architecture (see module doc); hashable, so jit can take it as static."""
 
@@ -39,7 +57,7 @@ class ModelConfig:
   head_dim: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | YarnScaling | None = None
   max_position_embeddings: int = 4096
   tie_word_embeddings: bool = False
   qkv_bias: bool = False
@@ -61,11 +79,20 @@ class ModelConfig:
   final_soft_cap: float | None = None  # tanh soft-capping of the final logits
   attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
   attention_sinks: bool = False  # per-head learned sink logits (params "sinks" [L, N])
+  # The experts' gated activation: "silu" (silu(gate) * up) or "clamped_swiglu"
+  # (GPT-OSS: gate clamped above at `swiglu_limit`, up to [-limit, limit],
+  # (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+  moe_activation: str = "silu"
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
+    if self.moe_activation not in MOE_ACTIVATIONS:
+      raise ValueError(f"unsupported moe_activation {self.moe_activation!r} (supported: "
+                       f"{MOE_ACTIVATIONS})")
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of layer `layer` (None: full attention)."""

@@ -39,6 +39,7 @@ FAMILIES = (
                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"),
            model_types=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"),
            gguf_architectures=("llama", "qwen2", "qwen3", "qwen3moe")),
+    Family("gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",)),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
