@@ -78,3 +78,16 @@ def test_mxfp4_on_other_families_raises(tiny, tmp_path):
     json.dump(config, f)
   with pytest.raises(ValueError, match="GPT-OSS experts only"):
     load_checkpoint(str(tmp_path))
+
+
+def test_orbax_round_trip_keeps_mxfp4(tiny, tmp_path):
+  from checkpoints import load_orbax, save_orbax  # noqa: PLC0415
+
+  loaded = load_checkpoint(tiny[0])
+  back = load_orbax(save_orbax(loaded, str(tmp_path / "orbax")))
+  assert back.config == loaded.config  # YaRN scaling, layer types, the SwiGLU limit
+  for key in ("we_gate", "we_down"):
+    w, got = loaded.params["layers"][key], back.params["layers"][key]
+    assert got.kind == "mxfp4" and got.group_size == 32
+    np.testing.assert_array_equal(np.asarray(got.q), w.q)
+    np.testing.assert_array_equal(np.asarray(got.scale), w.scale)
