@@ -18,6 +18,10 @@ one tensor). Weight names covered:
   fused (transformers 5 in-memory layout, `save_original_format=False`):
     {mlp,block_sparse_moe}.experts.gate_up_proj [E, 2M, D] (gate rows first),
     {mlp,block_sparse_moe}.experts.down_proj [E, D, M]
+  GPT-OSS:   self_attn.o_proj.bias, self_attn.sinks, mlp.router.{weight,bias},
+    mlp.experts.gate_up_proj [E, D, 2M] (gate / up columns interleaved) and its
+    bias [E, 2M], mlp.experts.down_proj [E, M, D] and its bias [E, D]; MXFP4
+    experts (`*_blocks` / `*_scales`) load in checkpoints/hf_mxfp4.py
 
 Linear weights are transposed to [in, out]. Tied embeddings: any `lm_head`
 tensor in the file is ignored. A config with a `quantization_config` (GPTQ,
@@ -57,6 +61,10 @@ _LAYER = {
     "self_attn.q_proj.bias": ("bq", False),
     "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.bias": ("bo", False),
+    "self_attn.sinks": ("sinks", False),
+    "mlp.router.weight": ("router", True),
+    "mlp.router.bias": ("router_bias", False),
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
@@ -74,6 +82,8 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|"
                         r"down_proj)\.weight")
 _FUSED_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+# GPT-OSS's expert tensors: [E, D, 2M] / [E, M, D] ([in, out] already) and their biases.
+_GPT_OSS_EXPERT_RE = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 # Buffers some checkpoints carry that are not parameters.
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -174,7 +184,9 @@ def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> Non
   if m is None:
     raise ValueError(f"unsupported tensor {name!r} in a {cfg.model_type} checkpoint")
   layer, rest = int(m.group(1)), m.group(2)
-  if rest in _LAYER:
+  if cfg.family == "gpt_oss" and (gm := _GPT_OSS_EXPERT_RE.fullmatch(rest)):
+    _put_gpt_oss_experts(builder, gm.group(1), bool(gm.group(2)), read(), layer, name)
+  elif rest in _LAYER:
     key, transpose = _LAYER[rest]
     value = read()
     builder.put(key, value.T if transpose else value, layer, source=name)
@@ -201,6 +213,16 @@ def _put_fused(builder: ParamsBuilder, cfg: ModelConfig, rest: str, value: np.nd
            else phi3.split_gate_up(value, cfg))
   for key, part in zip(_FUSED_DENSE[rest], parts, strict=True):
     builder.put(key, part.T, layer, source=name)
+def _put_gpt_oss_experts(builder: ParamsBuilder, proj: str, bias: bool, value: np.ndarray,
+                         layer: int, name: str) -> None:
+  """GPT-OSS expert tensors of one layer: gate_up's interleaved columns (gate even, up
+  odd) split into we_gate / we_up (be_gate / be_up); down_proj as is."""
+  if proj == "down_proj":
+    builder.put("be_down" if bias else "we_down", value, layer, source=name)
+    return
+  gate, up = value[..., 0::2], value[..., 1::2]  # [E, (D,) 2M] -> two [E, (D,) M]
+  builder.put("be_gate" if bias else "we_gate", np.ascontiguousarray(gate), layer, source=name)
+  builder.put("be_up" if bias else "we_up", np.ascontiguousarray(up), layer, source=name)
 
 
 def _as_list(value: Any) -> list[int]:

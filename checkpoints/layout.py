@@ -45,14 +45,20 @@ def resolve_dtype(dtype: Any) -> np.dtype:
 
 
 class ParamsBuilder:
-  """Preallocated params; `put` copies one (layer, expert) slice at a time."""
+  """Preallocated params; `put` copies one (layer, expert) slice at a time.
 
-  def __init__(self, cfg: ModelConfig, dtype: Any = np.float32):
+  `absent`: layer keys neither allocated nor expected (a loader that keeps them
+  quantized adds them after `finish`, e.g. MXFP4 experts).
+  """
+
+  def __init__(self, cfg: ModelConfig, dtype: Any = np.float32,
+               absent: frozenset[str] = frozenset()):
     self.cfg = cfg
     self.dtype = resolve_dtype(dtype)
     shapes = param_shapes(cfg)
     self.params: Params = {k: np.empty(s, self.dtype) for k, s in shapes.items() if k != "layers"}
-    self.params["layers"] = {k: np.empty(s, self.dtype) for k, s in shapes["layers"].items()}
+    self.params["layers"] = {k: np.empty(s, self.dtype) for k, s in shapes["layers"].items()
+                             if k not in absent}
     # Slots still to fill: (key, layer, expert); None where the axis is absent.
     self._todo: set[tuple[str, int | None, int | None]] = set()
     for key in self.params:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from checkpoints import gguf as gguf_io
-from checkpoints import hf, hf_quantized, presets, quantize
+from checkpoints import hf, hf_mxfp4, hf_quantized, presets, quantize
 from checkpoints.layout import LoadedModel, merge_eos, resolve_dtype
 from checkpoints.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax
 from checkpoints.tokenizer import Tokenizer
@@ -86,9 +86,12 @@ def load_quantized(model: str, method: str) -> LoadedModel:
 def load_hf_dir(path: str, dtype: Any = np.float32) -> LoadedModel:
   """A Hugging Face directory: config.json, safetensors, tokenizer files. With a
   `quantization_config` (GPTQ, AWQ, FP8) its quantized linears load as QuantizedWeights
-  holding the stored codes (checkpoints/hf_quantized.py)."""
+  holding the stored codes (checkpoints/hf_quantized.py); GPT-OSS's MXFP4 experts
+  likewise (checkpoints/hf_mxfp4.py)."""
   raw, config = hf.load_hf_config(path)
-  if raw.get("quantization_config"):
+  if raw.get("quantization_config") and hf_mxfp4.is_mxfp4(raw["quantization_config"]):
+    params = hf_mxfp4.load_hf_mxfp4_params(path, config, dtype)
+  elif raw.get("quantization_config"):
     params = hf_quantized.load_hf_quantized_params(path, config, raw["quantization_config"],
                                                    dtype)
   else:

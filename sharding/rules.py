@@ -43,6 +43,7 @@ LOGICAL_AXIS_RULES: Rules = {
     "embed": None,  # D, the residual stream
     "vocab": "tp",  # V, embedding rows and lm_head columns
     "heads": "tp",  # N*H, query heads
+    "q_heads": "tp",  # N, one value per query head (attention sinks)
     "kv_heads": "tp",  # K*H, key/value heads (also the KV cache's K axis)
     "head_dim": None,  # H
     "mlp": "tp",  # F, dense MLP columns
@@ -78,6 +79,14 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "we_gate": ("expert", "embed", "expert_mlp"),
     "we_up": ("expert", "embed", "expert_mlp"),
     "we_down": ("expert", "expert_mlp", "embed"),
+    # GPT-OSS: output bias, per-head sinks, router and expert biases. The down bias is
+    # added after the experts' psum (every token's k experts), so it stays replicated.
+    "bo": ("embed",),
+    "sinks": ("q_heads",),
+    "router_bias": ("router_out",),
+    "be_gate": ("expert", "expert_mlp"),
+    "be_up": ("expert", "expert_mlp"),
+    "be_down": ("router_out", "embed"),
 }
 KV_CACHE_AXES = ("cache_pages", "page", "kv_heads", "head_dim")  # [L*P, page_size, K, H]
 
@@ -95,7 +104,7 @@ def resolve_rules(cfg: ModelConfig, mesh) -> Rules:
   keep_if(("layers", "cache_pages"), cfg.num_layers)  # pipeline.pad_layers makes pp divide
   keep_if(("vocab",), cfg.vocab_size)
   # Whole heads per device, and query and KV heads split alike (GQA groups stay local).
-  keep_if(("heads", "kv_heads"), cfg.num_heads, cfg.num_kv_heads)
+  keep_if(("heads", "kv_heads", "q_heads"), cfg.num_heads, cfg.num_kv_heads)
   if cfg.is_moe:
     keep_if(("expert",), cfg.num_experts)
     keep_if(("expert_mlp",), cfg.moe_intermediate_size)

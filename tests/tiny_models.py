@@ -61,7 +61,21 @@ FAMILIES = {
     # Phi-3-mini-4k's shape: plain RoPE on whole heads, a sliding window.
     "phi3_mini": lambda: transformers.Phi3Config(**{**_COMMON, "eos_token_id": PHI3_EOS},
                                                  pad_token_id=None, sliding_window=16),
+    # Sliding (window 8) / full layers alternating, sinks, biases everywhere, YaRN
+    # (original 64 positions x factor 16 = max_position_embeddings), a SwiGLU clamp
+    # (limit) small enough that random weights reach it; expert columns in two MXFP4
+    # groups, so tp=2 splits whole groups.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**_COMMON, "intermediate_size": 64, "num_hidden_layers": 4}, head_dim=16,
+        sliding_window=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.3,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64}),
 }
+# Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
+# exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
+# (large enough to take a real share of each softmax).
+_RANDOMISED = {"gpt_oss": {"norm": 0.1, "sinks": 1.0, "bias": 0.1}}
 
 
 def byte_tokenizer() -> tokenizers.Tokenizer:
@@ -87,8 +101,9 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTr
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():  # random norms, so RMSNorm weights are exercised too
     for name, p in model.named_parameters():
-      if "norm" in name:
-        p.add_(0.1 * torch.randn_like(p))
+      for part, scale in _RANDOMISED.get(family, {"norm": 0.1}).items():
+        if part in name:
+          p.add_(scale * torch.randn_like(p))
   model.save_pretrained(path)
   if config.model_type == "phi3":
     _write_phi3_tokenizer(path)

@@ -7,9 +7,10 @@ T tokens, D model dim, N query heads, K kv heads, H head dim, F mlp dim,
 E experts, V vocab.
 
 MoE experts run through a callback
-`experts(x, weights, ids, (we_gate, we_up, we_down)) -> [T, D] f32` (default
-`moe_experts`, every expert here); the runner passes the expert-parallel one
-from `sharding`. This module knows no mesh.
+`experts(x, weights, ids, (we_gate, we_up, we_down[, be_gate, be_up])) -> [T, D]`
+(default `moe_experts`, every expert here; the gated activation is the
+config's `moe_activation`); the runner passes the expert-parallel one from
+`sharding`. This module knows no mesh.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.models.lora import apply_lora
-from serving.models.model_config import LongRopeScaling, ModelConfig
+from serving.models.model_config import LongRopeScaling, ModelConfig, YarnScaling
 
 Params = dict[str, Any]
 # A layer's LoRA: (its {module: (a, b)} slots, each row's slot, method) or None.
@@ -35,7 +36,8 @@ ExpertsFn = Callable[..., jax.Array]
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
   """Inverse RoPE frequencies [rotary_dim / 2] (float32) for base `theta` (default
-  cfg.rope_theta), scaled as cfg configures: llama3, or the LongRoPE factor set in use."""
+  cfg.rope_theta), scaled as cfg configures: llama3, YaRN, or the LongRoPE factor set
+  in use (`rope_attention_scale` is the matching cos / sin factor)."""
   h = cfg.rotary_dim
   theta = cfg.rope_theta if theta is None else theta
   inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
@@ -45,6 +47,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
     return inv
   if isinstance(rs, LongRopeScaling):
     return (inv / np.asarray(rs.factors, np.float32)).astype(np.float32)
+  if isinstance(rs, YarnScaling):
+    return yarn_inv_freq(h, theta, rs)
   low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
   high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -56,10 +60,35 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def yarn_inv_freq(head_dim: int, theta: float, yarn: YarnScaling) -> np.ndarray:
+  """YaRN inverse frequencies [H/2] (float32), as transformers' `_compute_yarn_parameters`:
+  interpolated (divided by `factor`) below the correction range, extrapolated (plain)
+  above it, a linear ramp between. The cos / sin factor is `yarn.attention_factor`."""
+  dim = head_dim
+  pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+  extrapolation = (1.0 / pos_freqs).astype(np.float32)
+  interpolation = (1.0 / (np.float32(yarn.factor) * pos_freqs)).astype(np.float32)
+
+  def correction_dim(rotations: float) -> float:
+    return (dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+            ) / (2 * math.log(theta))
+
+  low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+  if yarn.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a zero-width ramp
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation_factor = (1 - ramp).astype(np.float32)
+  inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+  return inv.astype(np.float32)
+
+
 def rope_attention_scale(cfg: ModelConfig) -> float:
   """The factor on RoPE's cos and sin (LongRoPE's attention factor; else 1)."""
   rs = cfg.rope_scaling
-  return rs.attention_factor if isinstance(rs, LongRopeScaling) else 1.0
+  return rs.attention_factor if isinstance(rs, (LongRopeScaling, YarnScaling)) else 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
@@ -197,19 +226,40 @@ def moe_mlp(cfg: ModelConfig, router: Any, experts: tuple[Any, Any, Any], x: jax
   weights, ids = moe_route(cfg, linear(x, router))
   if experts_fn is not None:
     return experts_fn(x, weights, ids, experts)
-  return moe_experts(x, weights, ids, *experts).astype(x.dtype)
+  return moe_experts(x, weights, ids, *experts, activation=expert_activation(cfg)
+                     ).astype(x.dtype)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+  """GPT-OSS's expert activation (float32): gate clamped above at `limit`, up to
+  [-limit, limit], `(up + 1) * gate * sigmoid(alpha * gate)`."""
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return (up + 1.0) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+def expert_activation(cfg: ModelConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """The experts' gated activation `(gate, up) -> hidden` (float32) of `cfg`."""
+  if cfg.moe_activation == "clamped_swiglu":
+    return functools.partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+  return lambda gate, up: jax.nn.silu(gate) * up
 
 
 def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.Array,
-                we_up: jax.Array, we_down: jax.Array, first_expert: jax.Array | int = 0
+                we_up: jax.Array, we_down: jax.Array, be_gate: jax.Array | None = None,
+                be_up: jax.Array | None = None, *, first_expert: jax.Array | int = 0,
+                activation: Callable[[jax.Array, jax.Array], jax.Array] | None = None
                 ) -> jax.Array:
   """Experts [first, first + E_l) of one device -> their weighted output [T, D] f32.
 
   x [T, D]; weights, ids [T, k]; we_gate / we_up [E_l, D, M_l], we_down
   [E_l, M_l, D] (arrays, or quantized weights of those logical shapes, which
-  are dequantized inside the step before the grouped matmul). Pairs routed
-  to other experts sort last, past every group, and get weight 0; with a
-  column slice M_l < M the output is a partial sum.
+  are dequantized inside the step before the grouped matmul); optional
+  biases be_gate / be_up [E_l, M_l] (a down-projection bias is the caller's,
+  added once after the partial sums); `activation(gate, up)` on float32
+  (default silu(gate) * up). Pairs routed to other experts sort last, past
+  every group, and get weight 0; with a column slice M_l < M the output is a
+  partial sum.
   """
   t, d = x.shape
   topk, e_local = ids.shape[1], we_gate.shape[0]
@@ -228,7 +278,12 @@ def moe_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, we_gate: jax.A
 
   g = grouped(xs, we_gate)
   u = grouped(xs, we_up)
-  hdn = (jax.nn.silu(g) * u).astype(x.dtype)
+  if be_gate is not None:
+    expert_of = jnp.minimum(local[order], e_local - 1)  # each sorted pair's local expert
+    g = g + be_gate.astype(jnp.float32)[expert_of]
+    u = u + be_up.astype(jnp.float32)[expert_of]
+  act = activation or (lambda gate, up: jax.nn.silu(gate) * up)
+  hdn = act(g, u).astype(x.dtype)
   ys = grouped(hdn, we_down)  # [T*k, D] f32
   # Rows past the groups (other devices' pairs) are masked, not scaled: never read.
   mine = (local[order] < e_local)[:, None]

@@ -53,8 +53,25 @@ class LongRopeScaling:
     return self.long_factor if self.use_long else self.short_factor
 
 
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN frequency scaling (`rope_type == "yarn"`), resolved as transformers'
+  `_compute_yarn_parameters` does (serving/models/gpt_oss.py parses it):
+  `attention_factor` multiplies cos and sin."""
+
+  factor: float
+  beta_fast: float
+  beta_slow: float
+  original_max_position_embeddings: int
+  truncate: bool
+  attention_factor: float
+  rope_type: ClassVar[str] = "yarn"
+
+
+MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
+
 # rope_type -> its scaling class (checkpoints/orbax_io.py reads configs back with it).
-ROPE_SCALINGS = {cls.rope_type: cls for cls in (RopeScaling, LongRopeScaling)}
+ROPE_SCALINGS = {cls.rope_type: cls for cls in (RopeScaling, LongRopeScaling, YarnScaling)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +88,7 @@ class ModelConfig:
   head_dim: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | LongRopeScaling | None = None
+  rope_scaling: RopeScaling | LongRopeScaling | YarnScaling | None = None
   # Rotary embedding on the first `rotary_dim` = int(head_dim * factor) dims of each head.
   partial_rotary_factor: float = 1.0
   max_position_embeddings: int = 4096
@@ -95,6 +112,12 @@ class ModelConfig:
   final_soft_cap: float | None = None  # tanh soft-capping of the final logits
   attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
   attention_sinks: bool = False  # per-head learned sink logits (params "sinks" [L, N])
+  # The experts' gated activation: "silu" (silu(gate) * up) or "clamped_swiglu"
+  # (GPT-OSS: gate clamped above at `swiglu_limit`, up to [-limit, limit],
+  # (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+  moe_activation: str = "silu"
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -109,6 +132,9 @@ class ModelConfig:
         if len(factors) != self.rotary_dim // 2:
           raise ValueError(f"longrope {name} has {len(factors)} entries; "
                            f"rotary_dim={self.rotary_dim} needs {self.rotary_dim // 2}")
+    if self.moe_activation not in MOE_ACTIVATIONS:
+      raise ValueError(f"unsupported moe_activation {self.moe_activation!r} (supported: "
+                       f"{MOE_ACTIVATIONS})")
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of layer `layer` (None: full attention)."""

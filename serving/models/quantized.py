@@ -18,6 +18,12 @@ without a transpose. Kinds:
   byte k holds inputs k*8/b onward, b bits each, from the lowest bits up.
 - `fp8`: float8_e4m3fn codes `[..., Out, In]`, per-output-channel `scale` or
   per group; emulated (converted to the compute dtype inside the matmul).
+- `mxfp4` (OCP microscaling, GPT-OSS experts): FP4 E2M1 codes two a byte, `q`
+  uint8 `[..., Out, In/2]`, byte j holding input 2j in its low nibble and input
+  2j + 1 in its high nibble (the checkpoint's `*_blocks` order); `scale` uint8
+  E8M0 exponents `[..., Out, In/32]` (the checkpoint's `*_scales`): value
+  `FP4[code] * 2^(scale - 127)`, FP4 = ±{0, 0.5, 1, 1.5, 2, 3, 4, 6} (bit 3 the
+  sign). Exact in any float dtype that holds the scale's power of two.
 
 Values, per group of g inputs (`scale`, `offset`, `zero` are `[..., Out, In/g]`):
 `scale * (code - zero)` with a zero point (GPTQ, AWQ), `scale * code +
@@ -68,14 +74,18 @@ import numpy as np
 import kernels_cpu
 from serving.models.layers import dot_f32_accumulate
 
-KINDS = ("int8", "int4", "int5", "int6", "fp8")
+KINDS = ("int8", "int4", "int5", "int6", "fp8", "mxfp4")
 METHODS = ("int8", "int4", "fp8", "gguf")  # values of `quantization=` (gguf: blocks as stored)
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 EXPERT_KEYS = ("we_gate", "we_up", "we_down")
 DEFAULT_INT4_GROUP = 64
 DEFAULT_INT8_GROUP = 32  # llama.cpp's Q8_0 block
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-CODE_BITS = {"int4": 4, "int5": 5, "int6": 6}  # nibble-packed kinds
+CODE_BITS = {"int4": 4, "int5": 5, "int6": 6, "mxfp4": 4}  # nibble-packed kinds
+MXFP4_GROUP = 32  # inputs sharing one E8M0 scale
+# FP4 E2M1 code -> value: bit 3 the sign, bits 0-2 the magnitude.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 HIGH_BITS = {"int5": 1, "int6": 2}  # bits above the low nibble, in `q_high`
 ROW_FIELDS = ("q", "scale", "offset", "zero", "q_high", "super_scale", "super_offset")
 FIELDS = (*ROW_FIELDS, "perm", "full")
@@ -126,6 +136,10 @@ class QuantizedWeight:
       raise ValueError("super_offset needs super_scale and offset codes")
     if self.super_size and self.super_size % self.group_size:
       raise ValueError(f"group_size={self.group_size} must divide super_size={self.super_size}")
+    if self.kind == "mxfp4" and (self.group_size != MXFP4_GROUP or self.offset is not None
+                                 or self.zero is not None or self.super_size):
+      raise ValueError(f"mxfp4 has E8M0 scales per group of {MXFP4_GROUP} inputs and no "
+                       f"offset, zero point or super-blocks (got group_size={self.group_size})")
 
   @property
   def in_features(self) -> int:
@@ -321,6 +335,21 @@ def unpack_codes(w: QuantizedWeight, q, q_high) -> jax.Array:
   return (low | (high << 4)).astype(jnp.float32)
 
 
+def dequantize_mxfp4(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """MXFP4 rows -> `[..., R, In]` of dtype. q uint8 `[..., R, In/2]` (byte j: input 2j
+  low nibble, 2j + 1 high), scale uint8 E8M0 `[..., R, In/32]` (module doc)."""
+  lut = jnp.asarray(FP4_VALUES, jnp.float32)
+  # [..., R, In/2] -> [..., R, In/2, 2] -> [..., R, G, 32]: low nibble first
+  codes = jnp.stack([q & 0x0F, q >> 4], axis=-1).reshape(*q.shape[:-1], -1, MXFP4_GROUP)
+  vals = lut[codes.astype(jnp.int32)]
+  # 2^(e - 127) exactly, as float32 bits (e = 255, NaN in E8M0, reads inf). Values below
+  # float32's normal range (e = 0, or 0.5 * 2^-126) read 0: XLA flushes subnormals.
+  exp = jax.lax.bitcast_convert_type(scale.astype(jnp.int32) << 23, jnp.float32)
+  vals = vals * exp[..., None]
+  # [..., R, G, 32] -> [..., R, In]
+  return vals.reshape(*vals.shape[:-2], -1).astype(dtype)
+
+
 def _per_group(w: QuantizedWeight, codes, supers) -> jax.Array:
   """Group values `[..., R, G]` as float32; integer codes times their super-block's value."""
   vals = codes.astype(jnp.float32)
@@ -333,6 +362,8 @@ def _per_group(w: QuantizedWeight, codes, supers) -> jax.Array:
 
 def _dequantize_rows(w: QuantizedWeight, rows: dict[str, Any], dtype) -> jax.Array:
   """Rows of every field (`ROW_FIELDS`) -> float `[..., R, In]` of dtype."""
+  if w.kind == "mxfp4":
+    return dequantize_mxfp4(rows["q"], rows["scale"], dtype)
   codes = unpack_codes(w, rows["q"], rows["q_high"])
   if w.group_size == 0:
     return (codes * rows["scale"].astype(jnp.float32)[..., None]).astype(dtype)

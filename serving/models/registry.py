@@ -41,6 +41,7 @@ FAMILIES = (
            gguf_architectures=("llama", "qwen2", "qwen3", "qwen3moe")),
     Family("phi3", architectures=("Phi3ForCausalLM",), model_types=("phi3",),
            gguf_architectures=("phi3",)),
+    Family("gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",)),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 

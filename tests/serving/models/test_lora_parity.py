@@ -28,7 +28,7 @@ from tiny_models import FAMILIES, VOCAB, save_tiny_model, torch_greedy
 
 NUM_TOKENS = 12
 LOGPROB_TOL = 1e-4
-MOE = {"mixtral", "qwen3_moe"}
+MOE = {"mixtral", "qwen3_moe", "gpt_oss"}
 FUSED = {"phi3", "phi3_mini"}  # adapters on qkv_proj / gate_up_proj
 
 
