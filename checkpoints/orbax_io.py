@@ -26,7 +26,7 @@ from typing import Any
 from checkpoints.layout import LoadedModel, Params, resolve_dtype
 from checkpoints.quantize import from_saveable, to_saveable
 from checkpoints.tokenizer import Tokenizer
-from serving.models.model_config import ModelConfig, RopeScaling
+from serving.models.model_config import ROPE_SCALINGS, ModelConfig
 from serving.models.quantized import is_quantized
 
 MARKER_FILE = "xlaserve_checkpoint.json"
@@ -94,15 +94,21 @@ def load_orbax(path: str, dtype: Any = None, abstract_params: Params | None = No
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+  """A ModelConfig as JSON-able data (the rope scaling tagged with its `rope_type`)."""
   d = dataclasses.asdict(cfg)
   d["eos_token_ids"] = list(cfg.eos_token_ids)
+  if cfg.rope_scaling is not None:
+    d["rope_scaling"] = {"rope_type": cfg.rope_scaling.rope_type, **d["rope_scaling"]}
   return d
 
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
+  """`config_to_dict`'s inverse (a rope scaling without `rope_type` is llama3's)."""
   d = dict(d)
   if d.get("rope_scaling"):
-    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    rs = dict(d["rope_scaling"])
+    cls = ROPE_SCALINGS[rs.pop("rope_type", "llama3")]
+    d["rope_scaling"] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in rs.items()})
   d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
   d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}  # JSON lists
   known = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.models.lora import apply_lora
-from serving.models.model_config import ModelConfig
+from serving.models.model_config import LinearRopeScaling, ModelConfig
 
 Params = dict[str, Any]
 # A layer's LoRA: (its {module: (a, b)} slots, each row's slot, method) or None.
@@ -33,16 +33,20 @@ AttendFn = Callable[..., tuple[jax.Array, Any]]
 ExpertsFn = Callable[..., jax.Array]
 
 
-def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None,
+                  scaled: bool = True) -> np.ndarray:
   """Inverse RoPE frequencies [H/2] (float32) for base `theta` (default
-  cfg.rope_theta), with cfg's llama3 scaling if configured."""
+  cfg.rope_theta), with cfg's llama3 or linear scaling if configured (and
+  `scaled`: Gemma 3's sliding layers use their own base unscaled)."""
   h = cfg.head_dim
   theta = cfg.rope_theta if theta is None else theta
   inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
   inv = inv.astype(np.float32)
-  rs = cfg.rope_scaling
+  rs = cfg.rope_scaling if scaled else None
   if rs is None:
     return inv
+  if isinstance(rs, LinearRopeScaling):
+    return (inv / np.float32(rs.factor)).astype(np.float32)
   low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
   high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -69,6 +73,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rms_norm_plus_one(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm scaled by `(1 + w)`, all in float32, cast back to x's dtype (Gemma's
+  zero-centred norm weights)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
 def dot_f32_accumulate(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

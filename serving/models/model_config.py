@@ -12,17 +12,30 @@ support is decided there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
 
+  rope_type: ClassVar[str] = "llama3"
   factor: float
   low_freq_factor: float
   high_freq_factor: float
   original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Position interpolation (`rope_type == "linear"`): every frequency divided by `factor`."""
+
+  rope_type: ClassVar[str] = "linear"
+  factor: float
+
+
+# rope_type -> its scaling class (checkpoints/orbax_io.py reads configs back with it).
+ROPE_SCALINGS = {cls.rope_type: cls for cls in (RopeScaling, LinearRopeScaling)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +52,9 @@ class ModelConfig:
   head_dim: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
+  rope_scaling: RopeScaling | LinearRopeScaling | None = None
+  # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: as the full layers.
+  local_rope_theta: float | None = None
   max_position_embeddings: int = 4096
   tie_word_embeddings: bool = False
   qkv_bias: bool = False

@@ -39,6 +39,8 @@ FAMILIES = (
                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"),
            model_types=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"),
            gguf_architectures=("llama", "qwen2", "qwen3", "qwen3moe")),
+    Family("gemma", architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+           model_types=("gemma2", "gemma3_text"), gguf_architectures=("gemma2", "gemma3")),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
