@@ -86,6 +86,40 @@ def test_prefix_cache_preemption_and_chunked_prefill_keep_greedy_tokens(gemma):
 
 
 @pytest.mark.slow
+def test_a_long_sequence_holds_its_full_pages_and_only_its_window(gemma):
+  """16x the window: after every step the sequence holds the full layers' pages for its
+  length and at most the window's pages + 1 in the sliding group (the rest released),
+  and its tokens still equal transformers'."""
+  path, model = gemma
+  engine = make_engine(path, max_model_len=160, num_pages=48)
+  window = engine.window
+  assert window is not None and window.window == model.config.sliding_window
+  ps = engine.config.cache.page_size
+  window_pages = -(-window.window // ps)
+  n = 16 * window.window
+  prompt = np.random.default_rng(7).integers(0, VOCAB, 10).tolist()
+  outs = []
+  engine.add_request("long", prompt, SamplingParams(max_tokens=n - len(prompt), **GREEDY),
+                     outs.append)
+  most = 0
+  while engine.has_unfinished():
+    engine.step()
+    seq = next((s for s in engine.scheduler.running if s.request_id == "long"), None)
+    if seq is None:
+      continue
+    full = engine.allocator.num_usable - engine.allocator.num_free
+    held = window.allocator.num_usable - window.allocator.num_free
+    assert full == len(seq.pages) == -(-seq.num_computed // ps)  # positions written
+    assert held == window.held(seq.window_pages) <= window_pages + 1, seq.window_pages
+    most = max(most, held)
+  assert most == window_pages + 1  # not vacuous: the window was full
+  for alloc in (engine.allocator, window.allocator):  # finished: everything released
+    assert alloc.num_free == alloc.num_usable
+  tokens = sum((o.token_ids for o in outs), [])
+  assert tokens == torch_greedy(model, prompt, n - len(prompt))[0]
+
+
+@pytest.mark.slow
 def test_ngram_speculation_keeps_greedy_tokens(gemma):
   path, model = gemma
   engine = make_engine(path, speculative_method="ngram", num_speculative_tokens=3,
