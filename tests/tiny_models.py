@@ -54,6 +54,8 @@ FAMILIES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
 }
+# Families with both sliding-window and full-attention layers.
+HYBRID = frozenset({"gemma2", "gemma3"})
 # Extra special tokens and the checkpoint's chat template (tests/data) per family.
 _CHAT = {
     "gemma2": (["<start_of_turn>", "<end_of_turn>"], "gemma2_chat_template.jinja"),

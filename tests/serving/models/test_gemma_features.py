@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from compile_watch import compile_events
 
-import kernels_cpu
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
@@ -27,16 +26,7 @@ from tiny_models import VOCAB, save_tiny_model, torch_greedy
 FAMILY = "gemma3"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
-
-@pytest.fixture(autouse=True)
-def xla_attention(monkeypatch):
-  """The XLA attention path: a hybrid model's per-layer window is a traced value under the
-  layer scan, which the native CPU kernels take only once they learn to (issue 36, the
-  kernels' part)."""
-  monkeypatch.setenv("XLASERVE_NATIVE", "0")
-  kernels_cpu.library.available.cache_clear()
-  yield
-  kernels_cpu.library.available.cache_clear()
+pytestmark = pytest.mark.usefixtures("xla_attention")  # traced windows (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import pytest
 import torch
 import transformers
 
-import kernels_cpu
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
@@ -28,16 +27,7 @@ PROMPT_LENS = [3, 11, 20, 37]  # window 8; 37 > max_num_batched_tokens: chunked 
 NUM_TOKENS = 64
 LOGPROB_TOL = 1e-4
 
-
-@pytest.fixture(autouse=True)
-def xla_attention(monkeypatch):
-  """The XLA attention path: a hybrid model's per-layer window is a traced value under the
-  layer scan, which the native CPU kernels take only once they learn to (issue 36, the
-  kernels' part)."""
-  monkeypatch.setenv("XLASERVE_NATIVE", "0")
-  kernels_cpu.library.available.cache_clear()
-  yield
-  kernels_cpu.library.available.cache_clear()
+pytestmark = pytest.mark.usefixtures("xla_attention")  # traced windows (conftest)
 
 
 def engine_config(**kw) -> EngineConfig:

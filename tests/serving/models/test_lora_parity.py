@@ -17,7 +17,7 @@ from tiers import fast_first
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from tiny_models import FAMILIES, VOCAB, save_tiny_model, torch_greedy
+from tiny_models import FAMILIES, HYBRID, VOCAB, save_tiny_model, torch_greedy
 
 NUM_TOKENS = 12
 LOGPROB_TOL = 1e-4
@@ -26,7 +26,9 @@ MOE = {"mixtral", "qwen3_moe"}
 
 
 @pytest.mark.parametrize("family", fast_first(sorted(FAMILIES), fast=("llama",)))
-def test_lora_matches_peft(family, tmp_path):
+def test_lora_matches_peft(family, tmp_path, request):
+  if family in HYBRID:
+    request.getfixturevalue("xla_attention")
   base = save_tiny_model(family, str(tmp_path / "base"))
   full = ATTENTION_TARGETS if family in MOE else ALL_TARGETS
   specs = {"a4": dict(rank=4, targets=full),
