@@ -53,6 +53,47 @@ def test_layouts_match_one_device_and_transformers(result, models, family):
     np.testing.assert_allclose(got["decode_logits"], base["decode_logits"], atol=stu.LOGIT_ATOL)
 
 
+def test_zero_padded_layers_are_identities(models):
+  """pp that does not divide L pads zero layers (full attention): Gemma's post-norms of a
+  zero output are zero, so the padded model computes the same hidden states."""
+  import jax.numpy as jnp
+
+  import checkpoints
+  from serving.models import causal_lm
+  from sharding import pipeline
+
+  loaded = checkpoints.load_checkpoint(models["gemma3"][0])
+  padded, cfg = pipeline.pad_layers(loaded.params, loaded.config, 4)
+  assert cfg.num_layers == 8 and cfg.layer_types[6:] == ("full_attention",) * 2
+  tokens = jnp.asarray(stu.PROMPTS[0] * 2, jnp.int32)
+  positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+  want, _ = causal_lm.forward(causal_lm.unstack_layers(loaded.params), loaded.config, tokens,
+                              positions, None, _dense_attend(loaded.config, positions))
+  got, _ = causal_lm.forward(causal_lm.unstack_layers(padded), cfg, tokens, positions, None,
+                             _dense_attend(cfg, positions))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+def _dense_attend(cfg, positions):
+  """Causal attention over one sequence with each layer's window, scale and soft cap."""
+  import jax
+  import jax.numpy as jnp
+
+  from serving.models import layers
+
+  def attend(layer, q, k, v, kv):
+    rep = cfg.num_heads // cfg.num_kv_heads
+    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    s = layers.soft_cap(jnp.einsum("qnh,knh->nqk", q, k) * cfg.scale, cfg.attn_soft_cap)
+    dist = positions[:, None] - positions[None, :]
+    window = cfg.layer_window(layer)
+    mask = (dist >= 0) & (dist < (window or dist.shape[0] + 1))
+    p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("nqk,knh->qnh", p, v), kv
+
+  return attend
+
+
 def _worker(*paths: str) -> None:
   import checkpoints
 
