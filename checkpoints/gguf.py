@@ -4,14 +4,16 @@
 2. `gguf_hf_config(reader)` turns `{arch}.*` metadata into a HF config dict
    (architectures llama, incl. Mixtral-style MoE, qwen2, qwen3, qwen3moe, phi3:
    its fused attn_qkv / ffn_up (gate rows, then up rows) are split into our
-   leaves, its rope_factors_long / _short tensors become LongRoPE scaling).
+   leaves, its rope_factors_long / _short tensors become LongRoPE scaling;
+   gemma2, gemma3: their windows, soft caps, attention scale and RoPE bases
+   as llama.cpp reads them).
 3. `load_gguf_params(reader, cfg)` dequantizes each tensor to float with
    `gguf.quants.dequantize` (types in `SUPPORTED_TYPES`) and copies it into the
    params tree. For llama-arch files the Q/K rows are un-permuted: llama.cpp's
    converter reorders each head's rows from HF's rotate-half layout to
    interleaved pairs; `unpermute_rows` reverses it exactly as transformers'
    `LlamaTensorProcessor` does, so our weights equal transformers' load of
-   the same file.
+   the same file. Gemma norms are stored as `1 + w`; we subtract the 1.
 4. `raw_tensor(reader, name)` gives a tensor's quantized blocks untouched
    (name, ggml type, logical shape, bytes) for quantized serving paths; the
    Q/K un-permutation moves whole rows, so it applies to raw blocks too, as
@@ -29,7 +31,7 @@ import numpy as np
 
 from checkpoints.gguf_reader import GGUFFile, metadata_value, open_gguf
 from checkpoints.layout import Params, ParamsBuilder
-from serving.models import phi3
+from serving.models import phi3, registry
 from serving.models.model_config import ModelConfig
 
 Q = gguf.GGMLQuantizationType
@@ -39,11 +41,19 @@ SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_
                              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # general.architecture -> HF model_type (llama with experts becomes mixtral).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                 "phi3": "phi3"}
+                 "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 # Phi-3's fused tensors (rows as in HF: q, k, v; gate, up) -> the params keys they split into.
 _PHI3_FUSED = {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")}
 # Tensors folded into the config (rope_scaling), not params.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Architectures whose converter stores RMSNorm weights as `1 + w` (llama.cpp's
+# convert_hf_to_gguf adds 1 to every `*norm.weight` of Gemma 2/3); we keep HF's `w`.
+NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
+# llama.cpp's fixed sliding-window patterns (every n-th layer full) and its attention scale
+# rule: query_pre_attn_scalar is hidden / heads for the 27B models (this layer count), else
+# head_dim (google/gemma_pytorch config.py).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _TOP = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False),
         "output.weight": ("lm_head", True)}
@@ -53,6 +63,8 @@ _BLOCK = {
     "attn_v.weight": ("wv", True), "attn_output.weight": ("wo", True),
     "attn_q.bias": ("bq", False), "attn_k.bias": ("bk", False), "attn_v.bias": ("bv", False),
     "attn_q_norm.weight": ("q_norm", False), "attn_k_norm.weight": ("k_norm", False),
+    "post_attention_norm.weight": ("post_attn_norm", False),
+    "post_ffw_norm.weight": ("post_mlp_norm", False),
     "ffn_gate.weight": ("w_gate", True), "ffn_up.weight": ("w_up", True),
     "ffn_down.weight": ("w_down", True), "ffn_gate_inp.weight": ("router", True),
     # [E, M, D] / [E, D, M] -> swap the last two axes.
@@ -96,13 +108,11 @@ field = metadata_value
 def gguf_hf_config(reader: Any) -> dict[str, Any]:
   """A HF-style config dict from GGUF metadata; unsupported files raise ValueError."""
   arch = field(reader, "general.architecture")
-  if arch not in ARCHITECTURES:
-    raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r} "
-                     f"(supported: {sorted(ARCHITECTURES)})")
+  registry.family_for_gguf(arch)  # an unsupported architecture raises ValueError here
   g = lambda key, default=None: field(reader, f"{arch}.{key}", default)
   names = {t.name for t in reader.tensors}
   scaling = g("rope.scaling.type")
-  if scaling not in (None, "none"):
+  if scaling not in (None, "none") and not (scaling == "linear" and arch in NORM_PLUS_ONE):
     raise ValueError(f"unsupported GGUF rope scaling {arch}.rope.scaling.type={scaling!r}")
   heads = g("attention.head_count")
   if isinstance(heads, list):
@@ -140,6 +150,8 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     cfg["attention_bias"] = any(n.endswith("attn_q.bias") for n in names)
   if arch == "phi3":
     cfg.update(_phi3_config(reader, cfg))
+  if arch in NORM_PLUS_ONE:
+    cfg.update(_gemma_config(reader, arch, cfg))
   return cfg
 
 
@@ -160,6 +172,31 @@ def _phi3_config(reader: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         "short_factor": dequantize_tensor(tensors["rope_factors_short.weight"]).tolist(),
         "attention_factor": float(g("rope.scaling.attn_factor", 1.0))}
   return extra
+
+
+def _gemma_config(reader: Any, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+  """The Gemma 2/3 keys of a HF config from `{arch}.*` metadata, read as llama.cpp does."""
+  g = lambda key, default=None: field(reader, f"{arch}.{key}", default)
+  layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+  out = {
+      "sliding_window": g("attention.sliding_window"),
+      "final_logit_softcapping": g("final_logit_softcapping"),
+      "query_pre_attn_scalar": (cfg["hidden_size"] // heads if layers == _GEMMA_27B_LAYERS[arch]
+                                else cfg["head_dim"]),
+      "sliding_window_pattern": _GEMMA_PATTERN[arch],
+  }
+  pattern = g("attention.sliding_window_pattern")
+  if isinstance(pattern, list):  # per layer: true = sliding window
+    out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+  elif pattern:
+    out["sliding_window_pattern"] = int(pattern)
+  if arch == "gemma2":
+    out["attn_logit_softcapping"] = g("attn_logit_softcapping")
+  else:  # the sliding layers' base (llama.cpp: 10000 unless the file says)
+    out["rope_local_base_freq"] = float(g("rope.freq_base_swa", 10000.0))
+  if g("rope.scaling.type") == "linear":
+    out["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+  return out
 
 
 def check_tensor_type(t: Any) -> None:
@@ -241,6 +278,8 @@ def load_gguf_params(reader: Any, cfg: ModelConfig, dtype: Any = np.float32,
     w = dequantize_tensor(t)
     if permute and key in ("wq", "bq", "wk", "bk"):
       w = unpermute_rows(w, cfg.num_heads if key in ("wq", "bq") else cfg.num_kv_heads)
+    if arch in NORM_PLUS_ONE and key.endswith("norm"):
+      w = w - np.float32(1.0)  # stored as 1 + w (see NORM_PLUS_ONE)
     if transpose:
       w = np.swapaxes(w, -1, -2)
     builder.put(key, w, layer, source=t.name)

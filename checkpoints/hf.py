@@ -9,7 +9,9 @@ one tensor). Weight names covered:
   model.embed_tokens / model.norm / lm_head
   model.layers.{i}.input_layernorm / post_attention_layernorm
   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, {q,k,v}_proj.bias (Qwen2)
-  model.layers.{i}.self_attn.{q,k}_norm (Qwen3)
+  model.layers.{i}.self_attn.{q,k}_norm (Qwen3, Gemma 3)
+  Gemma 2/3: post_attention_layernorm is the attention output's norm, pre_ / post_
+    feedforward_layernorm the MLP's (serving/models/gemma.py `HF_LAYER_NAMES`)
   model.layers.{i}.mlp.{gate,up,down}_proj (dense)
   Mixtral:   block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1/w3/w2
   Qwen3-MoE: mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj
@@ -42,7 +44,7 @@ import numpy as np
 from safetensors import safe_open
 
 from checkpoints.layout import Params, ParamsBuilder
-from serving.models import phi3
+from serving.models import gemma, phi3
 from serving.models.model_config import ModelConfig
 
 _TOP_LEVEL = {
@@ -169,6 +171,13 @@ def linear_slot(module: str) -> tuple[str, int | None, int | None] | None:
   return None
 
 
+def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+  """Per-layer HF tensor names -> (params key, transpose) for `cfg`'s family."""
+  if cfg.family == gemma.FAMILY:
+    return {**_LAYER, **gemma.HF_LAYER_NAMES}
+  return _LAYER
+
+
 def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> None:
   """Routes one HF tensor into the params tree."""
   if _IGNORED_RE.match(name):
@@ -184,10 +193,11 @@ def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> Non
   if m is None:
     raise ValueError(f"unsupported tensor {name!r} in a {cfg.model_type} checkpoint")
   layer, rest = int(m.group(1)), m.group(2)
+  table = layer_names(cfg)
   if cfg.family == "gpt_oss" and (gm := _GPT_OSS_EXPERT_RE.fullmatch(rest)):
     _put_gpt_oss_experts(builder, gm.group(1), bool(gm.group(2)), read(), layer, name)
-  elif rest in _LAYER:
-    key, transpose = _LAYER[rest]
+  elif rest in table:
+    key, transpose = table[rest]
     value = read()
     builder.put(key, value.T if transpose else value, layer, source=name)
   elif rest in _FUSED_DENSE:

@@ -63,6 +63,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "final_norm": ("embed",),
     "attn_norm": ("embed",),
     "mlp_norm": ("embed",),
+    "post_attn_norm": ("embed",),
+    "post_mlp_norm": ("embed",),
     "wq": ("embed", "heads"),
     "wk": ("embed", "kv_heads"),
     "wv": ("embed", "kv_heads"),

@@ -32,6 +32,11 @@ PHI3_GENERATION_EOS = [258, 259, 260]
 PHI3_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + "
                       "message['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt "
                       "%}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+# Gemma: tied embeddings, EOS + <end_of_turn> (id 259), windows of 8 tokens (test prompts are
+# longer), larger weights (initializer_range) so attention scores and logits reach the soft
+# caps, query_pre_attn_scalar != head_dim.
+_GEMMA = {**_COMMON, "tie_word_embeddings": True, "eos_token_id": [257, 259], "head_dim": 16,
+          "sliding_window": 8, "query_pre_attn_scalar": 24, "initializer_range": 0.1}
 
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
@@ -71,22 +76,39 @@ FAMILIES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0,
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64}),
+    "gemma2": lambda: transformers.Gemma2Config(  # alternating sliding / full layers
+        **{**_GEMMA, "num_hidden_layers": 4}, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(  # 5 sliding layers, then 1 full
+        **{**_GEMMA, "num_hidden_layers": 6}, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
 }
 # Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).
 _RANDOMISED = {"gpt_oss": {"norm": 0.1, "sinks": 1.0, "bias": 0.1}}
+# Families with both sliding-window and full-attention layers.
+HYBRID = frozenset({"gemma2", "gemma3"})
+# Extra special tokens and the checkpoint's chat template (tests/data) per family.
+_CHAT = {
+    "gemma2": (["<start_of_turn>", "<end_of_turn>"], "gemma2_chat_template.jinja"),
+    "gemma3": (["<start_of_turn>", "<end_of_turn>"], "gemma3_chat_template.jinja"),
+}
+_DEFAULT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def byte_tokenizer() -> tokenizers.Tokenizer:
-  """A byte-level BPE with no merges: one token per byte, plus <s> and </s>."""
+def byte_tokenizer(extra_specials: tuple[str, ...] | list[str] = ()) -> tokenizers.Tokenizer:
+  """A byte-level BPE with no merges: one token per byte, plus <s>, </s> and `extra_specials`
+  (ids 258...)."""
   alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
   vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
   tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                           use_regex=False)
   tok.decoder = tokenizers.decoders.ByteLevel()
-  tok.add_special_tokens(["<s>", "</s>"])
+  tok.add_special_tokens(["<s>", "</s>", *extra_specials])
   return tok
 
 
@@ -108,12 +130,15 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTr
   if config.model_type == "phi3":
     _write_phi3_tokenizer(path)
     return model
-  byte_tokenizer().save(os.path.join(path, "tokenizer.json"))
+  specials, template_file = _CHAT.get(family, ((), None))
+  template = _DEFAULT_TEMPLATE
+  if template_file is not None:
+    with open(os.path.join(os.path.dirname(__file__), "data", template_file)) as f:
+      template = f.read()
+  byte_tokenizer(specials).save(os.path.join(path, "tokenizer.json"))
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
-               "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"},
-              f)
+               "chat_template": template}, f)
   return model
 
 

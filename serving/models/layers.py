@@ -25,7 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.models.lora import apply_lora
-from serving.models.model_config import LongRopeScaling, ModelConfig, YarnScaling
+from serving.models.model_config import (
+  LinearRopeScaling,
+  LongRopeScaling,
+  ModelConfig,
+  YarnScaling,
+)
 
 Params = dict[str, Any]
 # A layer's LoRA: (its {module: (a, b)} slots, each row's slot, method) or None.
@@ -34,21 +39,25 @@ AttendFn = Callable[..., tuple[jax.Array, Any]]
 ExpertsFn = Callable[..., jax.Array]
 
 
-def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None,
+                  scaled: bool = True) -> np.ndarray:
   """Inverse RoPE frequencies [rotary_dim / 2] (float32) for base `theta` (default
-  cfg.rope_theta), scaled as cfg configures: llama3, YaRN, or the LongRoPE factor set
-  in use (`rope_attention_scale` is the matching cos / sin factor)."""
+  cfg.rope_theta), scaled as cfg configures when `scaled` (Gemma 3's sliding layers
+  use their own base unscaled): llama3, linear, YaRN, or the LongRoPE factor set in
+  use (`rope_attention_scale` is the matching cos / sin factor)."""
   h = cfg.rotary_dim
   theta = cfg.rope_theta if theta is None else theta
   inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
   inv = inv.astype(np.float32)
-  rs = cfg.rope_scaling
+  rs = cfg.rope_scaling if scaled else None
   if rs is None:
     return inv
   if isinstance(rs, LongRopeScaling):
     return (inv / np.asarray(rs.factors, np.float32)).astype(np.float32)
   if isinstance(rs, YarnScaling):
     return yarn_inv_freq(h, theta, rs)
+  if isinstance(rs, LinearRopeScaling):
+    return (inv / np.float32(rs.factor)).astype(np.float32)
   low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
   high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -115,6 +124,14 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rms_norm_plus_one(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm scaled by `(1 + w)`, all in float32, cast back to x's dtype (Gemma's
+  zero-centred norm weights)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
 def dot_f32_accumulate(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

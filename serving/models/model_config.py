@@ -70,8 +70,18 @@ class YarnScaling:
 
 MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
 
+
+@dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Position interpolation (`rope_type == "linear"`): every frequency divided by `factor`."""
+
+  rope_type: ClassVar[str] = "linear"
+  factor: float
+
+
 # rope_type -> its scaling class (checkpoints/orbax_io.py reads configs back with it).
-ROPE_SCALINGS = {cls.rope_type: cls for cls in (RopeScaling, LongRopeScaling, YarnScaling)}
+ROPE_SCALINGS = {cls.rope_type: cls for cls in (RopeScaling, LinearRopeScaling, LongRopeScaling,
+                                               YarnScaling)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +98,11 @@ class ModelConfig:
   head_dim: int
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | LongRopeScaling | YarnScaling | None = None
+  rope_scaling: RopeScaling | LinearRopeScaling | LongRopeScaling | YarnScaling | None = None
   # Rotary embedding on the first `rotary_dim` = int(head_dim * factor) dims of each head.
   partial_rotary_factor: float = 1.0
+  # RoPE base of the sliding-window layers, unscaled (Gemma 3); None: as the full layers.
+  local_rope_theta: float | None = None
   max_position_embeddings: int = 4096
   tie_word_embeddings: bool = False
   qkv_bias: bool = False

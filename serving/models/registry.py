@@ -42,6 +42,8 @@ FAMILIES = (
     Family("phi3", architectures=("Phi3ForCausalLM",), model_types=("phi3",),
            gguf_architectures=("phi3",)),
     Family("gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",)),
+    Family("gemma", architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+           model_types=("gemma2", "gemma3_text"), gguf_architectures=("gemma2", "gemma3")),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -78,7 +78,9 @@ def hf_sliced_equal(path: str, loaded, parallel) -> bool:
 
 
 class Driver:
-  """Greedy decoding of a few prompts through one runner (sequence i: slot i)."""
+  """Greedy decoding of a few prompts through one runner (sequence i: slot i). A hybrid
+  model's sliding-window group gets the same page ids as the full group (none released:
+  the window masks the rows behind it)."""
 
   def __init__(self, runner):
     self.runner = runner
@@ -121,13 +123,16 @@ class Driver:
              for i in range(len(prompts))]
     tables = np.zeros((len(prompts), width), np.int32)
     tables[:, :PAGES_PER_SEQ] = pages
+    layout = self.runner.kv_layout
+    hybrid = layout is not None
+    assert not hybrid or layout.window_pages > int(np.max(pages)), "window group too small"
     first = []
     for i, prompt in enumerate(prompts):
       seq = Sequence(request_id=str(i), prompt_ids=list(prompt),
                      params=SamplingParams(temperature=0.0), pages=list(pages[i]),
-                     decode_slot=i)
+                     window_pages=list(pages[i]) if hybrid else [], decode_slot=i)
       inp, _ = build_prefill_input([PrefillChunk(seq, 0, len(prompt), sample=True)], ec,
-                                   bucket=t)
+                                   bucket=t, window=hybrid)
       first.append(self._step("prefill", inp)[0])
     out = [[int(np.argmax(lg))] for lg in first]
     b = ec.scheduler.decode_batch_buckets[-1]
@@ -145,7 +150,9 @@ class Driver:
       seq_lens = np.where(np.arange(b) < len(prompts), pos + 1, 0).astype(np.int32)
       inp = DecodeInput(decode_slots=slots, positions=pos, kv_index=smap.astype(np.int32),
                         block_tables=bt, seq_lens=seq_lens, lora_slots=np.full(b, -1, np.int32),
-                        sampling=SamplingTensors.build([], [], [], b))
+                        sampling=SamplingTensors.build([], [], [], b),
+                        window_kv_index=smap.astype(np.int32) if hybrid else None,
+                        window_block_tables=bt if hybrid else None)
       logits = self._step("decode", inp)[:len(prompts)]
       decode_logits.append(logits)
       for o, lg in zip(out, logits, strict=True):
