@@ -34,17 +34,3 @@ def default_llm():
   """The default model (SmolLM2-135M-Instruct GGUF), loaded once per session."""
   from serving import LLM
   return LLM(DEFAULT_MODEL, **DEFAULT_MODEL_TEST_CONFIG)
-
-
-@pytest.fixture
-def xla_attention(monkeypatch):
-  """The XLA attention path (XLASERVE_NATIVE=0) for one test: a hybrid model's per-layer
-  window is a traced value under the layer scan, which the native CPU kernels take only
-  once they learn to (issue 36, the kernels' part)."""
-  import kernels_cpu  # noqa: PLC0415
-
-  monkeypatch.setenv("XLASERVE_NATIVE", "0")
-  kernels_cpu.library.available.cache_clear()
-  yield
-  monkeypatch.delenv("XLASERVE_NATIVE")
-  kernels_cpu.library.available.cache_clear()

@@ -88,8 +88,6 @@ FAMILIES = {
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).
 _RANDOMISED = {"gpt_oss": {"norm": 0.1, "sinks": 1.0, "bias": 0.1}}
-# Families with both sliding-window and full-attention layers.
-HYBRID = frozenset({"gemma2", "gemma3"})
 # Extra special tokens and the checkpoint's chat template (tests/data) per family.
 _CHAT = {
     "gemma2": (["<start_of_turn>", "<end_of_turn>"], "gemma2_chat_template.jinja"),

@@ -33,8 +33,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def result(models):
-  return stu.run_worker(__file__, *(models[f][0] for f in FAMILIES), devices=4, timeout=600,
-                        env={"XLASERVE_NATIVE": "0"})  # traced windows: XLA attention
+  return stu.run_worker(__file__, *(models[f][0] for f in FAMILIES), devices=4, timeout=600)
 
 
 @pytest.mark.slow

@@ -26,7 +26,6 @@ from tiny_models import VOCAB, save_tiny_model, torch_greedy
 FAMILY = "gemma3"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
-pytestmark = pytest.mark.usefixtures("xla_attention")  # traced windows (conftest)
 
 
 @pytest.fixture(scope="module")

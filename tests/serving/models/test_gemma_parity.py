@@ -27,7 +27,6 @@ PROMPT_LENS = [3, 11, 20, 37]  # window 8; 37 > max_num_batched_tokens: chunked 
 NUM_TOKENS = 64
 LOGPROB_TOL = 1e-4
 
-pytestmark = pytest.mark.usefixtures("xla_attention")  # traced windows (conftest)
 
 
 def engine_config(**kw) -> EngineConfig:
