@@ -163,3 +163,28 @@ def torch_greedy(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarra
         first = torch.log_softmax(logits, -1).numpy()
       ids.append(int(torch.argmax(logits)))
   return ids[len(prompt):], first
+
+
+def run_requests(engine, prompts: list[list[int]], params) -> list[tuple[list[int], list, str]]:
+  """Every prompt added to `engine` at once, run to the end -> per prompt (token ids,
+  logprobs, finish reason)."""
+  results = {i: [] for i in range(len(prompts))}
+  for i, p in enumerate(prompts):
+    engine.add_request(f"r{i}", p, params, results[i].append)
+  engine.run_until_idle()
+  return [(sum((o.token_ids for o in outs), []), sum((o.logprobs or [] for o in outs), []),
+           outs[-1].finish_reason) for outs in results.values()]
+
+
+def assert_matches_torch(model, prompts: list[list[int]], outs, n: int, tol: float) -> None:
+  """`run_requests` outputs (greedy, `n` tokens, top logprobs) against the torch model:
+  tokens identical, the first step's top logprobs within `tol` of its log-softmax."""
+  for prompt, (tokens, logprobs, reason) in zip(prompts, outs, strict=True):
+    ref_tokens, ref_lp = torch_greedy(model, prompt, n)
+    assert reason == "length"
+    assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens"
+    first = logprobs[0]
+    top_ids = [i for i, _ in first.top]
+    np.testing.assert_allclose([lp for _, lp in first.top], ref_lp[top_ids], atol=tol)
+    assert top_ids[0] == int(np.argmax(ref_lp))
+    assert abs(first.logprob - ref_lp[tokens[0]]) < tol

@@ -20,7 +20,7 @@ import transformers
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from tiny_models import VOCAB, save_tiny_model, torch_greedy
+from tiny_models import VOCAB, assert_matches_torch, run_requests, save_tiny_model
 
 FAMILIES = ["gemma2", "gemma3"]
 PROMPT_LENS = [3, 11, 20, 37]  # window 8; 37 > max_num_batched_tokens: chunked prefill
@@ -41,15 +41,6 @@ def prompts() -> list[list[int]]:
   return [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
 
 
-def run_engine(engine, prompts, params: SamplingParams):
-  results = {i: [] for i in range(len(prompts))}
-  for i, p in enumerate(prompts):
-    engine.add_request(f"r{i}", p, params, results[i].append)
-  engine.run_until_idle()
-  return [(sum((o.token_ids for o in outs), []), sum((o.logprobs or [] for o in outs), []),
-           outs[-1].finish_reason) for outs in results.values()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gemma_matches_transformers(family, tmp_path):
@@ -57,15 +48,8 @@ def test_gemma_matches_transformers(family, tmp_path):
   engine = build_engine(str(tmp_path), engine_config())
   params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
   batch = prompts()
-  for prompt, (tokens, logprobs, reason) in zip(batch, run_engine(engine, batch, params),
-                                                strict=True):
-    ref_tokens, ref_lp = torch_greedy(model, prompt, NUM_TOKENS)
-    assert reason == "length"
-    assert tokens == ref_tokens, len(prompt)
-    first = logprobs[0]
-    top_ids = [i for i, _ in first.top]
-    np.testing.assert_allclose([lp for _, lp in first.top], ref_lp[top_ids], atol=LOGPROB_TOL)
-    assert top_ids[0] == int(np.argmax(ref_lp))
+  assert_matches_torch(model, batch, run_requests(engine, batch, params), NUM_TOKENS,
+                       LOGPROB_TOL)
 
 
 def _variant(model, **changes) -> transformers.PreTrainedModel:

@@ -19,7 +19,7 @@ from mxfp4_testutil import save_tiny_mxfp4_model
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from tiny_models import save_tiny_model, torch_greedy
+from tiny_models import assert_matches_torch, run_requests, save_tiny_model
 
 PROMPT_LENS = [3, 11, 20, 37]  # window 8; 37 > max_num_batched_tokens: chunked prefill
 NEW_TOKENS = 64
@@ -33,28 +33,6 @@ def engine_config(**kw) -> EngineConfig:
   return EngineConfig.of(**{**base, **kw})
 
 
-def run_engine(engine, prompts, params):
-  """Every prompt added at once, run to the end -> [(token ids, logprobs, finish reason)]."""
-  results = {i: [] for i in range(len(prompts))}
-  for i, p in enumerate(prompts):
-    engine.add_request(f"r{i}", p, params, results[i].append)
-  engine.run_until_idle()
-  return [(sum((o.token_ids for o in outs), []), sum((o.logprobs or [] for o in outs), []),
-           outs[-1].finish_reason) for outs in results.values()]
-
-
-def check_matches(model, prompts, outs) -> None:
-  """Greedy tokens identical to transformers; first-step top logprobs within tolerance."""
-  for prompt, (tokens, logprobs, reason) in zip(prompts, outs, strict=True):
-    ref_tokens, ref_lp = torch_greedy(model, prompt, NEW_TOKENS)
-    assert reason == "length"
-    assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens"
-    first = logprobs[0]
-    top_ids = [i for i, _ in first.top]
-    np.testing.assert_allclose([lp for _, lp in first.top], ref_lp[top_ids], atol=LOGPROB_TOL)
-    assert top_ids[0] == int(np.argmax(ref_lp))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("experts,unroll", [("float", False), ("mxfp4", True)])
 def test_matches_transformers(experts, unroll, tmp_path):
@@ -65,4 +43,5 @@ def test_matches_transformers(experts, unroll, tmp_path):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, 256, n).tolist() for n in PROMPT_LENS]
   params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
-  check_matches(model, prompts, run_engine(engine, prompts, params))
+  assert_matches_torch(model, prompts, run_requests(engine, prompts, params), NEW_TOKENS,
+                       LOGPROB_TOL)

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from serving.config import EngineConfig
-from serving.engine import LLMEngine
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import SamplingParams
-from tiny_models import VOCAB, save_tiny_model, torch_greedy
+from tiny_models import VOCAB, assert_matches_torch, run_requests, save_tiny_model
 
 DENSE_FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2"]
 PROMPT_LENS = [3, 11, 20, 37]  # 37 > max_num_batched_tokens: chunked prefill
@@ -31,15 +30,6 @@ def engine_config(**kw) -> EngineConfig:
 
 
 
-def run_engine(engine: LLMEngine, prompts, params: SamplingParams):
-  results = {i: [] for i in range(len(prompts))}
-  for i, p in enumerate(prompts):
-    engine.add_request(f"r{i}", p, params, results[i].append)
-  engine.run_until_idle()
-  return [(sum((o.token_ids for o in outs), []), sum((o.logprobs or [] for o in outs), []),
-           outs[-1].finish_reason) for outs in results.values()]
-
-
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_family_matches_transformers(family, tmp_path):
   model = save_tiny_model(family, str(tmp_path))
@@ -47,13 +37,5 @@ def test_family_matches_transformers(family, tmp_path):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
   params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
-  outs = run_engine(engine, prompts, params)
-  for prompt, (tokens, logprobs, reason) in zip(prompts, outs, strict=True):
-    ref_tokens, ref_lp = torch_greedy(model, prompt, NEW_TOKENS)
-    assert reason == "length"
-    assert tokens == ref_tokens
-    first = logprobs[0]
-    top_ids = [i for i, _ in first.top]
-    np.testing.assert_allclose([lp for _, lp in first.top], ref_lp[top_ids], atol=LOGPROB_TOL)
-    assert top_ids[0] == int(np.argmax(ref_lp))
-    assert abs(first.logprob - ref_lp[tokens[0]]) < LOGPROB_TOL
+  assert_matches_torch(model, prompts, run_requests(engine, prompts, params), NEW_TOKENS,
+                       LOGPROB_TOL)
