@@ -84,6 +84,10 @@ FAMILIES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
 }
+# The families the model-independent sweeps (LoRA parity, draft-model speculation) run
+# over: each family's code path once (gemma2 shares gemma3's, phi3_mini phi3's; their own
+# parity and feature tests cover what differs).
+SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini"}))
 # Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).

@@ -18,7 +18,7 @@ from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG
 from serving import LLM, SamplingParams
 from serving.config import EngineConfig
 from serving.entrypoints.engine_builder import build_engine
-from tiny_models import FAMILIES, save_tiny_model, torch_greedy
+from tiny_models import SWEEP_FAMILIES, save_tiny_model, torch_greedy
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
 RAW = ["The capital of France is", "One, two, three, four,", "def fibonacci(n):\n"]
@@ -126,7 +126,7 @@ def family_dirs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", SWEEP_FAMILIES)
 def test_every_family_with_a_draft_model(family, family_dirs, request):
   target, model, draft = family_dirs(family)
   engine = build_engine(target, tiny_config(speculative_method="draft", speculative_model=draft))
