@@ -36,6 +36,10 @@ namespace {
 
 using namespace xlaserve;  // NOLINT: the kernels' building blocks (quant_dot.h)
 
+// Activation rows one call takes (matvec.py's MAX_ROWS): prefill chunks and large
+// decode batches; the drivers block any count into row tiles (quant_dot.h).
+constexpr int64_t kMaxCallRows = 8192;
+
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buffer<ffi::F16>& scale,
                        int64_t group_bytes, int64_t& rows, int64_t& in, int64_t& out_dim) {
   auto xd = x.dimensions();
@@ -47,9 +51,9 @@ ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buf
   rows = xd[0];
   in = xd[1];
   out_dim = cd[0];
-  if (rows < 1 || rows > kMaxRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
+  if (rows < 1 || rows > kMaxCallRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
       sd[0] != out_dim || sd[1] != in / kGroup) {
-    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=32, I] x "
+    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=8192, I] x "
                                        "[O, I/32 groups] with [O, I/32] scales");
   }
   return ffi::Error::Success();
