@@ -9,6 +9,11 @@ jitted call timed round-robin with the others (the machine is shared: each
 round times every variant once, back to back), and the median over `--reps`
 rounds is reported as GFLOP/s (2 * rows * In * Out per call).
 
+`--cpu-time` divides by the process's CPU time instead of wall time: on a shared,
+overloaded machine that is what a call costs in core-seconds (run it with one
+thread each: XLASERVE_NATIVE_THREADS=1 and XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1").
+
     PYTHONPATH=. python benchmarks/quant_gemm_bench.py [--rows 1,8,32,128,512] \
         [--shapes 576x1536,1536x576,576x49152,2048x8192,8192x2048] [--reps 7]
 """
@@ -64,10 +69,10 @@ def _callables(rng, d_in: int, d_out: int, names: list[str]) -> dict[str, tuple]
   return out
 
 
-def _time(fn, x, ops) -> float:
-  start = time.perf_counter()
+def _time(fn, x, ops, clock=time.perf_counter) -> float:
+  start = clock()
   jax.block_until_ready(fn(x, *ops))
-  return time.perf_counter() - start
+  return clock() - start
 
 
 def main() -> None:
@@ -78,7 +83,9 @@ def main() -> None:
   ap.add_argument("--rows", default="1,8,32,128,512")
   ap.add_argument("--variants", default=",".join(VARIANTS))
   ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--cpu-time", action="store_true", help="GFLOP per CPU second")
   args = ap.parse_args()
+  clock = time.process_time if args.cpu_time else time.perf_counter
   if not matvec.available():
     raise SystemExit("native kernels not available")
   rng = np.random.default_rng(0)
@@ -98,7 +105,7 @@ def main() -> None:
         _time(fn, x, ops)
       for _ in range(args.reps):
         for k, (fn, ops) in table.items():
-          times[k].append(_time(fn, x, ops))
+          times[k].append(_time(fn, x, ops, clock))
       flops = 2.0 * rows * d_in * d_out
       cells = [f"{flops / statistics.median(times[k]) / 1e9:.1f}" for k in header]
       print(f"| {d_in}x{d_out} | {rows} | " + " | ".join(cells) + " |", flush=True)
