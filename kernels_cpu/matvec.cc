@@ -1,5 +1,6 @@
-// Quantized weight x float activation products for up to 32 rows, as XLA FFI
-// custom calls (CPU), split by output columns over XLA's intra-op threads.
+// Quantized weight x float activation products for up to 8192 rows, as XLA FFI
+// custom calls (CPU), split by row blocks x output columns over XLA's intra-op
+// threads (quant_gemm.h).
 //
 // y[B, O] = x[B, I] @ W^T, W stored [O, I] in groups of 32 inputs with a
 // float16 scale per group, W = code * scale + min, in four code formats:
