@@ -300,10 +300,11 @@ void BlockIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in, const
       r_begin, r_end, o0, o1, SubBlockColumns(groups * group_bytes),
       [&](int r0, int64_t o) {
         if constexpr (kFmt == kS8) {
-          WideS8IntTile<kIntWideRows, kLo, kIntWideCols>(r, r0, groups, codes, scale, out, out_dim, o);
+          WideS8IntTile<kIntWideRows, kLo, kIntWideCols>(r, r0, groups, codes, scale, out,
+                                                         out_dim, o);
         } else {
-          WideIntTile<kMin, kIntWideRows, kLo, kIntWideCols>(r, r0, groups, codes, scale, offset, out,
-                                                       out_dim, o);
+          WideIntTile<kMin, kIntWideRows, kLo, kIntWideCols>(r, r0, groups, codes, scale, offset,
+                                                             out, out_dim, o);
         }
       },
       [&](int r0, int rows, int64_t o) {
