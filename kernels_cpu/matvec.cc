@@ -39,7 +39,7 @@ namespace {
 using namespace xlaserve;  // NOLINT: the kernels' building blocks (quant_dot.h)
 
 // Activation rows one call takes (matvec.py's MAX_ROWS): prefill chunks and large
-// decode batches; the drivers block any count into row tiles (quant_dot.h).
+// decode batches; the drivers block any count into row tiles (quant_gemm.h).
 constexpr int64_t kMaxCallRows = 8192;
 
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buffer<ffi::F16>& scale,

@@ -1,5 +1,6 @@
-// Quantized weight x float activation products: the column loops shared by the
-// matvec custom calls (matvec.cc) and the fused decoder layers (decoder.cc).
+// Quantized weight x float activation products: the tiles shared by the matvec
+// custom calls (matvec.cc, through the blocked drivers of quant_gemm.h) and the
+// fused decoder layers (decoder.cc, through the column loops here).
 //
 // W is stored [O, I] in groups of 32 inputs with a float16 scale per group,
 // W = code * scale + min, in four code formats:
