@@ -266,7 +266,7 @@ inline void BlockLoop(int r_begin, int r_end, int64_t o0, int64_t o1, int64_t su
 }
 
 // Whether rows [r_begin, r_end) (`row_bytes` of activations each) take the
-// one-column tiles alone: one row tile (a decode step) small enough for L1, where a
+// one-column tiles alone: one row tile (a decode step) of at most 64 KiB, where a
 // tile converts each column's codes once for all its rows. Wider rows go through
 // the wide tiles, which load them once per four columns. (Core-seconds at 8 rows:
 // the one-column tiles ~1.1-1.4x faster at 2048 inputs, the wide ones ~1.3-1.5x
