@@ -41,7 +41,7 @@ TARGETS = {
     "xlaserve_q5_k_matvec_q16": "XlaserveMatvecQ5KQ16",
     "xlaserve_q6_k_matvec_q16": "XlaserveMatvecQ6KQ16",
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
-    "xlaserve_decode_layers": "XlaserveDecodeLayers",
+    "xlaserve_decode_layers": "XlaserveDecodeLayersK",
 }
 
 
