@@ -8,6 +8,8 @@
 //   Q4_1: 16 bytes per group, byte j holding input j in its low nibble and
 //         input j + 16 in its high nibble, and a float16 min (GGUF Q4_1);
 //   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
+// GGUF K-quants (Q4_K, Q5_K, Q6_K; kquant_dot.h) take their own operands: codes,
+// scale and min codes, the high-bit plane and float16 super-block scales.
 // XLA:CPU computes this by writing a float32
 // copy of W and reading it back in a dot; here each group of codes is
 // converted in registers and multiplied into the rows, so W is read once, as
