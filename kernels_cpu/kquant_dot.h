@@ -187,27 +187,31 @@ void KColumns(const float* x, int rows, int64_t in, const KWeight& w, float* out
 // ---- K-quants x integer activations (VNNI) ----
 
 // The rounded activations' sums per 16 inputs, [rows, groups * 2] (in units of x:
-// dx * (hi + lo / 256) summed), for Q6_K's -32.
-inline __attribute__((target("avx512f,avx512bw,avx512vl"))) std::vector<float> SubGroupSums(
-    const IntRows& r, bool lo, int rows, int64_t groups) {
+// dx * (hi + lo / 256) summed), for Q6_K's -32: per two groups one VPDPBUSD of ones
+// (two with lo) and a sum within each 128-bit lane.
+inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) std::vector<float>
+SubGroupSums(const IntRows& r, bool lo, int rows, int64_t groups) {
   const int64_t pairs = groups / 2;
   std::vector<float> sums(rows * groups * 2);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int b = 0; b < rows; ++b) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = (b * groups + g) * kGroup;
-      const float dx = r.dx[(b * pairs + g / 2) * 16 + 4 * (g % 2)];
-      for (int h = 0; h < 2; ++h) {
-        const __m128i* src = reinterpret_cast<const __m128i*>(r.hi_plain.data() + at + 16 * h);
-        float sum = static_cast<float>(_mm512_reduce_add_epi32(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(src))));
-        if (lo) {
-          const __m128i* lsrc =
-              reinterpret_cast<const __m128i*>(r.lo_plain.data() + at + 16 * h);
-          sum += static_cast<float>(_mm512_reduce_add_epi32(
-                     _mm512_cvtepi8_epi32(_mm_loadu_si128(lsrc)))) * (1.0f / 256.0f);
-        }
-        sums[(b * groups + g) * 2 + h] = dx * sum;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t at = (b * groups + 2 * p) * kGroup;  // groups 2p, 2p + 1 in input order
+      __m512i n = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
+                                      _mm512_loadu_si512(r.hi_plain.data() + at));
+      if (lo) {
+        n = _mm512_dpbusd_epi32(_mm512_slli_epi32(n, 8), ones,
+                                _mm512_loadu_si512(r.lo_plain.data() + at));
       }
+      __m512 f = _mm512_cvtepi32_ps(n);  // lanes 4s..4s+3: sub-block s of the pair
+      f = _mm512_add_ps(f, _mm512_shuffle_ps(f, f, 0x4E));
+      f = _mm512_add_ps(f, _mm512_shuffle_ps(f, f, 0xB1));
+      const float* dx = r.dx.data() + (b * pairs + p) * 16;  // lane 0: dx of 2p, 4: of 2p + 1
+      const float unit = lo ? 1.0f / 256.0f : 1.0f;
+      const __m128 scale = _mm_setr_ps(dx[0] * unit, dx[0] * unit, dx[4] * unit, dx[4] * unit);
+      _mm_storeu_ps(sums.data() + (b * groups + 2 * p) * 2,
+                    _mm_mul_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, f)), scale));
     }
   }
   return sums;
