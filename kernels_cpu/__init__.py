@@ -1,7 +1,8 @@
 """Native CPU kernels as XLA FFI custom calls, with the XLA path as the fallback.
 
 - `matvec.quantized_matvec` multiplies a few activation rows by weights in
-  groups of 32 (int8 codes, GGUF Q8_0, Q4_1, Q4_0), reading the codes once
+  groups of 32 (int8 codes, GGUF Q8_0, Q4_1, Q4_0; `matvec.kquant_matvec`:
+  GGUF Q4_K, Q5_K, Q6_K as stored), reading the codes once
   (XLA:CPU instead writes and re-reads a float32 copy of the weight).
 - `paged_attention.paged_attention` attends a few queries per row over the KV
   page pool in place (the XLA path gathers and transposes every key block).

@@ -5,8 +5,8 @@
 // new K/V written into the page pool, paged attention over the row's keys,
 // the output projection, RMSNorm, SwiGLU MLP, with the residual adds. The
 // linear weights are quantized groups as stored (quant_dot.h: U8, S8 / Q8_0,
-// Q4_1, Q4_0; all but U8 optionally times activations rounded per group to
-// 8 or 16 bits), the pools
+// Q4_1, Q4_0; kquant_dot.h: Q4_K, Q5_K, Q6_K; all but U8 optionally times
+// activations rounded per group to 8 or 16 bits), the pools
 // are float32 or bfloat16 (attention.h kinds 0 and 1), updated in place (the
 // jax side aliases them to the outputs).
 //
@@ -27,9 +27,13 @@
 //   offset, per-layer page ids), tables [B, W] s32 (per-layer page ids),
 //   seq_lens [B] s32 (keys each row attends to, 0: padding), inv_freq [H/2]
 //   f32, norms [L, 2, D] f32 (attention, MLP), k_pool, v_pool [L*P, ps, K, H],
-//   then per layer and per weight (wq, wk, wv, wo, w_gate, w_up, w_down):
-//   codes, scales, offsets (the scales again for formats without a min).
-// Attributes: formats [L*7] (quant_dot.h Format; +4: 8-bit, +8: 16-bit
+//   then per layer and per weight (wq, wk, wv, wo, w_gate, w_up, w_down) six
+//   operands: codes, scales, offsets, q_high, super scales, super offsets
+//   (float16 scales and offsets [O, I/32] for the formats of groups of 32, the
+//   scales again where a format has no offsets, its codes again for the three
+//   K-quant operands; K-quants: kquant_dot.h `KWeight`, an operand a format
+//   lacks: any array, e.g. the scale codes again).
+// Attributes: formats [L*7] (quant_dot.h Format; +16: 8-bit, +32: 16-bit
 //   integer activations),
 //   num_heads, num_pages (P), window (0: none), kind (0 f32, 1 bf16 pages),
 //   eps, scale.
@@ -45,6 +49,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "kquant_dot.h"
 #include "parallel.h"
 #include "quant_dot.h"
 #include "xla/ffi/api/ffi.h"
@@ -56,18 +61,32 @@ namespace {
 using namespace xlaserve;  // NOLINT: the building blocks (quant_dot.h, attention.h)
 
 constexpr int kWeights = 7;  // wq, wk, wv, wo, w_gate, w_up, w_down
-constexpr int kInt8Flag = 4;   // formats[i] & kInt8Flag: activations rounded to 8 bits
-constexpr int kInt16Flag = 8;  // formats[i] & kInt16Flag: activations rounded to 16 bits
+constexpr int kOperands = 6;   // per weight: codes, scale, offset, q_high, super scale, offset
+constexpr int kFormatMask = 15;  // formats[i] & kFormatMask: the Format
+constexpr int kInt8Flag = 16;  // formats[i] & kInt8Flag: activations rounded to 8 bits
+constexpr int kInt16Flag = 32;  // formats[i] & kInt16Flag: activations rounded to 16 bits
 constexpr int64_t kColumnBlock = 64;  // output columns per work item
 
 struct Weight {
   const uint8_t* codes;
   const uint16_t* scale;
   const uint16_t* offset;  // nullptr without a min
+  KWeight k;  // the K-quants' operands
   int64_t in, out;
   Format format;
   int activation_bits;  // 32: float tiles; 8 or 16: integer tiles (not U8)
 };
+
+// A K-quant weight's column block (float tiles or integer ones).
+template <Format kFmt>
+void KDotBlock(const Weight& w, const float* x, const IntRows* xq, int rows, float* y,
+               int64_t o0, int64_t o1) {
+  if (w.activation_bits != 32) {
+    KIntColumns<kFmt>(*xq, w.activation_bits == 16, rows, w.in, w.k, y, w.out, o0, o1);
+  } else {
+    KColumns<kFmt>(x, rows, w.in, w.k, y, w.out, o0, o1);
+  }
+}
 
 // y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
 // `xsum`) or their integer rounding `xq`.
@@ -98,6 +117,15 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
       } else {
         Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       }
+      return;
+    case kQ4_K:
+      KDotBlock<kQ4_K>(w, x, xq, rows, y, o0, o1);
+      return;
+    case kQ5_K:
+      KDotBlock<kQ5_K>(w, x, xq, rows, y, o0, o1);
+      return;
+    case kQ6_K:
+      KDotBlock<kQ6_K>(w, x, xq, rows, y, o0, o1);
       return;
   }
 }
@@ -202,6 +230,73 @@ struct Shapes {
   int64_t rows, dim, layers, heads, kv_heads, head_dim, mlp, width, page_size, num_pages;
 };
 
+// Weight i's operands (weights[6i .. 6i + 5]) and format code into `w`, checked.
+ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Weight& w) {
+  ffi::ErrorOr<ffi::AnyBuffer> ops[kOperands] = {
+      weights.get<ffi::AnyBuffer>(kOperands * i), weights.get<ffi::AnyBuffer>(kOperands * i + 1),
+      weights.get<ffi::AnyBuffer>(kOperands * i + 2), weights.get<ffi::AnyBuffer>(kOperands * i + 3),
+      weights.get<ffi::AnyBuffer>(kOperands * i + 4), weights.get<ffi::AnyBuffer>(kOperands * i + 5)};
+  for (auto& op : ops) {
+    if (op.has_error()) return ffi::Error::InvalidArgument("decoder layers: a weight operand is missing");
+  }
+  const int64_t fmt = code & kFormatMask;
+  if (fmt > kQ6_K) return ffi::Error::InvalidArgument("decoder layers: unknown weight format");
+  w.format = static_cast<Format>(fmt);
+  w.activation_bits = w.format == kU8                  ? 32
+                      : (code & kInt16Flag) != 0 ? 16
+                      : (code & kInt8Flag) != 0  ? 8
+                                                       : 32;
+  auto codes = *ops[0], sc = *ops[1], off = *ops[2];
+  auto cd = codes.dimensions();
+  auto sd = sc.dimensions();
+  if (cd.size() != 2 || sd.size() != 2) {
+    return ffi::Error::InvalidArgument("decoder layers: weight codes and scales must be 2-D");
+  }
+  w.out = cd[0];
+  if (IsKQuant(w.format)) {
+    // Codes [O, I/2] nibbles; the rest as kquant_dot.h `KWeight`.
+    const Format f = w.format;
+    w.in = cd[1] * 2;
+    auto shaped = [&](ffi::AnyBuffer& a, ffi::DataType type, int64_t cols) {
+      auto d = a.dimensions();
+      return a.element_type() == type && d.size() == 2 && d[0] == w.out && d[1] == cols;
+    };
+    auto qh = *ops[3], ss = *ops[4], so = *ops[5];
+    bool ok = w.in % kSuper == 0 && codes.element_type() == ffi::U8 &&
+              shaped(sc, f == kQ6_K ? ffi::S8 : ffi::U8, KScaleCount(f, w.in)) &&
+              shaped(ss, ffi::F16, w.in / kSuper);
+    if (f != kQ6_K) {
+      ok = ok && shaped(off, ffi::U8, w.in / kGroup) && shaped(so, ffi::F16, w.in / kSuper);
+    }
+    if (f != kQ4_K) ok = ok && shaped(qh, ffi::U8, KHighBytes(f, w.in));
+    if (!ok) return ffi::Error::InvalidArgument("decoder layers: K-quant operands do not match");
+    w.k.q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
+    w.k.scale = reinterpret_cast<const uint8_t*>(sc.untyped_data());
+    w.k.super_scale = reinterpret_cast<const uint16_t*>(ss.untyped_data());
+    if (f != kQ6_K) {
+      w.k.offset = reinterpret_cast<const uint8_t*>(off.untyped_data());
+      w.k.super_offset = reinterpret_cast<const uint16_t*>(so.untyped_data());
+    }
+    if (f != kQ4_K) w.k.q_high = reinterpret_cast<const uint8_t*>(qh.untyped_data());
+    return ffi::Error::Success();
+  }
+  // Groups of 32: codes [O, I * bytes per input], float16 scales and offsets [O, I/32].
+  if (sc.element_type() != ffi::F16 || off.element_type() != ffi::F16 ||
+      off.element_count() != sc.element_count()) {
+    return ffi::Error::InvalidArgument("decoder layers: weight operands must be 2-D codes "
+                                       "and float16 scales / offsets");
+  }
+  w.in = sd[1] * kGroup;
+  if (sd[0] != w.out || cd[1] != sd[1] * GroupBytes(w.format) ||
+      (w.activation_bits != 32 && sd[1] % 2)) {
+    return ffi::Error::InvalidArgument("decoder layers: codes and scales do not match");
+  }
+  w.codes = reinterpret_cast<const uint8_t*>(codes.untyped_data());
+  w.scale = reinterpret_cast<const uint16_t*>(sc.untyped_data());
+  w.offset = HasMin(w.format) ? reinterpret_cast<const uint16_t*>(off.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_index,
                             ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -227,43 +322,14 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       positions.element_count() != s.rows || kv_index.element_count() != s.rows ||
       seq_lens.element_count() != s.rows || inv_freq.element_count() != s.head_dim / 2 ||
       static_cast<int64_t>(formats.size()) != s.layers * kWeights ||
-      static_cast<int64_t>(weights.size()) != s.layers * kWeights * 3 ||
+      static_cast<int64_t>(weights.size()) != s.layers * kWeights * kOperands ||
       k_in.element_count() != v_in.element_count()) {
     return ffi::Error::InvalidArgument("decoder layers: operand shapes do not match");
   }
-  // The weights: codes [O, I * bytes per input], scales and offsets [O, I/32].
+  // The weights: six operands each (ParseWeight).
   std::vector<Weight> ws(s.layers * kWeights);
   for (int64_t i = 0; i < s.layers * kWeights; ++i) {
-    auto codes = weights.get<ffi::AnyBuffer>(3 * i);
-    auto sc = weights.get<ffi::AnyBuffer>(3 * i + 1);
-    auto off = weights.get<ffi::AnyBuffer>(3 * i + 2);
-    if (codes.has_error() || sc.has_error() || off.has_error()) {
-      return ffi::Error::InvalidArgument("decoder layers: a weight operand is missing");
-    }
-    const int64_t fmt = formats[i] & 3;
-    Weight& w = ws[i];
-    w.format = static_cast<Format>(fmt);
-    w.activation_bits = w.format == kU8                  ? 32
-                        : (formats[i] & kInt16Flag) != 0 ? 16
-                        : (formats[i] & kInt8Flag) != 0  ? 8
-                                                         : 32;
-    auto cd = codes->dimensions();
-    auto sd = sc->dimensions();
-    if (cd.size() != 2 || sd.size() != 2 || sc->element_type() != ffi::F16 ||
-        off->element_type() != ffi::F16 || off->element_count() != sc->element_count()) {
-      return ffi::Error::InvalidArgument("decoder layers: weight operands must be 2-D codes "
-                                         "and float16 scales / offsets");
-    }
-    w.out = cd[0];
-    w.in = sd[1] * kGroup;
-    if (sd[0] != w.out || cd[1] != sd[1] * GroupBytes(w.format) ||
-        (w.activation_bits != 32 && sd[1] % 2)) {
-      return ffi::Error::InvalidArgument("decoder layers: codes and scales do not match");
-    }
-    w.codes = reinterpret_cast<const uint8_t*>(codes->untyped_data());
-    w.scale = reinterpret_cast<const uint16_t*>(sc->untyped_data());
-    w.offset = HasMin(w.format) ? reinterpret_cast<const uint16_t*>(off->untyped_data())
-                                : nullptr;
+    if (ffi::Error err = ParseWeight(weights, i, formats[i], ws[i]); err.failure()) return err;
   }
   const int64_t qdim = s.heads * s.head_dim, kvdim = s.kv_heads * s.head_dim;
   s.mlp = ws[4].out;
@@ -366,7 +432,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayers, DecodeLayersImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x

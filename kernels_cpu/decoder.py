@@ -3,7 +3,8 @@
 `decode_layers(x, ...)` runs L Llama-family layers (RMSNorm, Q/K/V, RoPE,
 the K/V write into the page pool, paged attention, the output projection,
 RMSNorm, SwiGLU, residuals) over a few rows `x [B, D]` float32, with every
-linear weight given as quantized groups of 32 as stored (`FORMATS`) and the
+linear weight given as quantized blocks as stored (`FORMATS`: groups of 32;
+`K_FORMATS`: GGUF Q4_K / Q5_K / Q6_K, kernels_cpu/kquant_dot.h) and the
 pools float32 or bfloat16 (as uint16). The pools are updated in place: they
 are aliased to the second and third outputs, so inside a step that donates
 them no copy is made.
@@ -29,14 +30,18 @@ from kernels_cpu.library import available
 
 # (code bits, has a min) -> the kernel's format code (quant_dot.h `Format`)
 FORMATS = {(8, True): 0, (8, False): 1, (4, True): 2, (4, False): 3}
-# Added to a nibble or Q8_0 format: activations rounded per group to 8 or 16 bits (VNNI).
-ACTIVATION_FLAGS = {32: 0, 8: 4, 16: 8}
+# K-quant (kernels_cpu.matvec.K_FORMATS) -> the kernel's format code
+K_FORMATS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
+# Added to a nibble, Q8_0 or K-quant format: activations rounded per group to 8 or 16 bits
+# (VNNI).
+ACTIVATION_FLAGS = {32: 0, 8: 16, 16: 32}
+OPERANDS_PER_WEIGHT = 6  # codes, scale, offset, q_high, super_scale, super_offset
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
 MAX_ROWS = 32  # rows one decode step takes (decoder.cc's kMaxRows; matvec takes more)
 
-__all__ = ["ACTIVATION_FLAGS", "FORMATS", "MAX_ROWS", "PAGE_KINDS", "WEIGHTS_PER_LAYER",
-           "decode_layers", "enabled"]
+__all__ = ["ACTIVATION_FLAGS", "FORMATS", "K_FORMATS", "MAX_ROWS", "OPERANDS_PER_WEIGHT",
+           "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers", "enabled"]
 
 
 def enabled() -> bool:
@@ -47,7 +52,7 @@ def enabled() -> bool:
 def decode_layers(x: jax.Array, positions: jax.Array, kv_index: jax.Array, tables: jax.Array,
                   seq_lens: jax.Array, inv_freq: jax.Array, norms: jax.Array,
                   k_pool: jax.Array, v_pool: jax.Array,
-                  weights: Sequence[tuple[jax.Array, jax.Array, jax.Array | None]],
+                  weights: Sequence[tuple[jax.Array | None, ...]],
                   formats: Sequence[int], *, num_heads: int, num_pages: int, window: int,
                   page_kind: int, eps: float, scale: float
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -55,16 +60,25 @@ def decode_layers(x: jax.Array, positions: jax.Array, kv_index: jax.Array, table
 
   x [B, D] f32; positions, kv_index (page * page_size + offset), seq_lens [B] int32;
   tables [B, W] int32 per-layer page ids; inv_freq [H/2] f32; norms [L, 2, D] f32
-  (attention, MLP); pools [L*P, page_size, K, H]; weights: L*7 (codes, scale f16,
-  offset f16 or None) stored [O, I*bits/8] / [O, I/32], in the order wq, wk, wv, wo,
-  w_gate, w_up, w_down per layer; formats: one `FORMATS` code per weight (plus its
+  (attention, MLP); pools [L*P, page_size, K, H]; weights: L*7 tuples (codes, scale,
+  offset, q_high, super_scale, super_offset), None where a format has no such operand
+  (groups of 32: codes [O, I*bits/8], scale and offset f16 [O, I/32]; K-quants: the
+  QuantizedWeight fields as stored), in the order wq, wk, wv, wo, w_gate, w_up, w_down
+  per layer; formats: one `FORMATS` or `K_FORMATS` code per weight (plus its
   `ACTIVATION_FLAGS`).
   """
   operands = [x.astype(jnp.float32), positions.astype(jnp.int32), kv_index.astype(jnp.int32),
               tables.astype(jnp.int32), seq_lens.astype(jnp.int32), inv_freq.astype(jnp.float32),
               norms.astype(jnp.float32), k_pool, v_pool]
-  for codes, scale_, offset in weights:
-    operands += [codes, scale_, scale_ if offset is None else offset]
+  for weight in weights:
+    codes, scale_, offset, q_high, super_scale, super_offset = (
+        tuple(weight) + (None,) * OPERANDS_PER_WEIGHT)[:OPERANDS_PER_WEIGHT]
+    # An operand the format lacks: the scales again (groups of 32) or the scale codes.
+    operands += [codes, scale_, scale_ if offset is None else offset,
+                 codes if q_high is None else q_high,
+                 scale_ if super_scale is None else super_scale,
+                 (scale_ if super_scale is None else super_scale) if super_offset is None
+                 else super_offset]
   call = jax.ffi.ffi_call(
       "xlaserve_decode_layers",
       (jax.ShapeDtypeStruct(x.shape, jnp.float32),

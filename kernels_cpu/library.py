@@ -31,8 +31,17 @@ TARGETS = {
     "xlaserve_q4_1_matvec_q16": "XlaserveMatvecQ4_1Q16",
     "xlaserve_q4_0_matvec_q16": "XlaserveMatvecQ4_0Q16",
     "xlaserve_int8_matvec_s8_q16": "XlaserveMatvecS8Q16",
+    "xlaserve_q4_k_matvec": "XlaserveMatvecQ4K",
+    "xlaserve_q5_k_matvec": "XlaserveMatvecQ5K",
+    "xlaserve_q6_k_matvec": "XlaserveMatvecQ6K",
+    "xlaserve_q4_k_matvec_q8": "XlaserveMatvecQ4KQ8",
+    "xlaserve_q5_k_matvec_q8": "XlaserveMatvecQ5KQ8",
+    "xlaserve_q6_k_matvec_q8": "XlaserveMatvecQ6KQ8",
+    "xlaserve_q4_k_matvec_q16": "XlaserveMatvecQ4KQ16",
+    "xlaserve_q5_k_matvec_q16": "XlaserveMatvecQ5KQ16",
+    "xlaserve_q6_k_matvec_q16": "XlaserveMatvecQ6KQ16",
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
-    "xlaserve_decode_layers": "XlaserveDecodeLayers",
+    "xlaserve_decode_layers": "XlaserveDecodeLayersK",
 }
 
 

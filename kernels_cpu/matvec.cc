@@ -9,6 +9,8 @@
 //   Q4_1: 16 bytes per group, byte j holding input j in its low nibble and
 //         input j + 16 in its high nibble, and a float16 min (GGUF Q4_1);
 //   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
+// GGUF K-quants (Q4_K, Q5_K, Q6_K; kquant_dot.h) take their own operands: codes,
+// scale and min codes, the high-bit plane and float16 super-block scales.
 // XLA:CPU computes this by writing a float32
 // copy of W and reading it back in a dot; here each group of codes is
 // converted in registers and multiplied into the rows, so W is read once, as
@@ -28,6 +30,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "kquant_dot.h"
 #include "quant_dot.h"
 #include "quant_gemm.h"
 #include "xla/ffi/api/ffi.h"
@@ -157,6 +160,99 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return ffi::Error::Success();
 }
 
+// K-quants (kquant_dot.h): the operands of `kFmt` checked against x [B, I] (I a
+// multiple of 256), their pointers in `w`.
+template <Format kFmt>
+ffi::Error CheckKOperands(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::AnyBuffer& scale,
+                          ffi::AnyBuffer& offset, ffi::AnyBuffer& q_high,
+                          ffi::Buffer<ffi::F16>& super_scale,
+                          ffi::Buffer<ffi::F16>& super_offset, int64_t& rows, int64_t& in,
+                          int64_t& out_dim, KWeight& w) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  if (xd.size() != 2 || qd.size() != 2) {
+    return ffi::Error::InvalidArgument("K-quant matvec: x and codes must be 2-D");
+  }
+  rows = xd[0];
+  in = xd[1];
+  out_dim = qd[0];
+  auto is_2d = [&](ffi::AnyBuffer& a, int64_t cols) {
+    auto d = a.dimensions();
+    return d.size() == 2 && d[0] == out_dim && d[1] == cols;
+  };
+  auto f16_2d = [&](ffi::Buffer<ffi::F16>& a, int64_t cols) {
+    auto d = a.dimensions();
+    return d.size() == 2 && d[0] == out_dim && d[1] == cols;
+  };
+  const ffi::DataType scale_type = kFmt == kQ6_K ? ffi::S8 : ffi::U8;
+  bool ok = rows >= 1 && rows <= kMaxCallRows && in % kSuper == 0 && in > 0 &&
+            q.element_type() == ffi::U8 && qd[1] == in / 2 &&
+            scale.element_type() == scale_type && is_2d(scale, KScaleCount(kFmt, in)) &&
+            f16_2d(super_scale, in / kSuper);
+  if (kFmt != kQ6_K) {
+    ok = ok && offset.element_type() == ffi::U8 && is_2d(offset, in / kGroup) &&
+         f16_2d(super_offset, in / kSuper);
+  }
+  if (kFmt != kQ4_K) {
+    ok = ok && q_high.element_type() == ffi::U8 && is_2d(q_high, KHighBytes(kFmt, in));
+  }
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "K-quant matvec: operands do not match [B<=8192, I % 256 == 0] x codes [O, I/2], "
+        "scale codes, q_high and float16 super-block scales");
+  }
+  w.q = reinterpret_cast<const uint8_t*>(q.untyped_data());
+  w.scale = reinterpret_cast<const uint8_t*>(scale.untyped_data());
+  w.super_scale = reinterpret_cast<const uint16_t*>(super_scale.typed_data());
+  if (kFmt != kQ6_K) {
+    w.offset = reinterpret_cast<const uint8_t*>(offset.untyped_data());
+    w.super_offset = reinterpret_cast<const uint16_t*>(super_offset.typed_data());
+  }
+  if (kFmt != kQ4_K) w.q_high = reinterpret_cast<const uint8_t*>(q_high.untyped_data());
+  return ffi::Error::Success();
+}
+
+// K-quants x float activations (kBits 32) or activations rounded per group of 32 to
+// kBits 8 or 16 (VNNI).
+template <Format kFmt, int kBits>
+ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer q_high,
+                       ffi::Buffer<ffi::F16> super_scale, ffi::Buffer<ffi::F16> super_offset,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  static_assert(IsKQuant(kFmt) && (kBits == 8 || kBits == 16 || kBits == 32));
+  int64_t rows = 0, in = 0, out_dim = 0;
+  KWeight w;
+  if (ffi::Error err = CheckKOperands<kFmt>(x, q, scale, offset, q_high, super_scale,
+                                            super_offset, rows, in, out_dim, w);
+      err.failure()) {
+    return err;
+  }
+  const float* xs = x.typed_data();
+  float* y = out->typed_data();
+  const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
+  // Row blocks of kMaxRows (their activations stay in L2 while every column passes);
+  // each row is computed by the same operations whatever the block (batch invariance).
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int nrows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+    const float* xb = xs + r0 * in;
+    float* yb = y + r0 * out_dim;
+    if constexpr (kBits == 32) {
+      xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+        KColumns<kFmt>(xb, nrows, in, w, yb, out_dim, out_dim * i / parts,
+                       out_dim * (i + 1) / parts);
+      });
+    } else {
+      auto r = std::make_shared<IntRows>();
+      QuantizeRows(xb, nrows, in, kBits == 16, *r);
+      xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+        KIntColumns<kFmt>(*r, kBits == 16, nrows, in, w, yb, out_dim, out_dim * i / parts,
+                          out_dim * (i + 1) / parts);
+      });
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int xlaserve_native_vnni() {
@@ -197,3 +293,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<kS8, 8>), Bindi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<kQ4_1, 16>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<kQ4_0, 16>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<kS8, 16>), Binding());
+
+// K-quants: x, codes, scale codes, min codes, q_high, super scales, super mins (an
+// operand a format lacks: any array of the right rank, e.g. the scale codes again).
+inline auto KBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4K, (KMatvecImpl<kQ4_K, 32>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ5K, (KMatvecImpl<kQ5_K, 32>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6K, (KMatvecImpl<kQ6_K, 32>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ8, (KMatvecImpl<kQ4_K, 8>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ5KQ8, (KMatvecImpl<kQ5_K, 8>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ8, (KMatvecImpl<kQ6_K, 8>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ16, (KMatvecImpl<kQ4_K, 16>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ5KQ16, (KMatvecImpl<kQ5_K, 16>), KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ16, (KMatvecImpl<kQ6_K, 16>), KBinding());

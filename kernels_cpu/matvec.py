@@ -22,6 +22,13 @@ columns in cache-sized blocks over the threads), a prefill chunk as well as a
 decode batch, and each output is computed by the same operations whatever the
 other rows of the call: a row's result is bitwise the same alone or among
 thousands (batch invariance), at every `activation_bits`.
+`kquant_matvec(x, fmt, q, scale, offset, q_high, super_scale, super_offset)`
+does the same for GGUF K-quants kept as stored (`K_FORMATS`; I a multiple of
+256): Q4_K / Q5_K nibbles in groups of 32 (Q5_K's fifth bits in `q_high`) with
+uint8 6-bit scale and min codes per 32 and float16 d / -dmin per 256 inputs,
+Q6_K nibbles in groups of 16 with two more bits each in `q_high`, int8 scales
+per 16 and a float16 d per 256 (kernels_cpu/kquant_dot.h). Float32 or 8- / 16-bit
+activations, as above.
 """
 
 from __future__ import annotations
@@ -41,9 +48,15 @@ _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_mat
             (4, True, 16): "xlaserve_q4_1_matvec_q16", (4, False, 16): "xlaserve_q4_0_matvec_q16",
             (8, False, 16): "xlaserve_int8_matvec_s8_q16"}
 ACTIVATION_BITS = (32, 16, 8)
+SUPER = 256  # inputs per K-quant super-block
+K_FORMATS = ("q4_k", "q5_k", "q6_k")
+# K-quant format -> (scale codes per input, q_high bytes per input, scale dtype, has mins)
+_K_LAYOUT = {"q4_k": (1 / 32, 0, jnp.uint8, True), "q5_k": (1 / 32, 1 / 8, jnp.uint8, True),
+             "q6_k": (1 / 16, 1 / 4, jnp.int8, False)}
 
-__all__ = ["ACTIVATION_BITS", "MAX_ROWS", "available", "int8_matvec", "library_path",
-           "quantized_matvec", "supports", "supports_integer_activations", "vnni"]
+__all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "available", "int8_matvec",
+           "kquant_matvec", "library_path", "quantized_matvec", "supports",
+           "supports_integer_activations", "supports_kquant", "vnni"]
 
 
 def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
@@ -93,3 +106,45 @@ def int8_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array,
                 offset: jax.Array | None = None) -> jax.Array:
   """`quantized_matvec` of one-byte codes (uint8 with mins, or int8 / Q8_0)."""
   return quantized_matvec(x, codes, scale, offset, bits=8)
+
+
+def supports_kquant(rows: int, fmt: str, q: jax.Array, scale: jax.Array,
+                    offset: jax.Array | None, q_high: jax.Array | None,
+                    super_scale: jax.Array, super_offset: jax.Array | None) -> bool:
+  """Whether `kquant_matvec` takes these K-quant operands (static shapes and dtypes; float
+  activations, and integer ones where `vnni()`)."""
+  if fmt not in K_FORMATS or not 1 <= rows <= MAX_ROWS or q.ndim != 2:
+    return False
+  per_scale, per_high, scale_dtype, has_min = _K_LAYOUT[fmt]
+  out_dim, in_dim = q.shape[0], q.shape[1] * 2
+  if in_dim % SUPER or q.dtype != jnp.uint8:
+    return False
+  shaped = lambda a, cols, dtype: (  # noqa: E731
+      a is not None and a.shape == (out_dim, int(cols)) and a.dtype == dtype)
+  ok = (shaped(scale, in_dim * per_scale, scale_dtype)
+        and shaped(super_scale, in_dim // SUPER, jnp.float16))
+  if has_min:
+    ok = ok and shaped(offset, in_dim // GROUP, jnp.uint8) and shaped(
+        super_offset, in_dim // SUPER, jnp.float16)
+  elif offset is not None or super_offset is not None:
+    return False
+  if per_high:
+    ok = ok and shaped(q_high, in_dim * per_high, jnp.uint8)
+  elif q_high is not None:
+    return False
+  return ok
+
+
+def kquant_matvec(x: jax.Array, fmt: str, q: jax.Array, scale: jax.Array,
+                  offset: jax.Array | None, q_high: jax.Array | None, super_scale: jax.Array,
+                  super_offset: jax.Array | None, activation_bits: int = 32) -> jax.Array:
+  """x [B, I] float32 -> [B, O] float32 for a K-quant weight (module doc); needs
+  `available()` and `supports_kquant(...)`, and `vnni()` for activation_bits 8 or 16."""
+  if activation_bits not in ACTIVATION_BITS:
+    raise ValueError(f"activation_bits={activation_bits} not in {ACTIVATION_BITS}")
+  target = f"xlaserve_{fmt}_matvec" + ("" if activation_bits == 32 else f"_q{activation_bits}")
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))
+  # An operand the format lacks is any array (the kernel does not read it).
+  return call(x.astype(jnp.float32), q, scale, scale if offset is None else offset,
+              q if q_high is None else q_high, super_scale,
+              super_scale if super_offset is None else super_offset)

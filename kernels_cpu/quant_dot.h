@@ -30,7 +30,8 @@ constexpr int kGroup = 32;
 constexpr int kMaxRows = 32;  // rows of one fused decode step (decoder.cc, decoder.py)
 constexpr int kTileRows = 8;  // activation rows per pass (their register accumulators)
 
-enum Format { kU8, kS8, kQ4_1, kQ4_0 };
+// Q4_K, Q5_K, Q6_K: GGUF K-quants, with super-block scales (kquant_dot.h).
+enum Format { kU8, kS8, kQ4_1, kQ4_0, kQ4_K, kQ5_K, kQ6_K };
 
 constexpr bool HasMin(Format f) { return f == kU8 || f == kQ4_1; }
 constexpr int64_t GroupBytes(Format f) { return f == kQ4_1 || f == kQ4_0 ? kGroup / 2 : kGroup; }

@@ -212,8 +212,15 @@ class QuantizedWeight:
     # Few rows of 32-input groups on CPU: the FFI kernel (kernels_cpu).
     if self.runs_native(math.prod(x.shape[:-1])):
       rows = x.reshape(-1, x.shape[-1])
-      out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits,
-                                         activation_bits=self.native_activation_bits(rows.shape[0]))
+      bits = self.native_activation_bits(rows.shape[0])
+      fmt = kquant_format(self)
+      if fmt is None:
+        out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits,
+                                           activation_bits=bits)
+      else:
+        out = kernels_cpu.matvec.kquant_matvec(rows, fmt, self.q, self.scale, self.offset,
+                                               self.q_high, self.super_scale,
+                                               self.super_offset, activation_bits=bits)
       return out.reshape(*x.shape[:-1], -1).astype(x.dtype)
     if self.full is not None:
       return dot_f32_accumulate("...i,oi->...o", x, self.full).astype(x.dtype)
@@ -231,10 +238,11 @@ class QuantizedWeight:
 
 
   def runs_native(self, rows: int) -> bool:
-    """Whether `matmul` of `rows` activation rows runs the native kernel: CPU, groups of
-    32 of int8 codes (ours with a min, or Q8_0) or nibbles (Q4_1, Q4_0), one weight (not
-    stacked), at most MAX_ROWS rows (NATIVE_ROWS_BESIDE_FULL beside a `full` copy), and
-    not traced on a mesh (XLA cannot split a custom call: it would gather the weight)."""
+    """Whether `matmul` of `rows` activation rows runs the native kernel: CPU, a
+    `native_format` (groups of 32 of int8 codes, ours with a min or Q8_0, or nibbles,
+    Q4_1 / Q4_0; or a GGUF K-quant, Q4_K / Q5_K / Q6_K), one weight (not stacked), at
+    most MAX_ROWS rows (NATIVE_ROWS_BESIDE_FULL beside a `full` copy), and not traced on
+    a mesh (XLA cannot split a custom call: it would gather the weight)."""
     if not native_format(self) or jax.default_backend() != "cpu":
       return False
     mesh = jax.sharding.get_abstract_mesh()
@@ -242,28 +250,59 @@ class QuantizedWeight:
       return False
     if self.full is not None and rows > NATIVE_ROWS_BESIDE_FULL:
       return False
-    return (kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)
-            and kernels_cpu.available())
+    fmt = kquant_format(self)
+    if fmt is not None:
+      takes = kernels_cpu.matvec.supports_kquant(rows, fmt, self.q, self.scale, self.offset,
+                                                 self.q_high, self.super_scale,
+                                                 self.super_offset)
+    else:
+      takes = kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)
+    return takes and kernels_cpu.available()
 
   def native_activation_bits(self, rows: int) -> int:
     """The activation precision the native kernel uses for this weight at `rows` rows:
-    `activation_bits` where the integer tiles take these operands (nibbles or Q8_0, an
-    even group count, a VNNI CPU), else 32 (float tiles)."""
-    if self.activation_bits != 32 and kernels_cpu.matvec.supports_integer_activations(
-        rows, self.q, self.scale, self.offset, self.bits):
-      return self.activation_bits
-    return 32
+    `activation_bits` where the integer tiles take these operands (nibbles, Q8_0 or a
+    K-quant, an even group count, a VNNI CPU), else 32 (float tiles)."""
+    if self.activation_bits == 32:
+      return 32
+    fmt = kquant_format(self)
+    if fmt is not None:
+      takes = kernels_cpu.matvec.supports_kquant(rows, fmt, self.q, self.scale, self.offset,
+                                                 self.q_high, self.super_scale,
+                                                 self.super_offset) and kernels_cpu.matvec.vnni()
+    else:
+      takes = kernels_cpu.matvec.supports_integer_activations(rows, self.q, self.scale,
+                                                              self.offset, self.bits)
+    return self.activation_bits if takes else 32
 
 
 def native_format(w: QuantizedWeight) -> bool:
-  """Codes the native matvec reads: int8 codes or nibbles in groups of 32, no zero point,
-  permutation or super-blocks."""
+  """Codes the native matvec reads: int8 codes or nibbles in groups of 32 without
+  super-blocks, or a GGUF K-quant as stored (`kquant_format`); no zero point or
+  permutation."""
+  if kquant_format(w) is not None:
+    return True
   return (w.kind in ("int8", "int4") and w.group_size == 32 and not w.super_size
           and w.zero is None and w.perm is None)
 
 
+def kquant_format(w: QuantizedWeight) -> str | None:
+  """The kernels' name ("q4_k", "q5_k" or "q6_k") of a GGUF K-quant weight as
+  `checkpoints/quantize.py` keeps it (super-blocks of 256; Q4_K / Q5_K: 32-input groups
+  with min codes, Q6_K: 16-input groups centred on 32), which the native kernels read as
+  stored; else None."""
+  if w.super_size != 256 or w.zero is not None or w.perm is not None:
+    return None
+  with_min = w.offset is not None and w.super_offset is not None
+  if w.kind in ("int4", "int5") and w.group_size == 32 and with_min:
+    return "q4_k" if w.kind == "int4" else "q5_k"
+  if w.kind == "int6" and w.group_size == 16 and w.offset is None:
+    return "q6_k"
+  return None
+
+
 def with_activation_bits(params: Any, bits: int) -> Any:
-  """Params whose nibble and Q8_0 weights in a `native_format` multiply activations
+  """Params whose nibble, Q8_0 and K-quant weights in a `native_format` multiply activations
   rounded per group of 32 to `bits` (8 or 16; 32: float) in the native kernel. 8 is
   llama.cpp's Q4 x Q8 / Q8_0 x Q8 scheme: a fraction of the instructions per weight, the
   activations' 8-bit rounding showing in the result (~0.5% of its range). 16 keeps 2^-16
@@ -273,8 +312,10 @@ def with_activation_bits(params: Any, bits: int) -> Any:
     raise ValueError(f"activation bits {bits} not in {kernels_cpu.matvec.ACTIVATION_BITS}")
 
   def mark(w):
-    signed_bytes = w.kind == "int8" and w.offset is None if is_quantized(w) else False
-    if not is_quantized(w) or not native_format(w) or not (w.kind == "int4" or signed_bytes):
+    if not is_quantized(w) or not native_format(w):
+      return w
+    signed_bytes = w.kind == "int8" and w.offset is None
+    if not (w.kind == "int4" or signed_bytes or kquant_format(w) is not None):
       return w
     return dataclasses.replace(w, activation_bits=bits)
 
@@ -299,18 +340,34 @@ def _dequantized_on_host(w: QuantizedWeight, dtype) -> np.ndarray:
   (no device dispatch or compile per shape: start-up)."""
   q = np.asarray(w.q)
   lead = q.shape[:-1]
-  if w.kind == "int4":  # byte j of a group: input j (low nibble) and j + 16 (high)
-    b = q.reshape(*lead, -1, 16)
+  g = w.group_size
+  if w.kind in CODE_BITS:  # byte j of a group: input j (low nibble) and j + g/2 (high)
+    b = q.reshape(*lead, -1, g // 2)
     codes = np.concatenate([b & 0x0F, b >> 4], axis=-1).astype(np.float32)
   else:
-    codes = q.reshape(*lead, -1, 32).astype(np.float32)
-  scale = np.asarray(w.scale, np.float32)[..., None]
-  if w.kind == "int4" and w.offset is None:
-    codes -= 8.0
+    codes = q.reshape(*lead, -1, g).astype(np.float32)
+  if w.q_high is not None:  # the bits above the nibble, `bits` per input from the lowest
+    bits = HIGH_BITS[w.kind]
+    qh = np.asarray(w.q_high)
+    high = (qh[..., None] >> np.arange(0, 8, bits, dtype=np.uint8)) & ((1 << bits) - 1)
+    codes += 16.0 * high.reshape(codes.shape).astype(np.float32)
+  scale = _host_per_group(w, w.scale, w.super_scale)[..., None]
+  if w.kind in CODE_BITS and w.offset is None:
+    codes -= float(1 << (w.bits - 1))
   codes *= scale  # in place: one float32 temporary per weight
   if w.offset is not None:
-    codes += np.asarray(w.offset, np.float32)[..., None]
+    codes += _host_per_group(w, w.offset, w.super_offset)[..., None]
   return codes.reshape(*lead, -1).astype(dtype)
+
+
+def _host_per_group(w: QuantizedWeight, codes, supers) -> np.ndarray:
+  """`_per_group` in numpy: group values `[..., R, G]` as float32."""
+  vals = np.asarray(codes, np.float32)
+  if supers is None:
+    return vals
+  per = w.super_size // w.group_size
+  grouped = vals.reshape(*vals.shape[:-1], -1, per)
+  return (grouped * np.asarray(supers, np.float32)[..., None]).reshape(vals.shape)
 
 
 def _compute_dtype(dtype):

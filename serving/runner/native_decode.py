@@ -6,7 +6,8 @@ one device, the native kernels enabled, a dense Llama-family model without
 QKV bias, Q/K norms or hybrid attention (one window for every layer), with
 RoPE on whole heads and unscaled cos / sin, no LoRA, unrolled layers whose
 seven linear weights all run the native matvec at this row count (quantized
-groups of 32 as stored: GGUF Q4_1 / Q4_0 / Q8_0, our int8), float32
+blocks as stored: GGUF Q4_1 / Q4_0 / Q8_0 and our int8 in groups of 32, GGUF
+Q4_K / Q5_K / Q6_K), float32
 activations and a float32 or bfloat16 KV pool. Everything else (prefill,
 verification, larger batches, other models) runs op by op, as before; both
 paths compute the same values (tests/serving/runner/test_native_decode.py).
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from kernels_cpu import decoder
 from serving.models import layers as model_layers
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import is_quantized
+from serving.models.quantized import is_quantized, kquant_format
 from serving.runner.kv_cache import KVCache
 
 LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kernel's order
@@ -61,7 +62,9 @@ def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: 
 
 
 def _format(w) -> int:
-  code = decoder.FORMATS[(w.bits, w.offset is not None)]
+  fmt = kquant_format(w)
+  code = decoder.FORMATS[(w.bits, w.offset is not None)] if fmt is None else (
+      decoder.K_FORMATS[fmt])
   return code + decoder.ACTIVATION_FLAGS[w.native_activation_bits(1)]
 
 
@@ -75,7 +78,7 @@ def run_layers(layers: list, cfg: ModelConfig, x: jax.Array, positions: jax.Arra
   for lp in layers:
     for name in LINEAR_ORDER:
       w = lp[name]
-      weights.append((w.q, w.scale, w.offset))
+      weights.append((w.q, w.scale, w.offset, w.q_high, w.super_scale, w.super_offset))
       formats.append(_format(w))
   h, k, v = decoder.decode_layers(
       x, positions, meta["kv_index"], meta["block_tables"], meta["seq_lens"],

@@ -135,6 +135,58 @@ def test_matches_op_by_op(kv_dtype, activation_bits, rows):
     np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
 
 
+# GGUF K-quants (I a multiple of 256): Q4_K / Q6_K as in a Q4_K_M file, Q5_K, and Q8_0.
+K_CFG = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512, num_layers=2,
+                            head_dim=64)
+K_SHAPES = {"wq": (256, 256), "wk": (256, 128), "wv": (256, 128), "wo": (256, 256),
+            "w_gate": (256, 512), "w_up": (256, 512), "w_down": (512, 256)}
+
+
+def _kquant_layers(activation_bits):
+  from kquant_testutil import Q, random_weight
+
+  rng = np.random.default_rng(7)
+  types = [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q8_0]
+  layers = []
+  for i in range(K_CFG.num_layers):
+    lp = {name: jax.tree.map(jnp.asarray, random_weight(
+        rng, types[(i + j) % len(types)], shape[1], shape[0], scale=0.1))
+        for j, (name, shape) in enumerate(K_SHAPES.items())}
+    if activation_bits != 32:
+      lp = quantized.with_activation_bits(lp, activation_bits)
+    lp["attn_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(256), jnp.float32)
+    lp["mlp_norm"] = jnp.asarray(1 + 0.1 * rng.standard_normal(256), jnp.float32)
+    layers.append(lp)
+  return layers
+
+
+@needs_native
+@pytest.mark.parametrize("activation_bits", [32, 16, 8])
+def test_kquants_match_op_by_op(activation_bits):
+  """Q4_K, Q5_K, Q6_K (and Q8_0) weights as stored: the fused call gives the op-by-op
+  path's hidden states and K/V."""
+  if activation_bits != 32 and not kernels_cpu.library.vnni():
+    pytest.skip("no VNNI")
+  layers = _kquant_layers(activation_bits)
+  assert {quantized.kquant_format(lp[n]) for lp in layers for n in K_SHAPES} == {
+      "q4_k", "q5_k", "q6_k", None}
+  rows = [ROWS[0], ROWS[2]]
+  positions, meta = _step(rows)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((len(rows), 256)), jnp.float32)
+  kv = create_kv_cache(K_CFG, PAGES, PAGE_SIZE, "float32")
+  fill = np.random.default_rng(1)
+  kv = dataclasses.replace(kv, k=jnp.asarray(fill.standard_normal(kv.k.shape), jnp.float32),
+                           v=jnp.asarray(fill.standard_normal(kv.v.shape), jnp.float32))
+  assert native_decode.runs_native(layers, K_CFG, kv, x, None)
+  want_h, want_kv = jax.jit(_op_by_op, static_argnums=1)(layers, K_CFG, x, positions, meta, kv)
+  got_h, got_kv = jax.jit(native_decode.run_layers, static_argnums=1)(layers, K_CFG, x,
+                                                                      positions, meta, kv)
+  tol = {32: 2e-5, 16: 1e-4, 8: 2e-3}[activation_bits]
+  np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(got_kv.k), np.asarray(want_kv.k),
+                             rtol=5e-3 if activation_bits != 32 else 2e-5, atol=1e-4)
+
+
 @needs_native
 @pytest.mark.parametrize("layer_types", [(), ("sliding_attention",) * 3,
                                          ("full_attention",) * 3])

@@ -1,0 +1,343 @@
+// GGUF K-quant weights x activation rows: the column loops for Q4_K, Q5_K and
+// Q6_K blocks kept as stored (serving/models/quantized.py, checkpoints/quantize.py).
+//
+// A K-quant matrix [O, I] (I a multiple of 256) has per super-block of 256
+// inputs a float16 d (and for Q4_K / Q5_K a float16 -dmin), and per sub-block
+// integer scale codes:
+//   Q4_K: nibbles in groups of 32 (byte j: input j low, j + 16 high, as Q4_1),
+//         uint8 6-bit scale and min codes per 32: w = code * sc * d + mn * (-dmin);
+//   Q5_K: the same plus the fifth bit in q_high (byte k: inputs 8k..8k+7, one bit
+//         each from the lowest): code 0..31;
+//   Q6_K: nibbles in groups of 16 (byte j: input j low, j + 8 high), the top two
+//         bits in q_high (byte k: inputs 4k..4k+3, two bits each from the lowest),
+//         an int8 scale per 16: w = d * sc * (code - 32).
+// The group's float scale (and min) is the code times its super-block's value,
+// computed in registers per super-block: the weights are read as stored.
+//
+// `KTile` converts each 32 inputs of a column to float32 weights in registers and
+// multiplies them into up to kTileRows float rows. `KIntTile` multiplies the
+// codes by activations rounded per group of 32 to 8 or 16 bits (quant_dot.h
+// `IntRows`, the nibble-pair layout) with VNNI: per pair of groups one VPDPBUSD
+// per row (two with 16 bits), the lanes scaled by their sub-block's scale. The
+// min (Q4_K / Q5_K) meets the rounded group sums (IntRows xsum8 / xsum16); Q6_K's
+// -32 meets the rounded sums of each 16 inputs (`SubGroupSums`).
+
+#ifndef XLASERVE_KERNELS_CPU_KQUANT_DOT_H_
+#define XLASERVE_KERNELS_CPU_KQUANT_DOT_H_
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_dot.h"
+
+namespace xlaserve {
+
+constexpr int64_t kSuper = 256;  // inputs per K-quant super-block
+
+constexpr bool IsKQuant(Format f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
+
+// The operands of one K-quant matrix (pointers to its first output row).
+struct KWeight {
+  const uint8_t* q = nullptr;       // [O, I/2] nibbles
+  const uint8_t* q_high = nullptr;  // [O, I/8] (Q5_K), [O, I/4] (Q6_K); Q4_K: unused
+  const uint8_t* scale = nullptr;   // [O, I/32] uint8 (Q4_K, Q5_K) | [O, I/16] int8 (Q6_K)
+  const uint8_t* offset = nullptr;  // [O, I/32] uint8 min codes (Q4_K, Q5_K)
+  const uint16_t* super_scale = nullptr;   // f16 [O, I/256]: d
+  const uint16_t* super_offset = nullptr;  // f16 [O, I/256]: -dmin (Q4_K, Q5_K)
+};
+
+// Bytes per input row of each operand (scale codes: one byte per sub-block).
+constexpr int64_t KHighBytes(Format f, int64_t in) {
+  return f == kQ5_K ? in / 8 : f == kQ6_K ? in / 4 : 0;
+}
+constexpr int64_t KScaleCount(Format f, int64_t in) { return f == kQ6_K ? in / 16 : in / kGroup; }
+
+// Output row o's operands.
+template <Format kFmt>
+inline KWeight KRow(const KWeight& w, int64_t in, int64_t o) {
+  KWeight r;
+  r.q = w.q + o * in / 2;
+  r.q_high = kFmt == kQ4_K ? nullptr : w.q_high + o * KHighBytes(kFmt, in);
+  r.scale = w.scale + o * KScaleCount(kFmt, in);
+  r.offset = kFmt == kQ6_K ? nullptr : w.offset + o * (in / kGroup);
+  r.super_scale = w.super_scale + o * (in / kSuper);
+  r.super_offset = kFmt == kQ6_K ? nullptr : w.super_offset + o * (in / kSuper);
+  return r;
+}
+
+inline __attribute__((target("f16c"))) float HalfToFloat(uint16_t h) { return _cvtsh_ss(h); }
+
+// A super-block's float sub-block scales (and mins): Q4_K / Q5_K 8 of each, Q6_K 16
+// (times d; its -32 folded into `m` as -32 * scale per 16).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void SuperScales(
+    const KWeight& row, int64_t sb, float* s, float* m) {
+  const __m512 d = _mm512_set1_ps(HalfToFloat(row.super_scale[sb]));
+  if constexpr (kFmt == kQ6_K) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.scale + sb * 16));
+    const __m512 sv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d);
+    _mm512_storeu_ps(s, sv);
+    _mm512_storeu_ps(m, _mm512_mul_ps(sv, _mm512_set1_ps(-32.0f)));
+  } else {
+    const __m256 dm = _mm256_set1_ps(HalfToFloat(row.super_offset[sb]));
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.scale + sb * 8));
+    const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.offset + sb * 8));
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)),
+                                      _mm512_castps512_ps256(d)));
+    _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), dm));
+  }
+}
+
+// Inputs 0-15 and 16-31 of a group-16 nibble pair (Q6_K: 16 bytes, 8 per 16 inputs)
+// as int32 codes 0..15.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void Q6Nibbles(
+    const uint8_t* q, __m512i* lo, __m512i* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512i low = _mm512_and_si512(b, _mm512_set1_epi32(0x0F));  // [A0-7, B0-7]
+  const __m512i high = _mm512_srli_epi32(b, 4);                       // [A8-15, B8-15]
+  *lo = _mm512_permutex2var_epi32(
+      low, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23), high);
+  *hi = _mm512_permutex2var_epi32(
+      low, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
+      high);
+}
+
+// Float32 weights of 32 inputs (chunk j of super-block sb): lo = inputs 0-15, hi = 16-31.
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void KWeights32(
+    const KWeight& row, int64_t chunk, int64_t j, const float* s, const float* m, __m512* lo,
+    __m512* hi) {
+  if constexpr (kFmt == kQ6_K) {
+    __m512i c_lo, c_hi;
+    Q6Nibbles(row.q + chunk * 16, &c_lo, &c_hi);
+    uint32_t h[2];
+    std::memcpy(h, row.q_high + chunk * 8, 8);
+    const __m512i shifts =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i three = _mm512_set1_epi32(3);
+    c_lo = _mm512_or_si512(c_lo, _mm512_slli_epi32(_mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(h[0])), shifts), three), 4));
+    c_hi = _mm512_or_si512(c_hi, _mm512_slli_epi32(_mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(h[1])), shifts), three), 4));
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c_lo), _mm512_set1_ps(s[2 * j]),
+                          _mm512_set1_ps(m[2 * j]));
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c_hi), _mm512_set1_ps(s[2 * j + 1]),
+                          _mm512_set1_ps(m[2 * j + 1]));
+  } else {
+    __m512 c_lo, c_hi;
+    Codes<kQ4_1>(row.q + chunk * 16, &c_lo, &c_hi);
+    if constexpr (kFmt == kQ5_K) {
+      uint32_t h;
+      std::memcpy(&h, row.q_high + chunk * 4, 4);
+      const __m512 k16 = _mm512_set1_ps(16.0f);
+      c_lo = _mm512_mask_add_ps(c_lo, static_cast<__mmask16>(h & 0xFFFF), c_lo, k16);
+      c_hi = _mm512_mask_add_ps(c_hi, static_cast<__mmask16>(h >> 16), c_hi, k16);
+    }
+    const __m512 sv = _mm512_set1_ps(s[j]), mv = _mm512_set1_ps(m[j]);
+    *lo = _mm512_fmadd_ps(c_lo, sv, mv);
+    *hi = _mm512_fmadd_ps(c_hi, sv, mv);
+  }
+}
+
+// Output column o (operands `row`) for float rows [r0, r0 + kRows): per 32 inputs the
+// float32 weights once, then two FMAs per row (two accumulators a row).
+template <Format kFmt, int kRows>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void KTile(
+    const float* x, int r0, int64_t in, const KWeight& row, float* out, int64_t out_dim,
+    int64_t o) {
+  __m512 acc_lo[kRows], acc_hi[kRows];
+  for (int b = 0; b < kRows; ++b) acc_lo[b] = acc_hi[b] = _mm512_setzero_ps();
+  alignas(64) float s[16] = {}, m[16] = {};
+  for (int64_t sb = 0; sb < in / kSuper; ++sb) {
+    SuperScales<kFmt>(row, sb, s, m);
+    for (int64_t j = 0; j < kSuper / kGroup; ++j) {
+      const int64_t chunk = sb * (kSuper / kGroup) + j;
+      __m512 w_lo, w_hi;
+      KWeights32<kFmt>(row, chunk, j, s, m, &w_lo, &w_hi);
+      for (int b = 0; b < kRows; ++b) {
+        const float* xb = x + (r0 + b) * in + chunk * kGroup;
+        acc_lo[b] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xb), acc_lo[b]);
+        acc_hi[b] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xb + 16), acc_hi[b]);
+      }
+    }
+  }
+  for (int b = 0; b < kRows; ++b) {
+    out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[b], acc_hi[b]));
+  }
+}
+
+// Output columns [o0, o1) of a K-quant matrix for `rows` float rows.
+template <Format kFmt>
+void KColumns(const float* x, int rows, int64_t in, const KWeight& w, float* out,
+              int64_t out_dim, int64_t o0, int64_t o1) {
+  static_assert(IsKQuant(kFmt));
+  for (int64_t o = o0; o < o1; ++o) {
+    const KWeight row = KRow<kFmt>(w, in, o);
+    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, rows - r0),
+                              (KTile<kFmt, R>(x, r0, in, row, out, out_dim, o)));
+    }
+  }
+}
+
+// ---- K-quants x integer activations (VNNI) ----
+
+// The rounded activations' sums per 16 inputs, [rows, groups * 2] (in units of x:
+// dx * (hi + lo / 256) summed), for Q6_K's -32: per two groups one VPDPBUSD of ones
+// (two with lo) and a sum within each 128-bit lane.
+inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) std::vector<float>
+SubGroupSums(const IntRows& r, bool lo, int rows, int64_t groups) {
+  const int64_t pairs = groups / 2;
+  std::vector<float> sums(rows * groups * 2);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int b = 0; b < rows; ++b) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t at = (b * groups + 2 * p) * kGroup;  // groups 2p, 2p + 1 in input order
+      __m512i n = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
+                                      _mm512_loadu_si512(r.hi_plain.data() + at));
+      if (lo) {
+        n = _mm512_dpbusd_epi32(_mm512_slli_epi32(n, 8), ones,
+                                _mm512_loadu_si512(r.lo_plain.data() + at));
+      }
+      __m512 f = _mm512_cvtepi32_ps(n);  // lanes 4s..4s+3: sub-block s of the pair
+      f = _mm512_add_ps(f, _mm512_shuffle_ps(f, f, 0x4E));
+      f = _mm512_add_ps(f, _mm512_shuffle_ps(f, f, 0xB1));
+      const float* dx = r.dx.data() + (b * pairs + p) * 16;  // lane 0: dx of 2p, 4: of 2p + 1
+      const float unit = lo ? 1.0f / 256.0f : 1.0f;
+      const __m128 scale = _mm_setr_ps(dx[0] * unit, dx[0] * unit, dx[4] * unit, dx[4] * unit);
+      _mm_storeu_ps(sums.data() + (b * groups + 2 * p) * 2,
+                    _mm_mul_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, f)), scale));
+    }
+  }
+  return sums;
+}
+
+// Q6_K: lane k of a pair's dot takes sub-block (of 16) 4j + kQ6SubOf[k / 4] for the
+// j-th pair of a super-block (lanes 0-3: group 2j inputs 0-15, 4-7: group 2j + 1
+// inputs 0-15, 8-11: group 2j inputs 16-31, 12-15: group 2j + 1 inputs 16-31).
+alignas(64) inline constexpr int32_t kQ6PairLanes[4][16] = {
+    {0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3},
+    {4, 4, 4, 4, 6, 6, 6, 6, 5, 5, 5, 5, 7, 7, 7, 7},
+    {8, 8, 8, 8, 10, 10, 10, 10, 9, 9, 9, 9, 11, 11, 11, 11},
+    {12, 12, 12, 12, 14, 14, 14, 14, 13, 13, 13, 13, 15, 15, 15, 15}};
+
+// Q6_K's high-bit bytes: 128-bit lane L of the pair layout takes the 4 q_high bytes
+// (16 inputs) at 4 * {0, 2, 1, 3}[L]; byte i of the lane their byte i / 4.
+alignas(64) inline constexpr uint8_t kQ6HighBytes[64] = {
+    0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+    8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11,
+    4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7,
+    12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
+
+// The 64 codes of pair p (groups 2p, 2p + 1) in the nibble-pair layout as bytes.
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i KPairCodes(
+    const KWeight& row, int64_t p) {
+  const __m512i y = _mm512_castsi256_si512(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.q + p * 32)));
+  __m512i c = _mm512_and_si512(
+      _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1),
+      _mm512_set1_epi8(0x0F));
+  if constexpr (kFmt == kQ5_K) {
+    // Bytes 0-15: group 2p inputs 0-15, 16-31: 2p + 1 inputs 0-15, 32-47: 2p 16-31,
+    // 48-63: 2p + 1 16-31; q_high holds each group's 32 bits in input order.
+    uint64_t h;
+    std::memcpy(&h, row.q_high + p * 8, 8);
+    const uint64_t mask = (h & 0xFFFF) | (((h >> 32) & 0xFFFF) << 16) |
+                          (((h >> 16) & 0xFFFF) << 32) | ((h >> 48) << 48);
+    c = _mm512_mask_add_epi8(c, mask, c, _mm512_set1_epi8(16));
+  } else if constexpr (kFmt == kQ6_K) {
+    // Group-16 nibbles: qwords [g 0-7, g 16-23, g+1 0-7, g+1 16-23 | g 8-15, g 24-31,
+    // g+1 8-15, g+1 24-31] -> the pair layout.
+    c = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 2, 6, 1, 5, 3, 7), c);
+    const __m512i h = _mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            row.q_high + p * 16))),
+        _mm512_load_si512(kQ6HighBytes));
+    const __mmask64 bit0 = _mm512_test_epi8_mask(h, _mm512_set1_epi32(0x40100401));
+    const __mmask64 bit1 = _mm512_test_epi8_mask(h, _mm512_set1_epi32(static_cast<int>(0x80200802)));
+    c = _mm512_mask_add_epi8(c, bit0, c, _mm512_set1_epi8(16));
+    c = _mm512_mask_add_epi8(c, bit1, c, _mm512_set1_epi8(32));
+  }
+  return c;
+}
+
+// K-quant codes x rows [r0, r0 + kRows) of `r` (kLo: 16-bit activations): column o.
+// `sub_sums`: SubGroupSums (Q6_K only).
+template <Format kFmt, int kRows, bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void KIntTile(
+    const IntRows& r, const float* sub_sums, int r0, int64_t groups, const KWeight& row,
+    float* out, int64_t out_dim, int64_t o) {
+  const int64_t pairs = groups / 2;
+  constexpr int64_t kPairsPerSuper = kSuper / kGroup / 2;
+  __m512 acc[kRows], mins[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
+  alignas(64) float s[16] = {}, m[16] = {};
+  for (int64_t sb = 0; sb < groups * kGroup / kSuper; ++sb) {
+    SuperScales<kFmt>(row, sb, s, m);
+    const __m512 sv = _mm512_load_ps(s);
+    // The min term of this super-block: 8 groups (Q4_K / Q5_K) or 16 sub-blocks (Q6_K).
+    if constexpr (kFmt == kQ6_K) {
+      const __m512 mv = _mm512_load_ps(m);
+      for (int b = 0; b < kRows; ++b) {
+        mins[b] = _mm512_fmadd_ps(
+            mv, _mm512_loadu_ps(sub_sums + ((r0 + b) * groups + sb * 8) * 2), mins[b]);
+      }
+    } else {
+      const __m512 mv = _mm512_maskz_load_ps(0xFF, m);
+      const float* xsum = (kLo ? r.xsum16 : r.xsum8).data();
+      for (int b = 0; b < kRows; ++b) {
+        mins[b] = _mm512_fmadd_ps(
+            mv, _mm512_maskz_loadu_ps(0xFF, xsum + (r0 + b) * groups + sb * 8), mins[b]);
+      }
+    }
+    for (int64_t j = 0; j < kPairsPerSuper; ++j) {
+      const int64_t p = sb * kPairsPerSuper + j;
+      const __m512 d = _mm512_permutexvar_ps(
+          _mm512_load_si512(kFmt == kQ6_K ? kQ6PairLanes[j] : kPairScaleLanes[j]), sv);
+      const __m512i c = KPairCodes<kFmt>(row, p);
+      for (int b = 0; b < kRows; ++b) {
+        const int64_t at = (r0 + b) * pairs + p;
+        const __m512i dot = DotBytes<kLo>(c, _mm512_loadu_si512(r.hi.data() + at * 64),
+                                          kLo ? r.lo.data() + at * 64 : nullptr, 0);
+        const __m512 f =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx.data() + at * 16));
+        acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
+      }
+    }
+  }
+  const float unit = kLo ? 1.0f / 256.0f : 1.0f;  // the lanes count dx / 256 with lo
+  for (int b = 0; b < kRows; ++b) {
+    out[(r0 + b) * out_dim + o] =
+        _mm512_reduce_add_ps(_mm512_fmadd_ps(acc[b], _mm512_set1_ps(unit), mins[b]));
+  }
+}
+
+// Output columns [o0, o1) of a K-quant matrix for every row of `r` (QuantizeRows; `lo`:
+// its 16-bit rounding, else its 8-bit one).
+template <Format kFmt>
+void KIntColumns(const IntRows& r, bool lo, int rows, int64_t in, const KWeight& w, float* out,
+                 int64_t out_dim, int64_t o0, int64_t o1) {
+  static_assert(IsKQuant(kFmt));
+  const int64_t groups = in / kGroup;
+  std::vector<float> sub_sums;
+  if constexpr (kFmt == kQ6_K) sub_sums = SubGroupSums(r, lo, rows, groups);
+  for (int64_t o = o0; o < o1; ++o) {
+    const KWeight row = KRow<kFmt>(w, in, o);
+    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+      XLASERVE_WITH_TILE_ROWS(
+          std::min(kTileRows, rows - r0),
+          (lo ? KIntTile<kFmt, R, true>(r, sub_sums.data(), r0, groups, row, out, out_dim, o)
+              : KIntTile<kFmt, R, false>(r, sub_sums.data(), r0, groups, row, out, out_dim, o)));
+    }
+  }
+}
+
+}  // namespace xlaserve
+
+#endif  // XLASERVE_KERNELS_CPU_KQUANT_DOT_H_
