@@ -61,7 +61,9 @@ def available() -> bool:
     return False
   try:
     lib = ctypes.CDLL(path)
-    if not lib.xlaserve_native_isa():
+    # A library older than the blocked matvec (up to 32 rows a call) lacks this symbol.
+    lib.xlaserve_matvec_max_rows.restype = ctypes.c_int64
+    if not lib.xlaserve_native_isa() or lib.xlaserve_matvec_max_rows() < 1:
       return False
     for name, symbol in TARGETS.items():
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
@@ -69,6 +71,15 @@ def available() -> bool:
   except (OSError, AttributeError, ValueError):
     return False
   return True
+
+
+def matvec_max_rows() -> int:
+  """The rows one matvec call takes, as the built library says (0 when not `available()`)."""
+  if not available():
+    return 0
+  lib = ctypes.CDLL(library_path())
+  lib.xlaserve_matvec_max_rows.restype = ctypes.c_int64
+  return int(lib.xlaserve_matvec_max_rows())
 
 
 @functools.cache

@@ -255,6 +255,11 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
 }  // namespace
 
+// The rows one matvec call takes (matvec.py's MAX_ROWS). library.py requires this
+// symbol, so a library built before calls took more than 32 rows is not used (the
+// XLA path) rather than failing calls of more rows.
+extern "C" int64_t xlaserve_matvec_max_rows() { return kMaxCallRows; }
+
 extern "C" int xlaserve_native_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") ? 1 : 0;

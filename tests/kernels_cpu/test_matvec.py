@@ -109,6 +109,12 @@ def test_fallback_when_off(monkeypatch):
     matvec.available.cache_clear()
 
 
+@needs_native
+def test_library_takes_max_rows():
+  """The built library takes MAX_ROWS rows a call (one older than that is not used)."""
+  assert kernels_cpu.library.matvec_max_rows() == matvec.MAX_ROWS
+
+
 def test_supports_rejects_what_the_kernel_cannot_take():
   q = jnp.zeros((16, 64), jnp.uint8)
   s = jnp.zeros((16, 2), jnp.float16)
