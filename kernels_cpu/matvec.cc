@@ -28,6 +28,7 @@
 
 #include "parallel.h"
 #include "quant_dot.h"
+#include "quant_dot_avx2.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -75,7 +76,7 @@ ffi::Error CheckOperands(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes,
   return ffi::Error::Success();
 }
 
-template <Format kFmt>
+template <Isa kIsa, Format kFmt>
 ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                       ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                       ffi::ResultBuffer<ffi::F32> out) {
@@ -90,13 +91,22 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
   auto sums = std::make_shared<std::vector<float>>(rows * (in / kGroup));
-  GroupSums(xs, static_cast<int>(rows), in, sums->data());
+  if constexpr (kIsa == Isa::kAvx2) {
+    avx2::GroupSums(xs, static_cast<int>(rows), in, sums->data());
+  } else {
+    GroupSums(xs, static_cast<int>(rows), in, sums->data());
+  }
   // Column ranges over the caller and XLA's intra-op threads (parallel.h): a few
   // per thread, so a thread that starts late still finds work.
   const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
   xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-    Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim,
-                  out_dim * i / parts, out_dim * (i + 1) / parts);
+    const int64_t o0 = out_dim * i / parts, o1 = out_dim * (i + 1) / parts;
+    if constexpr (kIsa == Isa::kAvx2) {
+      avx2::Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim, o0,
+                          o1);
+    } else {
+      Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim, o0, o1);
+    }
   });
   return ffi::Error::Success();
 }
@@ -153,6 +163,14 @@ extern "C" int xlaserve_native_isa() {
   return ok ? 1 : 0;
 }
 
+// Whether this CPU runs the AVX2 handlers (the `...Avx2` symbols): AVX2, FMA, F16C.
+extern "C" int xlaserve_native_avx2() {
+  __builtin_cpu_init();
+  const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("f16c");
+  return ok ? 1 : 0;
+}
+
 // Every handler takes x, codes, scales and an offset operand, and returns [B, O].
 inline auto Binding() {
   return ffi::Ffi::Bind()
@@ -166,10 +184,16 @@ inline auto Binding() {
 
 // Formats with a min (U8: xlaserve's int8 groups; Q4_1) take the mins as the offset
 // operand; the others (S8: GGUF Q8_0; Q4_0) ignore it (pass the scales again).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<kU8>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<kS8>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, MatvecImpl<kQ4_1>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, MatvecImpl<kQ4_0>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, (MatvecImpl<Isa::kAvx512, kU8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, (MatvecImpl<Isa::kAvx512, kS8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, (MatvecImpl<Isa::kAvx512, kQ4_1>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, (MatvecImpl<Isa::kAvx512, kQ4_0>), Binding());
+// The float-activation handlers for CPUs with AVX2 + FMA + F16C but no AVX-512
+// (quant_dot_avx2.h; kernels_cpu/library.py registers one set or the other).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8Avx2, (MatvecImpl<Isa::kAvx2, kU8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Avx2, (MatvecImpl<Isa::kAvx2, kS8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Avx2, (MatvecImpl<Isa::kAvx2, kQ4_1>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Avx2, (MatvecImpl<Isa::kAvx2, kQ4_0>), Binding());
 // The same operands, activations rounded per group to int8 or to 16 bits (VNNI;
 // needs xlaserve_native_vnni()): nibbles and Q8_0.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<kQ4_1, 8>), Binding());

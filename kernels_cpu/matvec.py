@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_cpu.library import available, library_path, vnni
+from kernels_cpu.library import available, library_path, target, vnni
 
 MAX_ROWS = 32  # activation rows the kernel takes (in tiles of 8 register accumulators)
 GROUP = 32
@@ -79,7 +79,8 @@ def quantized_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array,
   key = (bits, offset is not None)
   if activation_bits != 32:
     key += (activation_bits,)
-  call = jax.ffi.ffi_call(_TARGETS[key], jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
+  call = jax.ffi.ffi_call(target(_TARGETS[key]),
+                          jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
   return call(x.astype(jnp.float32), codes, scale, scale if offset is None else offset)
 
 

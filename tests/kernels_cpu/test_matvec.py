@@ -20,7 +20,7 @@ import pytest
 
 import kernels_cpu
 from checkpoints import quantizers
-from kernels_cpu import matvec
+from kernels_cpu import library, matvec
 
 needs_native = pytest.mark.skipif(not kernels_cpu.available(),
                                   reason="native kernels not built or CPU lacks AVX-512")
@@ -96,7 +96,7 @@ def test_fallback_when_off(monkeypatch):
   """XLASERVE_NATIVE=0 (or no library): the XLA path, same values."""
   qw = _weight(48, 96, True)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 96)).astype(np.float32))
-  matvec.available.cache_clear()
+  library.isa.cache_clear()
   monkeypatch.setenv("XLASERVE_NATIVE", "0")
   try:
     assert not kernels_cpu.available()
@@ -105,7 +105,7 @@ def test_fallback_when_off(monkeypatch):
                                _reference(x, qw), rtol=1e-5, atol=1e-5)
   finally:
     monkeypatch.delenv("XLASERVE_NATIVE")
-    matvec.available.cache_clear()
+    library.isa.cache_clear()
 
 
 def test_supports_rejects_what_the_kernel_cannot_take():
