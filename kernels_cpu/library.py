@@ -52,7 +52,7 @@ AVX2_TARGETS = {
                 "xlaserve_q4_0_matvec", "xlaserve_paged_attention", "xlaserve_decode_layers")
 }
 # isa -> (the library's CPU check, its targets)
-_SETS = {"avx512": ("xlaserve_native_isa", TARGETS),
+SETS = {"avx512": ("xlaserve_native_isa", TARGETS),
          "avx2": ("xlaserve_native_avx2", AVX2_TARGETS)}
 
 
@@ -68,10 +68,29 @@ def target(name: str, isa_name: str | None = None) -> str:
   return name if isa_name == "avx512" else f"{name}_{isa_name}"
 
 
+def register(lib: ctypes.CDLL, sets: dict[str, tuple[str, dict[str, str]]]) -> frozenset[str]:
+  """Registers the FFI targets of each of `sets` (isa -> (the library's CPU check, its
+  targets)) whose check passes on this CPU and whose symbols `lib` all exports; -> those
+  sets. A library built before a set's symbols (or a renamed one) leaves that set out."""
+  usable = set()
+  for isa_name, (check, targets) in sets.items():
+    try:
+      if not getattr(lib, check)():
+        continue
+      symbols = {name: getattr(lib, symbol) for name, symbol in targets.items()}
+    except AttributeError:
+      continue
+    for name, symbol in symbols.items():
+      jax.ffi.register_ffi_target(target(name, isa_name), jax.ffi.pycapsule(symbol),
+                                  platform="cpu")
+    usable.add(isa_name)
+  return frozenset(usable)
+
+
 @functools.cache
-def _registered() -> frozenset[str]:
-  """Loads the library once and registers the targets of every instruction set this CPU
-  has and the library exports in full; -> those sets."""
+def usable_isas() -> frozenset[str]:
+  """The instruction sets (`ISAS`) the library, loaded once, can run here; their targets
+  registered."""
   path = library_path()
   if path is None:
     return frozenset()
@@ -79,19 +98,7 @@ def _registered() -> frozenset[str]:
     lib = ctypes.CDLL(path)
   except OSError:
     return frozenset()
-  usable = set()
-  for isa_name, (check, targets) in _SETS.items():
-    try:
-      if not getattr(lib, check)():
-        continue
-      symbols = {name: getattr(lib, symbol) for name, symbol in targets.items()}
-    except AttributeError:  # a library built before this set's symbols
-      continue
-    for name, symbol in symbols.items():
-      jax.ffi.register_ffi_target(target(name, isa_name), jax.ffi.pycapsule(symbol),
-                                  platform="cpu")
-    usable.add(isa_name)
-  return frozenset(usable)
+  return register(lib, SETS)
 
 
 @functools.cache
@@ -103,7 +110,7 @@ def isa() -> str | None:
   wanted = os.environ.get("XLASERVE_NATIVE_ISA", "auto")
   if wanted != "auto" and wanted not in ISAS:
     raise ValueError(f"XLASERVE_NATIVE_ISA={wanted!r} is not auto or one of {ISAS}")
-  usable = _registered()
+  usable = usable_isas()
   if wanted != "auto":
     return wanted if wanted in usable else None
   return next((name for name in ISAS if name in usable), None)

@@ -7,8 +7,11 @@ Q8_0, nibbles with a min / Q4_1 and without / Q4_0) and group counts that are
 not multiples of its 16-group scale loads.
 `QuantizedWeight.matmul` must route exactly the supported cases to it and
 fall back to the XLA path otherwise, including when the library is off.
+The AVX2 set (forced with `XLASERVE_NATIVE_ISA=avx2`) must do the same with float
+activations, and a library lacking a set's symbols must leave that set out.
 """
 
+import ctypes
 import dataclasses
 import os
 import platform
@@ -21,6 +24,7 @@ import pytest
 import kernels_cpu
 from checkpoints import quantizers
 from kernels_cpu import library, matvec
+from serving.models import quantized
 
 needs_native = pytest.mark.skipif(not kernels_cpu.available(),
                                   reason="native kernels not built or CPU lacks AVX-512")
@@ -193,3 +197,59 @@ def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   assert any(t in traced for t in integer_targets)
   float_traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))
   assert "_q8" not in float_traced and "_q16" not in float_traced
+
+
+# ---- The AVX2 path (quant_dot_avx2.h), forced on this CPU ----
+
+@pytest.mark.parametrize("bits,asymmetric", [(8, True), (8, False), (4, True), (4, False)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 32])  # tiles of 4 rows, partial ones
+@pytest.mark.parametrize("out_dim,in_dim", [(37, 96), (130, 1536), (24, 800)])
+def test_avx2_matches_xla_path(force_avx2, bits, asymmetric, rows, out_dim, in_dim):
+  """Every code format (U8, S8 / Q8_0, Q4_1, Q4_0) and row count; group counts that are
+  not multiples of the 8-scale loads of the min term (96 / 32 = 3, 800 / 32 = 25)."""
+  quantize = quantizers.quantize_int8 if bits == 8 else quantizers.quantize_int4
+  w = (np.random.default_rng(out_dim).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
+  qw = jax.tree.map(jnp.asarray, quantize(w, 32, asymmetric=asymmetric))
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, in_dim)).astype(np.float32))
+  fn = lambda w, x: w.matmul(x)  # noqa: E731
+  assert "_avx2" in str(jax.make_jaxpr(fn)(qw, x))
+  got = jax.jit(fn)(qw, x)
+  np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
+
+
+def test_avx2_takes_float_activations(force_avx2):
+  """No integer-activation tiles on the AVX2 path: a weight set to 16-bit activations
+  multiplies float32 ones there (the float tiles' values)."""
+  w = (np.random.default_rng(5).standard_normal((192, 64)) * 0.05).astype(np.float32)
+  qw = quantized.with_activation_bits(
+      jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32)), 16)
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 192)).astype(np.float32))
+  assert not matvec.vnni()
+  assert not matvec.supports_integer_activations(2, qw.q, qw.scale, qw.offset, 4)
+  assert qw.native_activation_bits(2) == 32
+  got = jax.jit(lambda w, x: w.matmul(x))(qw, x)
+  np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
+
+
+def test_library_without_a_sets_symbols_leaves_it_out():
+  """A library built before a set's symbols (here: the AVX2 set with one more kernel than
+  the library has) registers without that set, so forcing it means the XLA path."""
+  if library.library_path() is None:
+    pytest.skip("native kernels not built")
+  lib = ctypes.CDLL(library.library_path())
+  check, targets = library.SETS["avx2"]
+  newer = {"avx2": (check, {**targets, "xlaserve_next_kernel": "XlaserveNotInThisLibrary"})}
+  assert library.register(lib, newer) == frozenset()
+  assert library.register(lib, {"avx2": library.SETS["avx2"]}) == (
+      frozenset({"avx2"}) if lib.xlaserve_native_avx2() else frozenset())
+
+
+def test_unknown_isa_is_refused(monkeypatch):
+  monkeypatch.setenv("XLASERVE_NATIVE_ISA", "sse2")
+  library.isa.cache_clear()
+  try:
+    with pytest.raises(ValueError, match="XLASERVE_NATIVE_ISA='sse2'"):
+      library.isa()
+  finally:
+    monkeypatch.delenv("XLASERVE_NATIVE_ISA")
+    library.isa.cache_clear()
