@@ -72,25 +72,39 @@ struct Weight {
 };
 
 // y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
-// `xsum`) or their integer rounding `xq` (AVX-512 only: the AVX2 stack takes float
-// activations, and DecodeLayersImpl refuses integer ones there).
+// `xsum`) or their integer rounding `xq` (QuantizeRows of the same instruction set).
 template <Isa kIsa>
 void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows* xq, int rows,
               float* y, int64_t o0, int64_t o1) {
   const bool lo = w.activation_bits == 16;
   if constexpr (kIsa == Isa::kAvx2) {
+    const bool ints = w.activation_bits != 32;
     switch (w.format) {
       case kU8:
         avx2::Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
         return;
       case kS8:
-        avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        if (ints) {
+          avx2::IntColumns<kS8>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        } else {
+          avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        }
         return;
       case kQ4_1:
-        avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+        if (ints) {
+          avx2::IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
+                                  o1);
+        } else {
+          avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+        }
         return;
       case kQ4_0:
-        avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        if (ints) {
+          avx2::IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+                                  o1);
+        } else {
+          avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        }
         return;
     }
     return;
@@ -317,9 +331,6 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
     w.out = cd[0];
     w.in = sd[1] * kGroup;
-    if (kIsa == Isa::kAvx2 && w.activation_bits != 32) {
-      return ffi::Error::InvalidArgument("decoder layers: integer activations need AVX-512");
-    }
     if (sd[0] != w.out || cd[1] != sd[1] * GroupBytes(w.format) ||
         (w.activation_bits != 32 && sd[1] % 2)) {
       return ffi::Error::InvalidArgument("decoder layers: codes and scales do not match");
@@ -384,7 +395,12 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       if (w->activation_bits != 32) bits = bits == 32 ? w->activation_bits
                                                       : std::max(bits, w->activation_bits);
     }
-    if (bits != 32) QuantizeRows(src, rows, in, bits == 16, xq);
+    if (bits == 32) return;
+    if constexpr (kIsa == Isa::kAvx2) {
+      avx2::QuantizeRows(src, rows, in, bits == 16, xq);
+    } else {
+      QuantizeRows(src, rows, in, bits == 16, xq);
+    }
   };
 
   for (int64_t l = 0; l < s.layers; ++l) {

@@ -4,9 +4,10 @@
 (`_native*.so`) during `pip install`; it is loaded with ctypes on first use. The library
 holds each kernel twice, for two instruction sets, each with its own handler symbols:
 
-- `avx512`: AVX-512 F/BW/VL + F16C + FMA (`xlaserve_native_isa()`), plus the
-  integer-activation (VNNI) matvec tiles where the CPU has AVX-512 VNNI (`vnni()`);
-- `avx2`: AVX2 + FMA + F16C (`xlaserve_native_avx2()`), float activations only.
+- `avx512`: AVX-512 F/BW/VL + F16C + FMA (`xlaserve_native_isa()`); the
+  integer-activation matvec tiles need AVX-512 VNNI as well (`vnni()`);
+- `avx2`: AVX2 + FMA + F16C (`xlaserve_native_avx2()`); its integer-activation
+  tiles use AVX2 byte products (VPMADDUBSW), so they always run.
 
 `isa()` is the set the kernels run with: by default the first of `ISAS` this CPU has
 and the library exports; `XLASERVE_NATIVE_ISA=avx2` (or `avx512`) forces one (read
@@ -45,12 +46,8 @@ TARGETS = {
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
     "xlaserve_decode_layers": "XlaserveDecodeLayers",
 }
-# The AVX2 handlers (same operands): the float-activation ones, with an `Avx2` suffix.
-AVX2_TARGETS = {
-    name: symbol + "Avx2" for name, symbol in TARGETS.items()
-    if name in ("xlaserve_int8_matvec_u8", "xlaserve_int8_matvec_s8", "xlaserve_q4_1_matvec",
-                "xlaserve_q4_0_matvec", "xlaserve_paged_attention", "xlaserve_decode_layers")
-}
+# The AVX2 handlers: the same kernels and operands, symbols with an `Avx2` suffix.
+AVX2_TARGETS = {name: symbol + "Avx2" for name, symbol in TARGETS.items()}
 # isa -> (the library's CPU check, its targets)
 SETS = {"avx512": ("xlaserve_native_isa", TARGETS),
          "avx2": ("xlaserve_native_avx2", AVX2_TARGETS)}
@@ -128,6 +125,7 @@ def _cpu_vnni() -> bool:
 
 
 def vnni() -> bool:
-  """True when the kernels run with AVX-512 and this CPU has AVX-512 VNNI (the
-  integer-activation tiles; on the AVX2 path weights take float activations)."""
-  return isa() == "avx512" and _cpu_vnni()
+  """True when the integer-activation tiles run here: on the AVX-512 set where this CPU
+  has AVX-512 VNNI, always on the AVX2 set (byte products, quant_dot_avx2.h)."""
+  chosen = isa()
+  return chosen == "avx2" or (chosen == "avx512" and _cpu_vnni())

@@ -111,8 +111,9 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return ffi::Error::Success();
 }
 
-// Integer activations (VNNI): kBits 8 (llama.cpp's scheme) or 16 (quant_dot.h).
-template <Format kFmt, int kBits>
+// Integer activations (VNNI; AVX2 byte products): kBits 8 (llama.cpp's scheme) or 16
+// (quant_dot.h).
+template <Isa kIsa, Format kFmt, int kBits>
 ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                          ffi::ResultBuffer<ffi::F32> out) {
@@ -130,14 +131,21 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   constexpr bool kLo = kBits == 16;
   auto r = std::make_shared<IntRows>();
-  QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
+  if constexpr (kIsa == Isa::kAvx2) {
+    avx2::QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
+  } else {
+    QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
+  }
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
   const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
   const int nrows = static_cast<int>(rows);
   xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-    if constexpr (kFmt == kS8) {
+    if constexpr (kIsa == Isa::kAvx2) {
+      avx2::IntColumns<kFmt>(*r, kLo, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
+                             out_dim * (i + 1) / parts);
+    } else if constexpr (kFmt == kS8) {
       S8IntColumns(*r, kLo, nrows, in, q, s, y, out_dim, out_dim * i / parts,
                    out_dim * (i + 1) / parts);
     } else {
@@ -196,9 +204,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Avx2, (MatvecImpl<Isa::kAvx2, kQ
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Avx2, (MatvecImpl<Isa::kAvx2, kQ4_0>), Binding());
 // The same operands, activations rounded per group to int8 or to 16 bits (VNNI;
 // needs xlaserve_native_vnni()): nibbles and Q8_0.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<kQ4_1, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<kQ4_0, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<kS8, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<kQ4_1, 16>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<kQ4_0, 16>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<kS8, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<Isa::kAvx512, kS8, 8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>), Binding());
+// The same on AVX2 (quant_dot_avx2.h: byte products instead of VNNI).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_0, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kS8, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_0, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16Avx2, (MatvecIntImpl<Isa::kAvx2, kS8, 16>),
+                              Binding());

@@ -24,7 +24,6 @@ import pytest
 import kernels_cpu
 from checkpoints import quantizers
 from kernels_cpu import library, matvec
-from serving.models import quantized
 
 needs_native = pytest.mark.skipif(not kernels_cpu.available(),
                                   reason="native kernels not built or CPU lacks AVX-512")
@@ -169,14 +168,18 @@ def _rounded(x: np.ndarray, bits: int) -> np.ndarray:
   return ((hi + lo / 256) * d).reshape(x.shape)
 
 
-@pytest.mark.skipif(not kernels_cpu.library.vnni(), reason="no native kernels or no VNNI")
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 8, 13])
 @pytest.mark.parametrize("bits", [8, 16])
-def test_integer_activations_match_rounded_reference(fmt, rows, bits):
-  """The VNNI kernel is exactly `rounded(x) @ W` (up to float32 sums); its distance from
-  the exact product is the activations' rounding: under 2% of the output range with 8
-  bits, 256x less with 16."""
+def test_integer_activations_match_rounded_reference(isa, fmt, rows, bits, request):
+  """The integer kernel (AVX-512 VNNI, or AVX2 byte products forced) is exactly
+  `rounded(x) @ W` (up to float32 sums); its distance from the exact product is the
+  activations' rounding: under 2% of the output range with 8 bits, 256x less with 16."""
+  if isa == "avx2":
+    request.getfixturevalue("force_avx2")
+  elif library.isa() != "avx512" or not library.vnni():
+    pytest.skip("no native kernels, no AVX-512 or no VNNI")
   w = (np.random.default_rng(6).standard_normal((576, 96)) * 0.05).astype(np.float32)
   if fmt == "q8_0":
     qw = jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=False))
@@ -195,6 +198,7 @@ def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   integer_targets = ("matvec_q8", "matvec_s8_q8") if bits == 8 else ("matvec_q16", "matvec_s8_q16")
   traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(marked, jnp.asarray(x)))
   assert any(t in traced for t in integer_targets)
+  assert ("_avx2" in traced) == (isa == "avx2")
   float_traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))
   assert "_q8" not in float_traced and "_q16" not in float_traced
 
@@ -214,20 +218,6 @@ def test_avx2_matches_xla_path(force_avx2, bits, asymmetric, rows, out_dim, in_d
   fn = lambda w, x: w.matmul(x)  # noqa: E731
   assert "_avx2" in str(jax.make_jaxpr(fn)(qw, x))
   got = jax.jit(fn)(qw, x)
-  np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
-
-
-def test_avx2_takes_float_activations(force_avx2):
-  """No integer-activation tiles on the AVX2 path: a weight set to 16-bit activations
-  multiplies float32 ones there (the float tiles' values)."""
-  w = (np.random.default_rng(5).standard_normal((192, 64)) * 0.05).astype(np.float32)
-  qw = quantized.with_activation_bits(
-      jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32)), 16)
-  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 192)).astype(np.float32))
-  assert not matvec.vnni()
-  assert not matvec.supports_integer_activations(2, qw.q, qw.scale, qw.offset, 4)
-  assert qw.native_activation_bits(2) == 32
-  got = jax.jit(lambda w, x: w.matmul(x))(qw, x)
   np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
 
 

@@ -251,10 +251,10 @@ def test_llm_greedy_tokens_same_with_and_without(family, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("activation_bits", [32, 16])
+@pytest.mark.parametrize("activation_bits", [32, 16, 8])
 def test_avx2_matches_op_by_op(force_avx2, kv_dtype, activation_bits):
-  """The AVX2 stack: every weight format, padding rows, several pages; weights set to
-  16-bit activations take float ones there (no integer tiles on AVX2)."""
+  """The AVX2 stack (float and integer tiles): every weight format, padding rows, several
+  pages."""
   layers = _layers(activation_bits=activation_bits)
   positions, meta = _step(ROWS)
   x = jnp.asarray(np.random.default_rng(2).standard_normal((len(ROWS), 128)), jnp.float32)
@@ -267,8 +267,9 @@ def test_avx2_matches_op_by_op(force_avx2, kv_dtype, activation_bits):
   got_h, got_kv = fused(layers, CFG, x, positions, meta, kv)
   real = np.array([r is not None for r in ROWS])
   # bfloat16 pools: a K/V value whose last float32 bits differ may round to another
-  # bfloat16, and the layers after it see that.
-  tol = 2e-5 if kv_dtype == "float32" else 2e-4
+  # bfloat16, and the layers after it see that; integer activations: a code's rounding.
+  tol = {32: 2e-5 if kv_dtype == "float32" else 2e-4,
+         16: 1e-4 if kv_dtype == "float32" else 5e-4, 8: 2e-3}[activation_bits]
   np.testing.assert_allclose(np.asarray(got_h)[real], np.asarray(want_h)[real], rtol=tol,
                              atol=tol)
   for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
@@ -276,7 +277,7 @@ def test_avx2_matches_op_by_op(force_avx2, kv_dtype, activation_bits):
     if kv_dtype == "bfloat16":
       got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
                    for a in (got, want))
-    rtol = 8e-3 if kv_dtype == "bfloat16" else 2e-5
+    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
     per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
     ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
     np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
