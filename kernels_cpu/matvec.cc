@@ -204,12 +204,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Avx2, (MatvecImpl<Isa::kAvx2, kQ
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Avx2, (MatvecImpl<Isa::kAvx2, kQ4_0>), Binding());
 // The same operands, activations rounded per group to int8 or to 16 bits (VNNI;
 // needs xlaserve_native_vnni()): nibbles and Q8_0.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<Isa::kAvx512, kS8, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 16>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 16>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<Isa::kAvx512, kS8, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>),
+                              Binding());
 // The same on AVX2 (quant_dot_avx2.h: byte products instead of VNNI).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 8>),
                               Binding());
