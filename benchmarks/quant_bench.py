@@ -1,7 +1,8 @@
 """Weight / KV quantization benchmark through `serving.LLM` (the standard workload).
 
-For each format (default f32, bf16, int8, int4; also fp8, gguf, int8+kv8,
-bf16w, gguf+bf16, gguf+bf16+q8, gguf+q8) one `LLM` is built in this process —
+For each format (the preset's `default`, f32, bf16, int8, int4; also fp8, gguf, int8+kv8,
+bf16w, gguf+bf16, gguf+bf16+q8, gguf+q8; any with `-avx2`: the native kernels'
+AVX2 path forced) one `LLM` is built in this process —
 its load + warm-up time is reported separately as "start-up" (compile time;
 the persistent compilation cache makes reruns cheaper) — and
 then the formats are measured round-robin, `--reps` rounds, so every figure
@@ -33,11 +34,13 @@ import time
 import jax
 import numpy as np
 
-from kernels_cpu import matvec
+from kernels_cpu import library
 from serving import LLM, SamplingParams
 from serving.tools import run_record
 
 FORMATS = {
+    # The model preset's own engine options (what `xlaserve serve --model=...` runs).
+    "default": dict(),
     "f32": dict(dtype="float32", weight_dtype="float32"),
     "bf16": dict(dtype="bfloat16", weight_dtype="bfloat16"),
     "int8": dict(dtype="float32", quantization="int8", weight_dtype="float32"),
@@ -66,11 +69,15 @@ FORMATS = {
 
 
 def build(fmt: str, args) -> tuple[LLM, float]:
-  # Programs are traced at warm-up, so the native kernels' switch holds per LLM.
+  """The LLM of format `fmt`; a `-avx2` suffix: any format with the native kernels' AVX2
+  path forced (kernels_cpu/library.py `XLASERVE_NATIVE_ISA`)."""
+  # Programs are traced at warm-up, so the native kernels' switches hold per LLM.
   os.environ["XLASERVE_NATIVE"] = "0" if fmt.endswith("-xla") else "1"
-  matvec.available.cache_clear()
+  os.environ["XLASERVE_NATIVE_ISA"] = "avx2" if fmt.endswith("-avx2") else "auto"
+  library.isa.cache_clear()
+  jax.clear_caches()  # a function traced under the other switches keeps its targets
   start = time.perf_counter()
-  llm = LLM(args.model, **FORMATS[fmt], max_num_seqs=args.concurrency,
+  llm = LLM(args.model, **FORMATS[fmt.removesuffix("-avx2")], max_num_seqs=args.concurrency,
             max_model_len=args.prompt_len + args.output_len + 16,
             max_num_batched_tokens=args.prompt_len * 2, enable_prefix_caching=False)
   return llm, time.perf_counter() - start

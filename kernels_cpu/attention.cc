@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "attention_avx2.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -32,7 +33,7 @@ namespace {
 
 using namespace xlaserve;  // NOLINT: AttendQuery and the pool kinds (attention.h)
 
-template <int kKind>
+template <Isa kIsa, int kKind>
 void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
             const uint8_t* v_pages, const int32_t* tables, const int32_t* q_lens, float scale,
             int64_t window, float soft_cap, const float* sinks, float* out) {
@@ -41,12 +42,16 @@ void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uin
   xlaserve::ParallelFor(pool, d.batch * d.queries, [=, &d](int64_t row) {
     const int64_t b = row / d.queries;
     const int64_t q_len = std::clamp<int64_t>(q_lens[row], 0, max_keys);
-    AttendWithScratch<kKind>(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
-                             tables + b * d.table_width, q_len, scale, window, soft_cap, sinks,
-                             out + row * d.heads * d.head_dim, 0, d.kv_heads);
+    // The per-query loop of the instruction set: attention.h or attention_avx2.h.
+    auto* attend = kIsa == Isa::kAvx2 ? &avx2::AttendWithScratch<kKind>
+                                      : &AttendWithScratch<kKind>;
+    attend(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
+           tables + b * d.table_width, q_len, scale, window, soft_cap, sinks,
+           out + row * d.heads * d.head_dim, 0, d.kv_heads);
   });
 }
 
+template <Isa kIsa>
 ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables,
@@ -94,13 +99,13 @@ ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
     }
   }
   if (kind == 0) {
-    Attend<0>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
+    Attend<kIsa, 0>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
               sink, out->typed_data());
   } else if (kind == 1) {
-    Attend<1>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
+    Attend<kIsa, 1>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
               sink, out->typed_data());
   } else {
-    Attend<2>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
+    Attend<kIsa, 2>(pool, d, q.typed_data(), k, v, t, q_lens.typed_data(), scale, window, soft_cap,
               sink, out->typed_data());
   }
   return ffi::Error::Success();
@@ -110,17 +115,24 @@ ffi::Error PagedAttentionImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
 
 // The symbol names the operand list: a library built before sinks and the window
 // operand lacks it, so `available()` is False there instead of a call failing.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinks, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("kind"));
+static auto AttentionBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<float>("scale")
+      .Attr<float>("soft_cap")
+      .Attr<int64_t>("kind");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinks, PagedAttentionImpl<Isa::kAvx512>,
+                              AttentionBinding());
+// The same for CPUs with AVX2 + FMA + F16C (kernels_cpu/library.py picks one).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinksAvx2, PagedAttentionImpl<Isa::kAvx2>,
+                              AttentionBinding());

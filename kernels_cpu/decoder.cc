@@ -50,8 +50,10 @@
 
 #include "attention.h"
 #include "kquant_dot.h"
+#include "attention_avx2.h"
 #include "parallel.h"
 #include "quant_dot.h"
+#include "quant_dot_avx2.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -89,10 +91,43 @@ void KDotBlock(const Weight& w, const float* x, const IntRows* xq, int rows, flo
 }
 
 // y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
-// `xsum`) or their integer rounding `xq`.
+// `xsum`) or their integer rounding `xq` (QuantizeRows of the same instruction set).
+template <Isa kIsa>
 void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows* xq, int rows,
               float* y, int64_t o0, int64_t o1) {
   const bool lo = w.activation_bits == 16;
+  if constexpr (kIsa == Isa::kAvx2) {
+    const bool ints = w.activation_bits != 32;
+    switch (w.format) {
+      case kU8:
+        avx2::Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+        return;
+      case kS8:
+        if (ints) {
+          avx2::IntColumns<kS8>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        } else {
+          avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        }
+        return;
+      case kQ4_1:
+        if (ints) {
+          avx2::IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
+                                  o1);
+        } else {
+          avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+        }
+        return;
+      case kQ4_0:
+        if (ints) {
+          avx2::IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+                                  o1);
+        } else {
+          avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        }
+        return;
+    }
+    return;
+  }
   switch (w.format) {
     case kU8:
       Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
@@ -136,6 +171,7 @@ struct Projection {
   float* y;  // [rows, w->out]
 };
 
+template <Isa kIsa>
 void Project(Team& team, const std::vector<Projection>& ps, const float* x, const IntRows* xq,
              int rows) {
   // The group sums of x, for the float tiles (the integer ones carry their own).
@@ -143,7 +179,11 @@ void Project(Team& team, const std::vector<Projection>& ps, const float* x, cons
   if (std::any_of(ps.begin(), ps.end(),
                   [](const Projection& p) { return p.w->activation_bits == 32; })) {
     xsum.resize(rows * (ps[0].w->in / kGroup));
-    GroupSums(x, rows, ps[0].w->in, xsum.data());
+    if constexpr (kIsa == Isa::kAvx2) {
+      avx2::GroupSums(x, rows, ps[0].w->in, xsum.data());
+    } else {
+      GroupSums(x, rows, ps[0].w->in, xsum.data());
+    }
   }
   std::vector<int64_t> first(ps.size() + 1, 0);  // first work item of each projection
   for (size_t i = 0; i < ps.size(); ++i) {
@@ -153,7 +193,7 @@ void Project(Team& team, const std::vector<Projection>& ps, const float* x, cons
     size_t p = 0;
     while (item >= first[p + 1]) ++p;
     const int64_t o0 = (item - first[p]) * kColumnBlock;
-    DotBlock(*ps[p].w, x, xsum.data(), xq, rows, ps[p].y, o0,
+    DotBlock<kIsa>(*ps[p].w, x, xsum.data(), xq, rows, ps[p].y, o0,
              std::min(o0 + kColumnBlock, ps[p].w->out));
   });
 }
@@ -222,6 +262,40 @@ XLASERVE_TARGET void SwiGLU(const float* g, const float* u, float* out, int64_t 
     const __m512 e = Exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+// RmsNorm, AddInPlace and SwiGLU for AVX2 + FMA (the same operations, 8 lanes).
+
+XLASERVE_AVX2_TARGET void RmsNormAvx2(const float* x, const float* w, int rows, int64_t dim,
+                                  float eps, float* out) {
+  for (int b = 0; b < rows; ++b) {
+    const float* xb = x + b * dim;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xb + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = avx2::Sum8(acc);
+    for (; i < dim; ++i) ss += xb[i] * xb[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t j = 0; j < dim; ++j) out[b * dim + j] = w[j] * (xb[j] * inv);
+  }
+}
+
+XLASERVE_AVX2_TARGET void AddInPlaceAvx2(float* h, const float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += d[i];
+}
+
+XLASERVE_AVX2_TARGET void SwiGLUAvx2(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + avx2::kLanes8 <= n; i += avx2::kLanes8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = avx2::Exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
   }
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
@@ -297,6 +371,7 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
   return ffi::Error::Success();
 }
 
+template <Isa kIsa>
 ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_index,
                             ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -330,6 +405,9 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<Weight> ws(s.layers * kWeights);
   for (int64_t i = 0; i < s.layers * kWeights; ++i) {
     if (ffi::Error err = ParseWeight(weights, i, formats[i], ws[i]); err.failure()) return err;
+    if (kIsa == Isa::kAvx2 && IsKQuant(ws[i].format)) {  // no AVX2 K-quant tiles yet
+      return ffi::Error::InvalidArgument("decoder layers: K-quants need the AVX-512 set");
+    }
   }
   const int64_t qdim = s.heads * s.head_dim, kvdim = s.kv_heads * s.head_dim;
   s.mlp = ws[4].out;
@@ -386,16 +464,25 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       if (w->activation_bits != 32) bits = bits == 32 ? w->activation_bits
                                                       : std::max(bits, w->activation_bits);
     }
-    if (bits != 32) QuantizeRows(src, rows, in, bits == 16, xq);
+    if (bits == 32) return;
+    if constexpr (kIsa == Isa::kAvx2) {
+      avx2::QuantizeRows(src, rows, in, bits == 16, xq);
+    } else {
+      QuantizeRows(src, rows, in, bits == 16, xq);
+    }
   };
 
   for (int64_t l = 0; l < s.layers; ++l) {
     const Weight* w = &ws[l * kWeights];
     const float* norm = norms.typed_data() + l * 2 * s.dim;
     // Attention.
-    RmsNorm(h, norm, rows, s.dim, eps, xn.data());
+    if constexpr (kIsa == Isa::kAvx2) {
+      RmsNormAvx2(h, norm, rows, s.dim, eps, xn.data());
+    } else {
+      RmsNorm(h, norm, rows, s.dim, eps, xn.data());
+    }
     quantize(xn.data(), s.dim, {&w[0], &w[1], &w[2]});
-    Project(team, {{&w[0], q.data()}, {&w[1], k.data()}, {&w[2], v.data()}}, xn.data(), &xq,
+    Project<kIsa>(team, {{&w[0], q.data()}, {&w[1], k.data()}, {&w[2], v.data()}}, xn.data(), &xq,
             rows);
     const int64_t layer_entry = l * s.num_pages * s.page_size;
     for (int64_t b = 0; b < s.rows; ++b) {
@@ -411,47 +498,73 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       // Layer l's pages: the pool from entry layer_entry on (tables are per layer).
       const uint8_t* kp = k_pool + layer_entry * d.kv_heads * d.row_bytes;
       const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
-      auto* attend = kind == 0 ? &AttendWithScratch<0> : &AttendWithScratch<1>;
+      auto* attend = kIsa == Isa::kAvx2 ? (kind == 0 ? &avx2::AttendWithScratch<0>
+                                                     : &avx2::AttendWithScratch<1>)
+                                        : (kind == 0 ? &AttendWithScratch<0>
+                                                     : &AttendWithScratch<1>);
       attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window, 0.0f,
              nullptr, attn.data() + b * qdim, kh, kh + 1);
     });
     quantize(attn.data(), qdim, {&w[3]});
-    Project(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
-    AddInPlace(h, proj.data(), s.rows * s.dim);
+    Project<kIsa>(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
+    if constexpr (kIsa == Isa::kAvx2) {
+      AddInPlaceAvx2(h, proj.data(), s.rows * s.dim);
+    } else {
+      AddInPlace(h, proj.data(), s.rows * s.dim);
+    }
     // MLP.
-    RmsNorm(h, norm + s.dim, rows, s.dim, eps, xn.data());
+    if constexpr (kIsa == Isa::kAvx2) {
+      RmsNormAvx2(h, norm + s.dim, rows, s.dim, eps, xn.data());
+    } else {
+      RmsNorm(h, norm + s.dim, rows, s.dim, eps, xn.data());
+    }
     quantize(xn.data(), s.dim, {&w[4], &w[5]});
-    Project(team, {{&w[4], gate.data()}, {&w[5], up.data()}}, xn.data(), &xq, rows);
-    SwiGLU(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
+    Project<kIsa>(team, {{&w[4], gate.data()}, {&w[5], up.data()}}, xn.data(), &xq, rows);
+    if constexpr (kIsa == Isa::kAvx2) {
+      SwiGLUAvx2(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
+    } else {
+      SwiGLU(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
+    }
     quantize(xn.data(), s.mlp, {&w[6]});
-    Project(team, {{&w[6], proj.data()}}, xn.data(), &xq, rows);
-    AddInPlace(h, proj.data(), s.rows * s.dim);
+    Project<kIsa>(team, {{&w[6], proj.data()}}, xn.data(), &xq, rows);
+    if constexpr (kIsa == Isa::kAvx2) {
+      AddInPlaceAvx2(h, proj.data(), s.rows * s.dim);
+    } else {
+      AddInPlace(h, proj.data(), s.rows * s.dim);
+    }
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_index
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // norms
-                                  .Arg<ffi::AnyBuffer>()          // k pool
-                                  .Arg<ffi::AnyBuffer>()          // v pool
-                                  .RemainingArgs()                // the weights
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // h
-                                  .Ret<ffi::AnyBuffer>()          // k pool (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // v pool (aliased)
-                                  .Attr<ffi::Span<const int64_t>>("formats")
-                                  .Attr<int64_t>("num_heads")
-                                  .Attr<int64_t>("num_pages")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("kind")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("scale"));
+static auto DecoderBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()   // x
+      .Arg<ffi::Buffer<ffi::S32>>()   // positions
+      .Arg<ffi::Buffer<ffi::S32>>()   // kv_index
+      .Arg<ffi::Buffer<ffi::S32>>()   // tables
+      .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+      .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq
+      .Arg<ffi::Buffer<ffi::F32>>()   // norms
+      .Arg<ffi::AnyBuffer>()          // k pool
+      .Arg<ffi::AnyBuffer>()          // v pool
+      .RemainingArgs()                // the weights
+      .Ret<ffi::Buffer<ffi::F32>>()   // h
+      .Ret<ffi::AnyBuffer>()          // k pool (aliased)
+      .Ret<ffi::AnyBuffer>()          // v pool (aliased)
+      .Attr<ffi::Span<const int64_t>>("formats")
+      .Attr<int64_t>("num_heads")
+      .Attr<int64_t>("num_pages")
+      .Attr<int64_t>("window")
+      .Attr<int64_t>("kind")
+      .Attr<float>("eps")
+      .Attr<float>("scale");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl<Isa::kAvx512>,
+                              DecoderBinding());
+// The same stack for CPUs with AVX2 + FMA + F16C (float activations only).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersKAvx2, DecodeLayersImpl<Isa::kAvx2>,
+                              DecoderBinding());

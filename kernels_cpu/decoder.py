@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_cpu.library import available
+from kernels_cpu.library import available, target
 
 # (code bits, has a min) -> the kernel's format code (quant_dot.h `Format`)
 FORMATS = {(8, True): 0, (8, False): 1, (4, True): 2, (4, False): 3}
@@ -80,7 +80,7 @@ def decode_layers(x: jax.Array, positions: jax.Array, kv_index: jax.Array, table
                  (scale_ if super_scale is None else super_scale) if super_offset is None
                  else super_offset]
   call = jax.ffi.ffi_call(
-      "xlaserve_decode_layers",
+      target("xlaserve_decode_layers"),
       (jax.ShapeDtypeStruct(x.shape, jnp.float32),
        jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
        jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)),

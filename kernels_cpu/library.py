@@ -1,11 +1,22 @@
-"""Loads the native kernels' library and registers its XLA FFI targets.
+"""Loads the native kernels' library, picks its instruction set and registers its FFI targets.
 
 `setup.py` compiles `matvec.cc`, `attention.cc` and `decoder.cc` into one shared library
-(`_native*.so`) during `pip install`; it is loaded with ctypes on first use.
-`available()` is False when the library was not built, does not load, or this
-CPU lacks the instructions the kernels use (checked at run time by the
-library itself), and callers then take the XLA path. `XLASERVE_NATIVE=0`
-turns every native kernel off.
+(`_native*.so`) during `pip install`; it is loaded with ctypes on first use. The library
+holds each kernel twice, for two instruction sets, each with its own handler symbols:
+
+- `avx512`: AVX-512 F/BW/VL + F16C + FMA (`xlaserve_native_isa()`); the
+  integer-activation matvec tiles need AVX-512 VNNI as well (`vnni()`);
+- `avx2`: AVX2 + FMA + F16C (`xlaserve_native_avx2()`); its integer-activation
+  tiles use AVX2 byte products (VPMADDUBSW), so they always run.
+
+`isa()` is the set the kernels run with: by default the first of `ISAS` this CPU has
+and the library exports; `XLASERVE_NATIVE_ISA=avx2` (or `avx512`) forces one (read
+once per process), e.g. to test the AVX2 path on an AVX-512 machine. The FFI targets
+of each usable set are registered under their own names (`target(name)` maps a
+kernel's name to the chosen set's), so a jitted program calls the set it was traced
+with. `available()` is False when the library was not built, does not load, lacks the
+chosen set's symbols (built from older sources), or this CPU lacks its instructions;
+callers then take the XLA path. `XLASERVE_NATIVE=0` turns every native kernel off.
 """
 
 from __future__ import annotations
@@ -17,8 +28,9 @@ import os
 
 import jax
 
-# FFI target name -> the handler symbol the library exports. A symbol is renamed when
-# its operands change, so a library built from older sources fails `available()`
+ISAS = ("avx512", "avx2")  # in order of preference
+# FFI target name -> the AVX-512 handler symbol the library exports. A symbol is renamed
+# when its operands change, so a library built from older sources fails `available()`
 # (every caller takes the XLA path) instead of failing a call.
 TARGETS = {
     "xlaserve_int8_matvec_u8": "XlaserveMatvecU8",
@@ -43,6 +55,15 @@ TARGETS = {
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
     "xlaserve_decode_layers": "XlaserveDecodeLayersK",
 }
+# K-quant matvec targets: AVX-512 only (kquant_dot.h); on the AVX2 set they take the XLA
+# path (`kquant_isa()`), and its fused decoder refuses them.
+KQUANT_TARGETS = frozenset(name for name in TARGETS if "_k_matvec" in name)
+# The AVX2 handlers: the same kernels and operands, symbols with an `Avx2` suffix.
+AVX2_TARGETS = {name: symbol + "Avx2" for name, symbol in TARGETS.items()
+                if name not in KQUANT_TARGETS}
+# isa -> (the library's CPU check, its targets)
+SETS = {"avx512": ("xlaserve_native_isa", TARGETS),
+         "avx2": ("xlaserve_native_avx2", AVX2_TARGETS)}
 
 
 def library_path() -> str | None:
@@ -51,26 +72,47 @@ def library_path() -> str | None:
   return found[0] if found else None
 
 
+def target(name: str, isa_name: str | None = None) -> str:
+  """The FFI target of kernel `name` (a `TARGETS` key) for `isa_name` (default `isa()`)."""
+  isa_name = isa_name or isa()
+  return name if isa_name == "avx512" else f"{name}_{isa_name}"
+
+
+def register(lib: ctypes.CDLL, sets: dict[str, tuple[str, dict[str, str]]]) -> frozenset[str]:
+  """Registers the FFI targets of each of `sets` (isa -> (the library's CPU check, its
+  targets)) whose check passes on this CPU and whose symbols `lib` all exports; -> those
+  sets. A library built before a set's symbols (or a renamed one) leaves that set out."""
+  usable = set()
+  for isa_name, (check, targets) in sets.items():
+    try:
+      if not getattr(lib, check)():
+        continue
+      symbols = {name: getattr(lib, symbol) for name, symbol in targets.items()}
+    except AttributeError:
+      continue
+    for name, symbol in symbols.items():
+      jax.ffi.register_ffi_target(target(name, isa_name), jax.ffi.pycapsule(symbol),
+                                  platform="cpu")
+    usable.add(isa_name)
+  return frozenset(usable)
+
+
 @functools.cache
-def available() -> bool:
-  """True when the library is built, loads, registers, and this CPU can run it."""
-  if os.environ.get("XLASERVE_NATIVE", "1") == "0":
-    return False
+def usable_isas() -> frozenset[str]:
+  """The instruction sets (`ISAS`) the library, loaded once, can run here; their targets
+  registered."""
   path = library_path()
   if path is None:
-    return False
+    return frozenset()
   try:
     lib = ctypes.CDLL(path)
     # A library older than the blocked matvec (up to 32 rows a call) lacks this symbol.
     lib.xlaserve_matvec_max_rows.restype = ctypes.c_int64
-    if not lib.xlaserve_native_isa() or lib.xlaserve_matvec_max_rows() < 1:
-      return False
-    for name, symbol in TARGETS.items():
-      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                  platform="cpu")
-  except (OSError, AttributeError, ValueError):
-    return False
-  return True
+    if lib.xlaserve_matvec_max_rows() < 1:
+      return frozenset()
+  except (OSError, AttributeError):
+    return frozenset()
+  return register(lib, SETS)
 
 
 def matvec_max_rows() -> int:
@@ -83,7 +125,38 @@ def matvec_max_rows() -> int:
 
 
 @functools.cache
-def vnni() -> bool:
-  """True when `available()` and this CPU has AVX-512 VNNI (the integer-activation tiles)."""
+def isa() -> str | None:
+  """The instruction set the native kernels run with (an `ISAS` name), or None (XLA path):
+  `XLASERVE_NATIVE_ISA` if set (`auto`: the default), else the first usable one."""
+  if os.environ.get("XLASERVE_NATIVE", "1") == "0":
+    return None
+  wanted = os.environ.get("XLASERVE_NATIVE_ISA", "auto")
+  if wanted != "auto" and wanted not in ISAS:
+    raise ValueError(f"XLASERVE_NATIVE_ISA={wanted!r} is not auto or one of {ISAS}")
+  usable = usable_isas()
+  if wanted != "auto":
+    return wanted if wanted in usable else None
+  return next((name for name in ISAS if name in usable), None)
+
+
+def kquant_isa() -> bool:
+  """True when the K-quant kernels run with the chosen set (AVX-512 only)."""
+  return isa() == "avx512"
+
+
+def available() -> bool:
+  """True when the library is built, loads, registers, and this CPU can run it (`isa()`)."""
+  return isa() is not None
+
+
+@functools.cache
+def _cpu_vnni() -> bool:
   path = library_path()
-  return available() and bool(ctypes.CDLL(path).xlaserve_native_vnni())
+  return path is not None and bool(ctypes.CDLL(path).xlaserve_native_vnni())
+
+
+def vnni() -> bool:
+  """True when the integer-activation tiles run here: on the AVX-512 set where this CPU
+  has AVX-512 VNNI, always on the AVX2 set (byte products, quant_dot_avx2.h)."""
+  chosen = isa()
+  return chosen == "avx2" or (chosen == "avx512" and _cpu_vnni())

@@ -33,6 +33,7 @@
 #include "kquant_dot.h"
 #include "quant_dot.h"
 #include "quant_gemm.h"
+#include "quant_dot_avx2.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -84,7 +85,7 @@ ffi::Error CheckOperands(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes,
   return ffi::Error::Success();
 }
 
-template <Format kFmt>
+template <Isa kIsa, Format kFmt>
 ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                       ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                       ffi::ResultBuffer<ffi::F32> out) {
@@ -98,6 +99,16 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
+  if constexpr (kIsa == Isa::kAvx2) {  // unblocked column loops (quant_dot_avx2.h)
+    auto sums = std::make_shared<std::vector<float>>(rows * (in / kGroup));
+    avx2::GroupSums(xs, static_cast<int>(rows), in, sums->data());
+    const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
+    xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+      avx2::Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim,
+                          out_dim * i / parts, out_dim * (i + 1) / parts);
+    });
+    return ffi::Error::Success();
+  }
   const int64_t groups = in / kGroup;
   auto sums = std::make_shared<std::vector<float>>(rows * groups);
   GroupSums(xs, static_cast<int>(rows), in, sums->data());
@@ -114,8 +125,9 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return ffi::Error::Success();
 }
 
-// Integer activations (VNNI): kBits 8 (llama.cpp's scheme) or 16 (quant_dot.h).
-template <Format kFmt, int kBits>
+// Integer activations (VNNI; AVX2 byte products): kBits 8 (llama.cpp's scheme) or 16
+// (quant_dot.h).
+template <Isa kIsa, Format kFmt, int kBits>
 ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                          ffi::ResultBuffer<ffi::F32> out) {
@@ -133,6 +145,19 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   constexpr bool kLo = kBits == 16;
   auto r = std::make_shared<IntRows>();
+  if constexpr (kIsa == Isa::kAvx2) {  // unblocked column loops (quant_dot_avx2.h)
+    avx2::QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
+    const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
+    const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+    float* y = out->typed_data();
+    const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
+    const int nrows = static_cast<int>(rows);
+    xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+      avx2::IntColumns<kFmt>(*r, kLo, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
+                             out_dim * (i + 1) / parts);
+    });
+    return ffi::Error::Success();
+  }
   r->nibble_order = kFmt != kS8;  // only the layout this format's tiles read
   r->plain_order = kFmt == kS8;
   const float* xs = x.typed_data();
@@ -273,6 +298,14 @@ extern "C" int xlaserve_native_isa() {
   return ok ? 1 : 0;
 }
 
+// Whether this CPU runs the AVX2 handlers (the `...Avx2` symbols): AVX2, FMA, F16C.
+extern "C" int xlaserve_native_avx2() {
+  __builtin_cpu_init();
+  const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("f16c");
+  return ok ? 1 : 0;
+}
+
 // Every handler takes x, codes, scales and an offset operand, and returns [B, O].
 inline auto Binding() {
   return ffi::Ffi::Bind()
@@ -286,18 +319,43 @@ inline auto Binding() {
 
 // Formats with a min (U8: xlaserve's int8 groups; Q4_1) take the mins as the offset
 // operand; the others (S8: GGUF Q8_0; Q4_0) ignore it (pass the scales again).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, MatvecImpl<kU8>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, MatvecImpl<kS8>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, MatvecImpl<kQ4_1>, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, MatvecImpl<kQ4_0>, Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8, (MatvecImpl<Isa::kAvx512, kU8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8, (MatvecImpl<Isa::kAvx512, kS8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1, (MatvecImpl<Isa::kAvx512, kQ4_1>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0, (MatvecImpl<Isa::kAvx512, kQ4_0>), Binding());
+// The float-activation handlers for CPUs with AVX2 + FMA + F16C but no AVX-512
+// (quant_dot_avx2.h; kernels_cpu/library.py registers one set or the other).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8Avx2, (MatvecImpl<Isa::kAvx2, kU8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Avx2, (MatvecImpl<Isa::kAvx2, kS8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Avx2, (MatvecImpl<Isa::kAvx2, kQ4_1>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Avx2, (MatvecImpl<Isa::kAvx2, kQ4_0>), Binding());
 // The same operands, activations rounded per group to int8 or to 16 bits (VNNI;
 // needs xlaserve_native_vnni()): nibbles and Q8_0.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<kQ4_1, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<kQ4_0, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<kS8, 8>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<kQ4_1, 16>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<kQ4_0, 16>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<kS8, 16>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8, (MatvecIntImpl<Isa::kAvx512, kS8, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_1, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512, kQ4_0, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>),
+                              Binding());
+// The same on AVX2 (quant_dot_avx2.h: byte products instead of VNNI).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_0, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kS8, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_0, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16Avx2, (MatvecIntImpl<Isa::kAvx2, kS8, 16>),
+                              Binding());
 
 // K-quants: x, codes, scale codes, min codes, q_high, super scales, super mins (an
 // operand a format lacks: any array of the right rank, e.g. the scale codes again).

@@ -11,9 +11,9 @@ check that when tracing and otherwise use the XLA path.
 
 `activation_bits=8` or `16` (nibbles or Q8_0, an even number of groups,
 `vnni()`): the activations are rounded per group of 32 to that many bits and
-multiplied with VNNI integer dot products. 8 is llama.cpp's Q4 x Q8 / Q8_0 x
-Q8 scheme (the activations' 8-bit rounding shows in the result, ~0.5% of its
-range); 16 keeps 2^-16 of each group's largest activation, at one more dot
+multiplied with integer dot products (AVX-512 VNNI, or AVX2 byte products). 8 is
+llama.cpp's Q4 x Q8 / Q8_0 x Q8 scheme (the activations' 8-bit rounding shows in
+the result, ~0.5% of its range); 16 keeps 2^-16 of each group's largest activation, at one more dot
 instruction per 64 weights, and is still ~1.5x fewer instructions than the
 float tiles (kernels_cpu/quant_dot.h). 32: float32 activations.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_cpu.library import available, library_path, vnni
+from kernels_cpu.library import available, kquant_isa, library_path, target, vnni
 
 MAX_ROWS = 8192  # activation rows one call takes (matvec.cc's kMaxCallRows)
 GROUP = 32
@@ -98,7 +98,8 @@ def quantized_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array,
   key = (bits, offset is not None)
   if activation_bits != 32:
     key += (activation_bits,)
-  call = jax.ffi.ffi_call(_TARGETS[key], jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
+  call = jax.ffi.ffi_call(target(_TARGETS[key]),
+                          jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
   return call(x.astype(jnp.float32), codes, scale, scale if offset is None else offset)
 
 
@@ -112,8 +113,8 @@ def supports_kquant(rows: int, fmt: str, q: jax.Array, scale: jax.Array,
                     offset: jax.Array | None, q_high: jax.Array | None,
                     super_scale: jax.Array, super_offset: jax.Array | None) -> bool:
   """Whether `kquant_matvec` takes these K-quant operands (static shapes and dtypes; float
-  activations, and integer ones where `vnni()`)."""
-  if fmt not in K_FORMATS or not 1 <= rows <= MAX_ROWS or q.ndim != 2:
+  activations, and integer ones where `vnni()`; the AVX-512 set only: `kquant_isa()`)."""
+  if fmt not in K_FORMATS or not 1 <= rows <= MAX_ROWS or q.ndim != 2 or not kquant_isa():
     return False
   per_scale, per_high, scale_dtype, has_min = _K_LAYOUT[fmt]
   out_dim, in_dim = q.shape[0], q.shape[1] * 2

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_cpu.library import available
+from kernels_cpu.library import available, target
 
 KINDS = {"float32": 0, "bfloat16": 1, "int8": 2}  # the pool's dtype name -> kernel page kind
 MAX_QUERIES = 16  # queries per row it is meant for (prefill chunks go in as one-query rows)
@@ -58,7 +58,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     sliding_window: int | jax.Array | None = None,
                     soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
   """See the module doc; `kv_dtype` names the pool's logical dtype (a `KINDS` key)."""
-  call = jax.ffi.ffi_call("xlaserve_paged_attention",
+  call = jax.ffi.ffi_call(target("xlaserve_paged_attention"),
                           jax.ShapeDtypeStruct(q.shape, jnp.float32))
   sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   window = jnp.reshape(0 if sliding_window is None else sliding_window, (1,)).astype(jnp.int32)

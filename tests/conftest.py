@@ -34,3 +34,23 @@ def default_llm():
   """The default model (SmolLM2-135M-Instruct GGUF), loaded once per session."""
   from serving import LLM
   return LLM(DEFAULT_MODEL, **DEFAULT_MODEL_TEST_CONFIG)
+
+
+@pytest.fixture
+def force_avx2(monkeypatch):
+  """The native kernels' AVX2 path for this test (`XLASERVE_NATIVE_ISA=avx2`; programs
+  traced inside it call the AVX2 targets). Skips where this CPU or library has no AVX2
+  set. JAX's trace caches are cleared on the way in and out: a function traced with the
+  other set would otherwise keep its targets."""
+  from kernels_cpu import library
+
+  if "avx2" not in library.usable_isas():
+    pytest.skip("native kernels not built or CPU lacks AVX2 + FMA + F16C")
+  monkeypatch.setenv("XLASERVE_NATIVE_ISA", "avx2")
+  library.isa.cache_clear()
+  jax.clear_caches()
+  assert library.isa() == "avx2"
+  yield
+  monkeypatch.delenv("XLASERVE_NATIVE_ISA")
+  library.isa.cache_clear()
+  jax.clear_caches()

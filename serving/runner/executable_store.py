@@ -94,7 +94,7 @@ def _platform_fingerprint() -> str:
   devices = jax.devices()
   # Programs call the native kernels only where they are available (kernels_cpu).
   return (f"jax={jax.__version__} jaxlib={jaxlib.__version__} backend={jax.default_backend()} "
-          f"devices={[d.device_kind for d in devices]} native={kernels_cpu.available()} "
+          f"devices={[d.device_kind for d in devices]} native={kernels_cpu.library.isa()} "
           f"native_layers={kernels_cpu.decoder.enabled()} "
           f"native_prefill={kernels_cpu.paged_attention.prefill_enabled()}")
 

@@ -7,8 +7,11 @@ Q8_0, nibbles with a min / Q4_1 and without / Q4_0) and group counts that are
 not multiples of its 16-group scale loads.
 `QuantizedWeight.matmul` must route exactly the supported cases to it and
 fall back to the XLA path otherwise, including when the library is off.
+The AVX2 set (forced with `XLASERVE_NATIVE_ISA=avx2`) must do the same with float
+activations, and a library lacking a set's symbols must leave that set out.
 """
 
+import ctypes
 import dataclasses
 import os
 import platform
@@ -20,7 +23,7 @@ import pytest
 
 import kernels_cpu
 from checkpoints import quantizers
-from kernels_cpu import matvec
+from kernels_cpu import library, matvec
 
 needs_native = pytest.mark.skipif(not kernels_cpu.available(),
                                   reason="native kernels not built or CPU lacks AVX-512")
@@ -97,7 +100,7 @@ def test_fallback_when_off(monkeypatch):
   """XLASERVE_NATIVE=0 (or no library): the XLA path, same values."""
   qw = _weight(48, 96, True)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 96)).astype(np.float32))
-  matvec.available.cache_clear()
+  library.isa.cache_clear()
   monkeypatch.setenv("XLASERVE_NATIVE", "0")
   try:
     assert not kernels_cpu.available()
@@ -106,7 +109,7 @@ def test_fallback_when_off(monkeypatch):
                                _reference(x, qw), rtol=1e-5, atol=1e-5)
   finally:
     monkeypatch.delenv("XLASERVE_NATIVE")
-    matvec.available.cache_clear()
+    library.isa.cache_clear()
 
 
 @needs_native
@@ -172,14 +175,18 @@ def _rounded(x: np.ndarray, bits: int) -> np.ndarray:
   return ((hi + lo / 256) * d).reshape(x.shape)
 
 
-@pytest.mark.skipif(not kernels_cpu.library.vnni(), reason="no native kernels or no VNNI")
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 8, 13])
 @pytest.mark.parametrize("bits", [8, 16])
-def test_integer_activations_match_rounded_reference(fmt, rows, bits):
-  """The VNNI kernel is exactly `rounded(x) @ W` (up to float32 sums); its distance from
-  the exact product is the activations' rounding: under 2% of the output range with 8
-  bits, 256x less with 16."""
+def test_integer_activations_match_rounded_reference(isa, fmt, rows, bits, request):
+  """The integer kernel (AVX-512 VNNI, or AVX2 byte products forced) is exactly
+  `rounded(x) @ W` (up to float32 sums); its distance from the exact product is the
+  activations' rounding: under 2% of the output range with 8 bits, 256x less with 16."""
+  if isa == "avx2":
+    request.getfixturevalue("force_avx2")
+  elif library.isa() != "avx512" or not library.vnni():
+    pytest.skip("no native kernels, no AVX-512 or no VNNI")
   w = (np.random.default_rng(6).standard_normal((576, 96)) * 0.05).astype(np.float32)
   if fmt == "q8_0":
     qw = jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=False))
@@ -198,6 +205,7 @@ def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   integer_targets = ("matvec_q8", "matvec_s8_q8") if bits == 8 else ("matvec_q16", "matvec_s8_q16")
   traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(marked, jnp.asarray(x)))
   assert any(t in traced for t in integer_targets)
+  assert ("_avx2" in traced) == (isa == "avx2")
   float_traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))
   assert "_q8" not in float_traced and "_q16" not in float_traced
 
@@ -241,3 +249,43 @@ def test_a_row_gives_the_same_bits_in_any_batch(fmt, bits):
     x[at] = row[0]
     got = product(x)
     assert np.array_equal(got[at], alone[0]), (rows, at)
+# ---- The AVX2 path (quant_dot_avx2.h), forced on this CPU ----
+
+@pytest.mark.parametrize("bits,asymmetric", [(8, True), (8, False), (4, True), (4, False)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 13, 32])  # tiles of 4 rows, partial ones
+@pytest.mark.parametrize("out_dim,in_dim", [(37, 96), (130, 1536), (24, 800)])
+def test_avx2_matches_xla_path(force_avx2, bits, asymmetric, rows, out_dim, in_dim):
+  """Every code format (U8, S8 / Q8_0, Q4_1, Q4_0) and row count; group counts that are
+  not multiples of the 8-scale loads of the min term (96 / 32 = 3, 800 / 32 = 25)."""
+  quantize = quantizers.quantize_int8 if bits == 8 else quantizers.quantize_int4
+  w = (np.random.default_rng(out_dim).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
+  qw = jax.tree.map(jnp.asarray, quantize(w, 32, asymmetric=asymmetric))
+  x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, in_dim)).astype(np.float32))
+  fn = lambda w, x: w.matmul(x)  # noqa: E731
+  assert "_avx2" in str(jax.make_jaxpr(fn)(qw, x))
+  got = jax.jit(fn)(qw, x)
+  np.testing.assert_allclose(np.asarray(got), _reference(x, qw), rtol=1e-5, atol=1e-5)
+
+
+def test_library_without_a_sets_symbols_leaves_it_out():
+  """A library built before a set's symbols (here: the AVX2 set with one more kernel than
+  the library has) registers without that set, so forcing it means the XLA path."""
+  if library.library_path() is None:
+    pytest.skip("native kernels not built")
+  lib = ctypes.CDLL(library.library_path())
+  check, targets = library.SETS["avx2"]
+  newer = {"avx2": (check, {**targets, "xlaserve_next_kernel": "XlaserveNotInThisLibrary"})}
+  assert library.register(lib, newer) == frozenset()
+  assert library.register(lib, {"avx2": library.SETS["avx2"]}) == (
+      frozenset({"avx2"}) if lib.xlaserve_native_avx2() else frozenset())
+
+
+def test_unknown_isa_is_refused(monkeypatch):
+  monkeypatch.setenv("XLASERVE_NATIVE_ISA", "sse2")
+  library.isa.cache_clear()
+  try:
+    with pytest.raises(ValueError, match="XLASERVE_NATIVE_ISA='sse2'"):
+      library.isa()
+  finally:
+    monkeypatch.delenv("XLASERVE_NATIVE_ISA")
+    library.isa.cache_clear()

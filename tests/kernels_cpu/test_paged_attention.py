@@ -7,7 +7,8 @@ queries per row, rows that see no key, a sliding window (static or traced)
 and a soft cap, per-head attention sinks, and block tables whose unused
 entries point anywhere in the pool. The serving
 dispatch (`serving.runner.attention`) must route decode and verification
-through it and agree with its own XLA loop.
+through it and agree with its own XLA loop. The AVX2 kernel (attention_avx2.h, forced
+with `XLASERVE_NATIVE_ISA=avx2`) must match the same reference.
 """
 
 import jax
@@ -178,3 +179,32 @@ def test_supports():
   assert not native.supports((1, 1, 5, 32), kv, "float32")  # heads not a multiple of K
   assert not native.supports((1, 1, 6, 24), jnp.zeros((4, 4, 2, 24)), "float32")  # H % 16
   assert native.supports((2, 1, 6, 32), jnp.zeros((4, 4, 2, 36), jnp.uint8), "int8")
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("b,t", [(1, 1), (3, 4)])
+def test_avx2_matches_reference(force_avx2, kind, b, t):
+  """Keys in blocks of 8 (partial blocks: q_lens are random), every pool kind."""
+  k_pages, v_pages = _pool(kind, seed=b * 10 + t)
+  q, tables, q_lens = _case(b, t, seed=b + t)
+  fn = lambda *a: native.paged_attention(*a, kv_dtype=kind, scale=0.2)  # noqa: E731
+  assert "xlaserve_paged_attention_avx2" in str(jax.make_jaxpr(fn)(q, k_pages, v_pages, tables,
+                                                                   q_lens))
+  got = jax.jit(fn)(q, k_pages, v_pages, tables, q_lens)
+  want = _reference(q, k_pages, v_pages, tables, q_lens, kind, 0.2)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+  if b * t > 1:
+    assert not np.asarray(got)[0, 0].any()
+
+
+@pytest.mark.parametrize("window,soft_cap,with_sinks", [(5, None, False), (7, 2.0, True)])
+def test_avx2_window_soft_cap_sinks(force_avx2, window, soft_cap, with_sinks):
+  k_pages, v_pages = _pool("bfloat16", seed=9)
+  q, tables, q_lens = _case(3, 2, seed=10)
+  sinks = (jnp.asarray(np.random.default_rng(11).normal(0, 2, N).astype(np.float32))
+           if with_sinks else None)
+  got = native.paged_attention(q, k_pages, v_pages, tables, q_lens, kv_dtype="bfloat16",
+                               scale=0.3, sliding_window=window, soft_cap=soft_cap, sinks=sinks)
+  want = _reference(q, k_pages, v_pages, tables, q_lens, "bfloat16", 0.3, window, soft_cap,
+                    sinks)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

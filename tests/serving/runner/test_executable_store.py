@@ -189,13 +189,22 @@ def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes, mo
   # Programs traced with the native kernels (kernels_cpu) are not those traced without.
   import kernels_cpu
   if kernels_cpu.available():
-    kernels_cpu.matvec.available.cache_clear()
+    kernels_cpu.library.isa.cache_clear()
     try:
       monkeypatch.setenv("XLASERVE_NATIVE", "0")
       assert store.key("f", "a", (x, y)) != base
     finally:
       monkeypatch.delenv("XLASERVE_NATIVE")
-      kernels_cpu.matvec.available.cache_clear()
+      kernels_cpu.library.isa.cache_clear()
+  # Nor are programs traced with the other instruction set's targets.
+  if kernels_cpu.library.isa() == "avx512" and "avx2" in kernels_cpu.library.usable_isas():
+    try:
+      monkeypatch.setenv("XLASERVE_NATIVE_ISA", "avx2")
+      kernels_cpu.library.isa.cache_clear()
+      assert store.key("f", "a", (x, y)) != base
+    finally:
+      monkeypatch.delenv("XLASERVE_NATIVE_ISA")
+      kernels_cpu.library.isa.cache_clear()
 
   prog = StepProgram("f", jax.jit(_double), static="a", num_fixed=1, store=store)
   np.testing.assert_array_equal(prog(x, y), x * 2 + y)

@@ -7,7 +7,8 @@ match up to float32 summation order, for every weight format the kernel reads
 rows, a sliding window and a context over several pages. The fused call must
 leave every pool entry it does not own untouched, refuse page ids outside the
 pool, and be chosen exactly where it fits. Through `LLM`, greedy tokens are
-the same with it on and off.
+the same with it on and off. The AVX2 stack (forced with `XLASERVE_NATIVE_ISA=avx2`)
+must match the op-by-op path too, and an engine on it give the XLA path's tokens.
 """
 
 import dataclasses
@@ -302,6 +303,68 @@ def test_llm_greedy_tokens_same_with_and_without(family, monkeypatch, tmp_path):
                                    fused.engine.runner.state.kv, x, None)
   got = [o.token_ids for o in fused.generate(prompts, greedy)]
   monkeypatch.setenv("XLASERVE_NATIVE_LAYERS", "0")
+  want = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
+  assert got == want
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("activation_bits", [32, 16, 8])
+def test_avx2_matches_op_by_op(force_avx2, kv_dtype, activation_bits):
+  """The AVX2 stack (float and integer tiles): every weight format, padding rows, several
+  pages."""
+  layers = _layers(activation_bits=activation_bits)
+  positions, meta = _step(ROWS)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((len(ROWS), 128)), jnp.float32)
+  kv = _pool(kv_dtype)
+  assert native_decode.runs_native(layers, CFG, kv, x, None)
+  fused = jax.jit(native_decode.run_layers, static_argnums=1)
+  assert "xlaserve_decode_layers_avx2" in str(jax.make_jaxpr(
+      native_decode.run_layers, static_argnums=1)(layers, CFG, x, positions, meta, kv))
+  want_h, want_kv = jax.jit(_op_by_op, static_argnums=1)(layers, CFG, x, positions, meta, kv)
+  got_h, got_kv = fused(layers, CFG, x, positions, meta, kv)
+  real = np.array([r is not None for r in ROWS])
+  # bfloat16 pools: a K/V value whose last float32 bits differ may round to another
+  # bfloat16, and the layers after it see that; integer activations: a code's rounding.
+  tol = {32: 2e-5 if kv_dtype == "float32" else 2e-4,
+         16: 1e-4 if kv_dtype == "float32" else 5e-4, 8: 2e-3}[activation_bits]
+  np.testing.assert_allclose(np.asarray(got_h)[real], np.asarray(want_h)[real], rtol=tol,
+                             atol=tol)
+  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
+    got, want = np.asarray(got), np.asarray(want)
+    if kv_dtype == "bfloat16":
+      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
+                   for a in (got, want))
+    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
+    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
+    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
+    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_avx2_llm_greedy_tokens_same_as_xla_path(force_avx2, monkeypatch, tmp_path):
+  """A tiny SmolLM2-shaped model, int8 groups of 32, served with the AVX2 kernels forced
+  (matvec and attention at prefill, the fused stack at decode) gives the greedy tokens of
+  the XLA path (`XLASERVE_NATIVE=0`)."""
+  from kernels_cpu import library
+
+  tiny_models = pytest.importorskip("tiny_models")
+  from serving import LLM, SamplingParams
+
+  path = str(tmp_path / "smollm2")
+  tiny_models.save_tiny_model("smollm2", path)
+  engine = dict(max_num_seqs=4, max_model_len=128, num_pages=32, max_num_batched_tokens=32,
+                dtype="float32", quantization="int8", compilation_cache=False)
+  greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+  prompts = ["hello world", "the quick brown fox jumps", "a"]
+  on_avx2 = LLM(path, **engine)
+  runner = on_avx2.engine.runner
+  x = jnp.ones((1, runner.model_cfg.hidden_size), jnp.float32)
+  assert native_decode.runs_native(runner.params["layers"], runner.model_cfg, runner.state.kv,
+                                   x, None)
+  got = [o.token_ids for o in on_avx2.generate(prompts, greedy)]
+  monkeypatch.setenv("XLASERVE_NATIVE", "0")
+  library.isa.cache_clear()
+  assert not kernels_cpu.available()
   want = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
   assert got == want
 
