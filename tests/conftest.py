@@ -1,4 +1,5 @@
-"""Session-wide test set-up: JAX on CPU with the persistent compilation cache."""
+"""Session-wide test set-up: JAX on CPU with the persistent compilation cache, and torch
+(the tiny models' reference) on one thread."""
 
 import os
 
@@ -10,6 +11,13 @@ _CACHE = os.environ.get("XLASERVE_TEST_CACHE",
                         os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import torch  # noqa: E402
+
+# The references are tiny models run one token at a time (tiny_models.torch_greedy): torch's
+# intra-op threads only spin against each other and the JAX programs there. One thread took a
+# tiny Gemma 3's 4 x 64-token reference from 40 CPU-seconds to 2 (docs/testing.md).
+torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG  # noqa: E402
