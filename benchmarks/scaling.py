@@ -310,10 +310,13 @@ class Prompts:
 
 def warm_up(target, prompts: Prompts, args, index: int) -> None:
   """One request of each prompt length (4 output tokens): compiles and page faults stay
-  out of the figures."""
+  out of the figures. Raises RuntimeError when one fails (e.g. a prompt refused)."""
   for n in args.prompt_len_list:
-    bench_serve.run_sweep(target, [prompts.warmup(n, index)], 4, [1], min_prompts=1,
-                          log=lambda _: None)
+    sweep = bench_serve.run_sweep(target, [prompts.warmup(n, index)], 4, [1], min_prompts=1,
+                                  log=lambda _: None)
+    (row,) = sweep["levels"]
+    if row["errors"]:
+      raise RuntimeError(f"the {n}-token warm-up request failed: {row.get('error_examples')}")
 
 
 def measure_file(args, path: str, binary: str, prompts: Prompts, tag: str) -> dict:
@@ -343,6 +346,7 @@ def measure_file(args, path: str, binary: str, prompts: Prompts, tag: str) -> di
         print(f"{name} FAILED: {results[name]['error']}", flush=True)
         continue
       live.append(name)
+    check_kv(results)
     for rnd in range(args.repeats):
       for name in live if rnd % 2 == 0 else live[::-1]:
         if results[name]["error"]:
@@ -354,6 +358,15 @@ def measure_file(args, path: str, binary: str, prompts: Prompts, tag: str) -> di
     for proc, _ in started.values():
       stop(proc)
   return results
+
+
+def check_kv(results: dict) -> None:
+  """Warns when the servers' KV capacities differ by more than a page (RSS is compared at
+  equal capacity: a different default page size would show here)."""
+  ours, peer = results[OURS].get("kv_tokens"), results[PEER].get("kv_tokens")
+  if ours and peer and abs(ours - peer) > 64:
+    print(f"WARNING: KV capacity differs: xlaserve {ours} tokens, llama-server {peer}",
+          flush=True)
 
 
 def prepare(args, name: str, spec: dict, proc, prompts: Prompts, index: int, res: dict,
@@ -378,6 +391,10 @@ def run_round(args, target, proc, prompts: Prompts, rnd: int, name: str, res: di
     sweep = bench_serve.run_sweep(target, prompts.round(n, rnd), args.output_len,
                                   levels_for(args, n), min_prompts=least)
     res["runs"][n].append(sweep["levels"])
+    for row in sweep["levels"]:
+      if row["errors"]:
+        print(f"  {row['errors']} failed requests at {row['concurrency']}: "
+              f"{row.get('error_examples')}", flush=True)
     if proc.poll() is not None:
       res["error"] = (f"{exit_reason(proc.returncode)} during round {rnd + 1} (log: "
                       f"{proc.log_path}); its last lines:\n{log_tail(proc)}")
