@@ -12,7 +12,8 @@ from checkpoints import gguf as gguf_io
 from checkpoints import load_checkpoint, loader, presets
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import random_gguf  # noqa: E402 (benchmarks/ is not a package)
+import llama_server  # noqa: E402 (benchmarks/ is not a package)
+import random_gguf  # noqa: E402
 
 TINY = random_gguf.LlamaShape("tiny", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
 # Largest error of one element: Q8_0 half a step of amax / 127; Q4_0 a step of amax / 8.
@@ -80,3 +81,19 @@ def test_params_count_matches_the_written_tensors():
   assert TINY.params(1000) == sum(int(np.prod(shape)) for _, shape in specs)
   assert 1.0e9 < random_gguf.SHAPES["1b"].params(49152) < 1.15e9
   assert 2.9e9 < random_gguf.SHAPES["3b"].params(49152) < 3.1e9
+
+
+def test_q4_k_m_through_llama_quantize(tmp_path, monkeypatch, default_gguf):
+  """Needs the llama-quantize that `benchmarks/llama_server.py llama-quantize` builds."""
+  binary = os.path.expanduser(os.path.join(llama_server.DEFAULT_CACHE, "bin", "llama-quantize"))
+  if not os.access(binary, os.X_OK):
+    pytest.skip(f"{binary} is not built (python benchmarks/llama_server.py llama-quantize)")
+  shape = random_gguf.LlamaShape("k", hidden=256, layers=2, heads=4, kv_heads=2, ffn=512)
+  monkeypatch.setitem(random_gguf.SHAPES, "k", shape)
+  path = random_gguf.ensure_model("k", "q4_k_m", str(tmp_path), binary, log=lambda _: None)
+  assert os.listdir(tmp_path) == [os.path.basename(path)]  # the F16 file is gone
+  types = {t.tensor_type for t in gguf_io.read_gguf(path).tensors}
+  assert types == {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K,
+                   gguf.GGMLQuantizationType.F32}
+  cfg = loader.load_gguf(path).config
+  assert (cfg.hidden_size, cfg.num_layers, cfg.intermediate_size) == (256, 2, 512)
