@@ -544,10 +544,9 @@ def main(argv=None) -> None:
                                         | {"concurrency": row["concurrency"]} for row in run]
                                        for run in runs] for n, runs in res["runs"].items()}
                        for name, res in r.items()} for key, r in raw.items()}
-    path = run_record.write_record("scaling", run_record.command_line(), setup,
+    run_record.write_record("scaling", run_record.command_line(), setup,
                                    {"files": figures, "per_round": per_round},
                                    results_dir=args.results_dir)
-    print(f"record: {path}", flush=True)
 
 
 if __name__ == "__main__":
