@@ -1,13 +1,18 @@
-"""Finds or builds llama.cpp's native C++ `llama-server` (and `llama-bench`) for the benchmarks.
+"""Finds or builds llama.cpp's native C++ `llama-server` (and `llama-bench`, `llama-quantize`)
+for the benchmarks.
 
-    python benchmarks/llama_server.py            # prints the path of llama-server
+    python benchmarks/llama_server.py                   # prints the path of llama-server
+    python benchmarks/llama_server.py llama-quantize    # ... of llama-quantize
 
 `find_or_build()` returns, in order: a `llama-server` on PATH; one already built in the
-cache dir (~/.cache/xlaserve/llama-server/bin); else it builds one. The build takes the
+cache dir (~/.cache/xlaserve/llama-server/bin); else it builds one. `find_or_build_tool(name)`
+does the same for any of the built tools (`llama-quantize` writes the K-quant GGUFs of
+benchmarks/random_gguf.py: gguf-py has no K-quant quantizer). The build takes the
 llama.cpp that llama-cpp-python vendors (`vendor/llama.cpp` of its sdist, fetched with
 `pip download --no-binary :all:` from the configured package index), so it is the same
-llama.cpp as the `llama_cpp.server` peer, and compiles only the `llama-server` and
-`llama-bench` targets with cmake (about 6-10 minutes on 2 cores, under `nice -n 19`).
+llama.cpp as the `llama_cpp.server` peer, and compiles only the `llama-server`,
+`llama-bench` and `llama-quantize` targets with cmake (about 6-10 minutes on 2 cores,
+under `nice -n 19`).
 
 CPU flags: GGML_NATIVE is OFF on purpose. These VMs advertise AMX in /proc/cpuinfo but a
 binary built with -march=native dies with "Illegal instruction", so the build names the
@@ -29,7 +34,7 @@ import time
 # The newest llama-cpp-python the local package index offers (0.3.x vendors llama.cpp).
 VERSION = "0.3.36"
 DEFAULT_CACHE = "~/.cache/xlaserve/llama-server"
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 
 # cmake option -> the /proc/cpuinfo flags it needs.
 _X86_OPTIONS = {
@@ -112,7 +117,7 @@ def _run(cmd: list[str], log, cwd: str | None = None) -> None:
 
 def build(cache_dir: str = DEFAULT_CACHE, version: str = VERSION, jobs: int = 2,
           log=print) -> str:
-  """Builds llama-server and llama-bench into `cache_dir`/bin -> the llama-server path."""
+  """Builds the TARGETS into `cache_dir`/bin -> the llama-server path."""
   cache_dir = os.path.expanduser(cache_dir)
   bin_dir = os.path.join(cache_dir, "bin")
   os.makedirs(cache_dir, exist_ok=True)
@@ -159,6 +164,23 @@ def find_or_build(cache_dir: str = DEFAULT_CACHE) -> str:
   return build(cache_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
+def find_or_build_tool(name: str, cache_dir: str = DEFAULT_CACHE) -> str:
+  """Path of the llama.cpp tool `name` (one of TARGETS): on PATH, else built in
+  `cache_dir`, else builds all the TARGETS there (a cache from before a target was added
+  lacks it: the build then runs again)."""
+  if name not in TARGETS:
+    raise ValueError(f"{name!r} is not built here; the targets are {TARGETS}")
+  if name == "llama-server":
+    return find_or_build(cache_dir)
+  on_path = shutil.which(name)
+  if on_path:
+    return on_path
+  cached = os.path.join(os.path.expanduser(cache_dir), "bin", name)
+  if not (os.path.isfile(cached) and os.access(cached, os.X_OK)):
+    build(cache_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+  return cached
+
+
 def bench_path(server_path: str) -> str | None:
   """The `llama-bench` next to a `llama-server` (or on PATH), if any."""
   sibling = os.path.join(os.path.dirname(server_path), "llama-bench")
@@ -166,4 +188,4 @@ def bench_path(server_path: str) -> str | None:
 
 
 if __name__ == "__main__":
-  print(find_or_build())
+  print(find_or_build_tool(sys.argv[1] if len(sys.argv) > 1 else "llama-server"))
