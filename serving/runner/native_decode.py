@@ -8,8 +8,14 @@ RoPE on whole heads and unscaled cos / sin, no LoRA, unrolled layers whose
 seven linear weights all run the native matvec at this row count (quantized
 groups of 32 as stored: GGUF Q4_1 / Q4_0 / Q8_0, our int8), float32
 activations and a float32 or bfloat16 KV pool. Everything else (prefill,
-verification, larger batches, other models) runs op by op, as before; both
-paths compute the same values (tests/serving/runner/test_native_decode.py).
+larger batches, other models) runs op by op, as before; both paths compute
+the same values (tests/serving/runner/test_native_decode.py).
+
+A verify step (speculative decoding) is decode rows too: its B sequences of
+S positions are B * S rows, each with its own position, K/V index, the
+sequence's block table and `seq_len = position + 1` (`verify_rows`). The
+kernel writes the K/V of every row of a layer before any row of it attends,
+so position j sees the drafts before it, as `attention.verify_attention` does.
 
 `run_layers(...)` has `causal_lm.run_layers`' contract for a decode step:
 h [B, D] -> (h, kv), the K/V of each row written at its `kv_index`.
@@ -59,6 +65,15 @@ def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: 
     if not all(name in lp for name in ("attn_norm", "mlp_norm")):
       return False
   return True
+
+
+def verify_rows(meta: dict) -> dict:
+  """A verify step's attention metadata (steps.verify_step: kv_index [B*S], block_tables
+  [B, W], q_lens [B, S] = keys each position attends to, 0 past its drafts) as the
+  decode rows `run_layers` takes: one row per position, the sequence's table repeated."""
+  q_lens = meta["q_lens"]
+  return dict(kv_index=meta["kv_index"], seq_lens=q_lens.reshape(-1),
+              block_tables=jnp.repeat(meta["block_tables"], q_lens.shape[1], axis=0))
 
 
 def _format(w) -> int:
