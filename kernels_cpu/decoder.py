@@ -2,7 +2,8 @@
 
 `decode_layers(x, ...)` runs L Llama-family layers (RMSNorm, Q/K/V, RoPE,
 the K/V write into the page pool, paged attention, the output projection,
-RMSNorm, SwiGLU, residuals) over a few rows `x [B, D]` float32, with every
+RMSNorm, SwiGLU, residuals) over rows `x [B, D]` float32 (B <= MAX_ROWS: decode
+rows, or a verify step's positions, each row its own position and keys), with every
 linear weight given as quantized groups of 32 as stored (`FORMATS`) and the
 pools float32 or bfloat16 (as uint16). The pools are updated in place: they
 are aliased to the second and third outputs, so inside a step that donates
@@ -33,8 +34,11 @@ FORMATS = {(8, True): 0, (8, False): 1, (4, True): 2, (4, False): 3}
 ACTIVATION_FLAGS = {32: 0, 8: 4, 16: 8}
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
+# Rows a call takes (decoder.cc kMaxDecoderRows): decode rows, or a verify step's
+# sequences x (k + 1) positions.
+MAX_ROWS = 1024
 
-__all__ = ["ACTIVATION_FLAGS", "FORMATS", "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers",
+__all__ = ["ACTIVATION_FLAGS", "FORMATS", "MAX_ROWS", "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers",
            "enabled"]
 
 

@@ -32,7 +32,7 @@ TARGETS = {
     "xlaserve_q4_0_matvec_q16": "XlaserveMatvecQ4_0Q16",
     "xlaserve_int8_matvec_s8_q16": "XlaserveMatvecS8Q16",
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
-    "xlaserve_decode_layers": "XlaserveDecodeLayers",
+    "xlaserve_decode_layers": "XlaserveDecodeLayersRows",  # up to 1024 rows
 }
 
 

@@ -49,7 +49,7 @@ ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buf
   out_dim = cd[0];
   if (rows < 1 || rows > kMaxRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
       sd[0] != out_dim || sd[1] != in / kGroup) {
-    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=8192, I] x "
+    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=32, I] x "
                                        "[O, I/32 groups] with [O, I/32] scales");
   }
   return ffi::Error::Success();

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from kernels_cpu.library import available, library_path, vnni
 
-MAX_ROWS = 8192  # activation rows the kernel takes (in tiles of 8 register accumulators)
+MAX_ROWS = 32  # activation rows the kernel takes (in tiles of 8 register accumulators)
 GROUP = 32
 # (code bits, has a min) -> FFI target
 _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_matvec_s8",

@@ -26,7 +26,7 @@
 namespace xlaserve {
 
 constexpr int kGroup = 32;
-constexpr int kMaxRows = 8192;  // activation rows a call takes (matvec, decoder)
+constexpr int kMaxRows = 32;
 constexpr int kTileRows = 8;  // activation rows per pass (their register accumulators)
 
 enum Format { kU8, kS8, kQ4_1, kQ4_0 };

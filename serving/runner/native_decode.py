@@ -1,11 +1,12 @@
 """A decode step's layers in one native call (kernels_cpu.decoder), where they fit.
 
 `runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
-`rows` rows takes the fused custom call instead of `causal_lm.run_layers`: on CPU,
+`rows` rows (up to kernels_cpu.decoder.MAX_ROWS) takes the fused custom call instead of
+`causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
 QKV bias, Q/K norms or hybrid attention (one window for every layer), with
 RoPE on whole heads and unscaled cos / sin, no LoRA, unrolled layers whose
-seven linear weights all run the native matvec at this row count (quantized
+seven linear weights the native matvec reads (quantized
 groups of 32 as stored: GGUF Q4_1 / Q4_0 / Q8_0, our int8), float32
 activations and a float32 or bfloat16 KV pool. Everything else (prefill,
 larger batches, other models) runs op by op, as before; both paths compute
@@ -29,11 +30,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import kernels_cpu
 from kernels_cpu import decoder
 from serving.models import layers as model_layers
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import is_quantized
+from serving.models.quantized import NATIVE_ROWS_BESIDE_FULL, is_quantized
 from serving.runner.kv_cache import KVCache
 
 LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kernel's order
@@ -55,16 +55,23 @@ def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: 
   if not mesh.empty and math.prod(mesh.shape.values()) > 1:
     return False
   rows = x.shape[0]
-  if rows > kernels_cpu.MAX_ROWS or cfg.head_dim % 16 or kv.head_dim != cfg.head_dim:
+  if rows > decoder.MAX_ROWS or cfg.head_dim % 16 or kv.head_dim != cfg.head_dim:
     return False
   for lp in layers:
     for name in LINEAR_ORDER:
-      w = lp.get(name)
-      if not is_quantized(w) or not w.runs_native(rows):
+      if not _reads_codes(lp.get(name), rows):
         return False
     if not all(name in lp for name in ("attn_norm", "mlp_norm")):
       return False
   return True
+
+
+def _reads_codes(w: Any, rows: int) -> bool:
+  """`w` is a weight the kernel reads at `rows` rows: quantized, in a format the native
+  matvec takes (asked at one row: the fused call has its own row limit, above the per-op
+  kernel's), and beside a dense copy only up to the rows the copy leaves to the codes."""
+  return (is_quantized(w) and w.runs_native(1)
+          and (w.full is None or rows <= NATIVE_ROWS_BESIDE_FULL))
 
 
 def verify_rows(meta: dict) -> dict:

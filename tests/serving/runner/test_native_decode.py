@@ -181,20 +181,20 @@ def _op_by_op_verify(layers, cfg, x, positions, meta, kv):
 
 # (position of the latest token, pages, drafts): all drafts, fewer drafts across a page
 # boundary, none; and padding.
-VERIFY = [(5, [3, 5, 6], 4), (10, [1, 2, 7, 9], 2), None, (0, [4, 8], 0)]
+VERIFY = [(5, [3, 5, 6, 10], 4), (10, [1, 2, 7, 9], 2), None, (0, [4, 8], 0)]
 
 
 @needs_native
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("activation_bits", [32, 16])
-def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits):
+@pytest.mark.parametrize("s", [5, 10])  # 20 rows; 40, past the per-op matvec's 32
+def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits, s):
   """A verify step's S positions per sequence as decode rows (`verify_rows`): each
   position sees the keys of the positions before it written in the same call. (8-bit
   activations: one rounding flip from the RMSNorm's summation order moves a K/V value by
   ~1% of its group, and every later position of the sequence sees it; the decode test
   above covers that format.)"""
   layers = _layers(activation_bits=activation_bits)
-  s = 5
   positions, meta, used = _verify(VERIFY, s)
   x = jnp.asarray(np.random.default_rng(4).standard_normal((len(VERIFY) * s, 128)),
                   jnp.float32)
@@ -221,9 +221,15 @@ def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits):
 
 @needs_native
 def test_verify_of_k8_at_batch_4_takes_the_fused_call():
-  """36 rows (4 sequences of 9 positions) are within the kernel's rows."""
+  """36 rows (4 sequences of 9 positions), past the per-op matvec's rows, are within the
+  fused call's; past its own limit the step runs op by op."""
   layers = _layers()
-  assert native_decode.runs_native(layers, CFG, _pool("float32"), jnp.ones((36, 128)), None)
+  kv = _pool("float32")
+  assert 36 > kernels_cpu.MAX_ROWS
+  assert native_decode.runs_native(layers, CFG, kv, jnp.ones((36, 128)), None)
+  limit = kernels_cpu.decoder.MAX_ROWS
+  assert native_decode.runs_native(layers, CFG, kv, jnp.ones((limit, 128)), None)
+  assert not native_decode.runs_native(layers, CFG, kv, jnp.ones((limit + 1, 128)), None)
 
 
 @needs_native
