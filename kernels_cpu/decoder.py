@@ -38,8 +38,8 @@ WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
 # sequences x (k + 1) positions.
 MAX_ROWS = 1024
 
-__all__ = ["ACTIVATION_FLAGS", "FORMATS", "MAX_ROWS", "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers",
-           "enabled"]
+__all__ = ["ACTIVATION_FLAGS", "FORMATS", "MAX_ROWS", "PAGE_KINDS", "WEIGHTS_PER_LAYER",
+           "decode_layers", "enabled"]
 
 
 def enabled() -> bool:
