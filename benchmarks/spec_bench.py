@@ -26,6 +26,13 @@ Medians of output tok/s and TPOT p50 per case and server, the ratio
 speculative / plain and the acceptance rate are printed and written to
 `--json`. `--quick` (a smoke run): 1 round, 2 prompts per case, 8 concurrent,
 32 output tokens.
+
+A sweep (`--config NAME=FLAGS`, repeated; e.g. `--config "plain=--num_decode_steps=1"
+--config "k4=--speculative_method=ngram --num_speculative_tokens=4"`) runs one server
+per config instead of the two, all up and alternated the same way; each case then
+reports every config's tok/s against the fastest config without speculation
+(`best plain`). `--server_flags` go to every server; `--cases` picks cases (copy, free,
+concurrent).
 """
 
 from __future__ import annotations
@@ -247,13 +254,14 @@ USAGE = {"stream_options": {"include_usage": True}}
 
 
 def run_rounds(servers: list[Server], cases: dict, repeats: int) -> dict:
-  """Rounds over both servers, alternating which goes first and the order of the cases
+  """Rounds over the servers, alternating which goes first and the order of the cases
   (drift of the machine falls on both alike) -> {server: {case: [run, ...]}}."""
   from serving.tools import bench_serve
 
   for server in servers:  # a warm-up request each
     warm = bench_serve.Target(server.url, server.model, USAGE)
-    asyncio.run(bench_serve.run_groups([(warm, cases["copy"][1](0)[:1], 1)], 8))
+    first = next(iter(cases.values()))
+    asyncio.run(bench_serve.run_groups([(warm, first[1](0)[:1], 1)], 8))
   results = {s.name: {c: [] for c in cases} for s in servers}
   for rep in range(repeats):
     order = list(cases) if rep % 2 == 0 else list(reversed(cases))
@@ -298,7 +306,7 @@ def bench(args) -> dict:
   tok = bench.load_tokenizer("smollm2-135m-instruct")
   if tok is None:
     raise SystemExit("cannot load the tokenizer of smollm2-135m-instruct")
-  n_single = 2 if args.quick else len(COPY_TASKS)
+  n_single = 2 if args.quick else args.num_prompts or len(COPY_TASKS)
   concurrency = 8 if args.quick else args.concurrency
   copy = copy_prompts(tok)[:n_single]
   free = [chat(tok, p) for p in FREE_PROMPTS][:n_single]
@@ -315,7 +323,13 @@ def bench(args) -> dict:
                                                         seed=rep * 100)],
           out_len, {"ignore_eos": True}),
   }
-  common = [f"--max_model_len={args.max_model_len}", "--enable_prefix_caching=false"]
+  if args.cases:
+    wanted = set(args.cases.split(","))
+    cases = {name: case for name, case in cases.items() if name.split()[-1] in wanted}
+  common = [f"--max_model_len={args.max_model_len}", "--enable_prefix_caching=false",
+            *args.server_flags.split()]
+  if args.config:
+    return sweep(args, cases, common)
   spec_flags = [f"--speculative_method={args.method}",
                 f"--num_speculative_tokens={args.num_speculative_tokens}"]
   for flag in ("prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch",
@@ -352,6 +366,38 @@ def bench(args) -> dict:
   return summary
 
 
+def sweep(args, cases: dict, common: list[str]) -> dict:
+  """One server per `--config NAME=FLAGS`, all up, rounds alternating them -> per case
+  and config: the medians, the ratio to the fastest config that does not speculate."""
+  configs = [c.split("=", 1) for c in args.config]
+  work = tempfile.mkdtemp(prefix="spec_bench_")
+  servers: list[Server] = []
+  try:
+    for i, (name, flags) in enumerate(configs):
+      servers.append(Server(name, [*common, *flags.split()], args.port + i, work))
+    runs = run_rounds(servers, cases, args.repeats)
+  finally:
+    for server in servers:
+      server.stop()
+  plain = [name for name, flags in configs if "--speculative_method=" not in flags
+           or "--speculative_method=none" in flags]
+  summary: dict = {"configs": dict(configs), "common_flags": common, "cases": {}}
+  for case in cases:
+    rows = {name: _summary(runs[name][case]) for name, _ in configs}
+    best = max(plain, key=lambda n: rows[n]["output_tok_s"]) if plain else configs[0][0]
+    print(f"\n{case} (ratio to the fastest plain config, {best}; medians of "
+          f"{args.repeats} rounds)")
+    print(f"{'config':16s} {'tok/s':>7s} {'ratio':>7s} {'TPOT p50':>9s} {'accept':>6s}")
+    for name, row in rows.items():
+      base = rows[best]["output_tok_s"]
+      row["ratio_to_best_plain"] = row["output_tok_s"] / base if base else None
+      print(f"{name:16s} {row['output_tok_s']:7.1f} {row['ratio_to_best_plain']:7.3f} "
+            f"{row['tpot_p50'] * 1e3:6.1f} ms {_fmt_rate(row.get('acceptance_rate'))}",
+            flush=True)
+    summary["cases"][case] = {"best_plain": best, "configs": rows}
+  return summary
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--method", default="ngram", help="--speculative_method of the spec server")
@@ -361,6 +407,8 @@ def main() -> None:
   p.add_argument("--speculative_max_batch", type=int, default=None)
   p.add_argument("--speculative_model", default=None, help="the draft model (--method draft)")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--num_prompts", type=int, default=None,
+                 help="prompts of the copy and free cases (default: all 6)")
   p.add_argument("--concurrency", type=int, default=32)
   p.add_argument("--copy_tokens", type=int, default=192, help="max_tokens of a copy request")
   p.add_argument("--free_tokens", type=int, default=128)
@@ -369,6 +417,10 @@ def main() -> None:
   p.add_argument("--max_model_len", type=int, default=2048)
   p.add_argument("--quick", action="store_true",
                  help="smoke run: 1 round, 2 prompts per case, 8 concurrent, 32 tokens")
+  p.add_argument("--config", action="append", default=[],
+                 help="NAME=FLAGS: a sweep's server (repeat; module doc)")
+  p.add_argument("--server_flags", default="", help="flags for every server")
+  p.add_argument("--cases", default=None, help="comma-separated: copy, free, concurrent")
   p.add_argument("--port", type=int, default=8330)
   p.add_argument("--json", default=None)
   from serving.tools import bench_serve, run_record

@@ -22,6 +22,12 @@
 // rounding; with integer activations, the same rounding points as the per-op
 // native path (each projection's input rounded once per group of 32).
 //
+// Rows are independent decode positions, each with its own position, K/V index,
+// block table and seq_len. Within a layer every row's K/V is written before any
+// row attends, so a verify step (speculative decoding) is S rows per sequence at
+// consecutive positions with seq_len = position + 1: position j sees the drafts
+// before it.
+//
 // Operands (after the thread pool):
 //   x [B, D] f32, positions [B] s32, kv_index [B] s32 (page * page_size +
 //   offset, per-layer page ids), tables [B, W] s32 (per-layer page ids),
@@ -68,6 +74,9 @@ constexpr int kFormatMask = 15;  // formats[i] & kFormatMask: the Format
 constexpr int kInt8Flag = 16;  // formats[i] & kInt8Flag: activations rounded to 8 bits
 constexpr int kInt16Flag = 32;  // formats[i] & kInt16Flag: activations rounded to 16 bits
 constexpr int64_t kColumnBlock = 64;  // output columns per work item
+// Rows a call takes: a decode step's, or a verify step's (sequences x (k + 1) positions);
+// the buffers are sized per call, the weights' tiles take 8 rows at a time.
+constexpr int64_t kMaxDecoderRows = 1024;
 
 struct Weight {
   const uint8_t* codes;
@@ -392,7 +401,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Shapes s{xd[0], xd[1], nd[0], num_heads, kd[2], kd[3], 0, td[1], kd[1], num_pages};
   const int rows = static_cast<int>(s.rows);
   if (kind != 0 && kind != 1) return ffi::Error::InvalidArgument("decoder layers: page kind");
-  if (rows < 1 || rows > kMaxRows || nd[1] != 2 || nd[2] != s.dim || td[0] != s.rows ||
+  if (rows < 1 || rows > kMaxDecoderRows || nd[1] != 2 || nd[2] != s.dim || td[0] != s.rows ||
       kd[0] != s.layers * s.num_pages || s.heads % s.kv_heads || s.head_dim % kLanes ||
       positions.element_count() != s.rows || kv_index.element_count() != s.rows ||
       seq_lens.element_count() != s.rows || inv_freq.element_count() != s.head_dim / 2 ||

@@ -2,7 +2,8 @@
 
 `decode_layers(x, ...)` runs L Llama-family layers (RMSNorm, Q/K/V, RoPE,
 the K/V write into the page pool, paged attention, the output projection,
-RMSNorm, SwiGLU, residuals) over a few rows `x [B, D]` float32, with every
+RMSNorm, SwiGLU, residuals) over rows `x [B, D]` float32 (B <= MAX_ROWS: decode
+rows, or a verify step's positions, each row its own position and keys), with every
 linear weight given as quantized blocks as stored (`FORMATS`: groups of 32;
 `K_FORMATS`: GGUF Q4_K / Q5_K / Q6_K, kernels_cpu/kquant_dot.h) and the
 pools float32 or bfloat16 (as uint16). The pools are updated in place: they
@@ -38,7 +39,9 @@ ACTIVATION_FLAGS = {32: 0, 8: 16, 16: 32}
 OPERANDS_PER_WEIGHT = 6  # codes, scale, offset, q_high, super_scale, super_offset
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
-MAX_ROWS = 32  # rows one decode step takes (decoder.cc's kMaxRows; matvec takes more)
+# Rows a call takes (decoder.cc kMaxDecoderRows): decode rows, or a verify step's
+# sequences x (k + 1) positions.
+MAX_ROWS = 1024
 
 __all__ = ["ACTIVATION_FLAGS", "FORMATS", "K_FORMATS", "MAX_ROWS", "OPERANDS_PER_WEIGHT",
            "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers", "enabled"]

@@ -53,7 +53,7 @@ TARGETS = {
     "xlaserve_q5_k_matvec_q16": "XlaserveMatvecQ5KQ16",
     "xlaserve_q6_k_matvec_q16": "XlaserveMatvecQ6KQ16",
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
-    "xlaserve_decode_layers": "XlaserveDecodeLayersK",
+    "xlaserve_decode_layers": "XlaserveDecodeLayersK",  # up to 1024 rows
 }
 # K-quant matvec targets: AVX-512 only (kquant_dot.h); on the AVX2 set they take the XLA
 # path (`kquant_isa()`), and its fused decoder refuses them.

@@ -43,8 +43,11 @@ cached for a later prefix hit, or at once without prefix caching. A cached
 prefix counts only as far as the window group still holds its last window.
 
 Multi-step decoding (`num_decode_steps` = k > 1, docs/multi_step.md): when
-only decode rows run, nothing waits in the queue, no row speculates or
-follows a grammar, at most `decode_steps_max_batch` rows decode and each can
+only decode rows run, nothing waits in the queue, the step does not
+speculate (a host proposer, ngram or suffix, between speculative steps: the
+back-off's pauses and batches past `speculative_max_batch`; never with a
+draft model, whose K/V must follow every token), no row follows a grammar,
+at most `decode_steps_max_batch` rows decode and each can
 take k more tokens (max_tokens, max_model_len), every row runs k decode
 iterations in the step's one device call. The row gets pages for the k
 positions, k pending tokens, and brings back a run of k tokens, cut like a
@@ -137,7 +140,9 @@ class Scheduler:
     """Decode iterations for the next step's rows: `num_decode_steps` when nothing
     else needs the device soon (see module doc), else 1."""
     k = self.config.scheduler.num_decode_steps
-    if k == 1 or speculate or self.proposer is not None or self.waiting or not self.running:
+    if k == 1 or speculate or self.waiting or not self.running:
+      return 1
+    if self.proposer is not None and self.proposer.on_device:  # the draft needs every K/V
       return 1
     if len(self.running) > self.config.scheduler.decode_steps_max_batch:
       return 1

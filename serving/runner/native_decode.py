@@ -1,16 +1,22 @@
 """A decode step's layers in one native call (kernels_cpu.decoder), where they fit.
 
 `runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
-`rows` rows takes the fused custom call instead of `causal_lm.run_layers`: on CPU,
+`rows` rows (up to kernels_cpu.decoder.MAX_ROWS) takes the fused custom call instead of
+`causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
 QKV bias, Q/K norms or hybrid attention (one window for every layer), with
 RoPE on whole heads and unscaled cos / sin, no LoRA, unrolled layers whose
-seven linear weights all run the native matvec at this row count (quantized
-blocks as stored: GGUF Q4_1 / Q4_0 / Q8_0 and our int8 in groups of 32, GGUF
-Q4_K / Q5_K / Q6_K), float32
+seven linear weights the native matvec reads (quantized blocks as stored: GGUF
+Q4_1 / Q4_0 / Q8_0 and our int8 in groups of 32, GGUF Q4_K / Q5_K / Q6_K), float32
 activations and a float32 or bfloat16 KV pool. Everything else (prefill,
-verification, larger batches, other models) runs op by op, as before; both
-paths compute the same values (tests/serving/runner/test_native_decode.py).
+larger batches, other models) runs op by op, as before; both paths compute
+the same values (tests/serving/runner/test_native_decode.py).
+
+A verify step (speculative decoding) is decode rows too: its B sequences of
+S positions are B * S rows, each with its own position, K/V index, the
+sequence's block table and `seq_len = position + 1` (`verify_rows`). The
+kernel writes the K/V of every row of a layer before any row of it attends,
+so position j sees the drafts before it, as `attention.verify_attention` does.
 
 `run_layers(...)` has `causal_lm.run_layers`' contract for a decode step:
 h [B, D] -> (h, kv), the K/V of each row written at its `kv_index`.
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 from kernels_cpu import decoder
 from serving.models import layers as model_layers
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import is_quantized, kquant_format
+from serving.models.quantized import NATIVE_ROWS_BESIDE_FULL, is_quantized, kquant_format
 from serving.runner.kv_cache import KVCache
 
 LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kernel's order
@@ -53,12 +59,28 @@ def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: 
     return False
   for lp in layers:
     for name in LINEAR_ORDER:
-      w = lp.get(name)
-      if not is_quantized(w) or not w.runs_native(rows):
+      if not _reads_codes(lp.get(name), rows):
         return False
     if not all(name in lp for name in ("attn_norm", "mlp_norm")):
       return False
   return True
+
+
+def _reads_codes(w: Any, rows: int) -> bool:
+  """`w` is a weight the kernel reads at `rows` rows: quantized, in a format the native
+  matvec takes (asked at one row: the fused call has its own row limit, above the per-op
+  kernel's), and beside a dense copy only up to the rows the copy leaves to the codes."""
+  return (is_quantized(w) and w.runs_native(1)
+          and (w.full is None or rows <= NATIVE_ROWS_BESIDE_FULL))
+
+
+def verify_rows(meta: dict) -> dict:
+  """A verify step's attention metadata (steps.verify_step: kv_index [B*S], block_tables
+  [B, W], q_lens [B, S] = keys each position attends to, 0 past its drafts) as the
+  decode rows `run_layers` takes: one row per position, the sequence's table repeated."""
+  q_lens = meta["q_lens"]
+  return dict(kv_index=meta["kv_index"], seq_lens=q_lens.reshape(-1),
+              block_tables=jnp.repeat(meta["block_tables"], q_lens.shape[1], axis=0))
 
 
 def _format(w) -> int:

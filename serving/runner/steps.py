@@ -174,7 +174,7 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   """`causal_lm.forward` with the attention of a `kind` step over its `meta`
   -> (final-normed hidden [T, D], kv).
 
-  The layers run through `sharding.pipeline_layers`: plain on one stage (a decode
+  The layers run through `sharding.pipeline_layers`: plain on one stage (a decode or verify
   step there in one native call where it fits, native_decode.py); over
   the mesh's `pp` stages otherwise, with the step's rows cut into microbatches.
   Decode and verify metadata is per row (cut with the rows); a prefill step's
@@ -190,9 +190,10 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
 
   def stage(layers, x, rows, shared, kv, active, start):
     positions, meta, lora_rows = rows
-    if (kind == "decode" and active is True and backend == "xla"
+    if (kind in ("decode", "verify") and active is True and backend == "xla"
         and native_decode.runs_native(layers, cfg, kv, x, lora)):
-      return native_decode.run_layers(layers, cfg, x, positions, meta, kv)
+      rows_meta = meta if kind == "decode" else native_decode.verify_rows(meta)
+      return native_decode.run_layers(layers, cfg, x, positions, rows_meta, kv)
     if active is not True:  # an idle pipeline tick writes only the dummy page
       meta = {**meta, "kv_index": jnp.where(active, meta["kv_index"], 0)}
     window = None

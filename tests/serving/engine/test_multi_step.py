@@ -6,7 +6,8 @@ every token, so a run planned on the wrong pages, positions or pending counts
 fails with `FakeKVError`; outputs must equal the single-step engine's.
 Covered: when a step is multi-step (and when not), runs cut by stop tokens
 and max_tokens, prefix pages published after a run, staggered arrivals,
-preemption, and a failed multi-step step.
+preemption, a failed multi-step step, and multi-step between the speculative
+steps of a host proposer (ngram).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from serving.engine import LLMEngine
 from serving.engine.fake_runner import FakeRunner
 from serving.engine.page_allocator import PageAllocator
 from serving.engine.scheduler import Scheduler
+from serving.spec_decode.proposers import DraftModelProposer, NgramProposer
 from serving.types import SamplingParams, Sequence
 
 PAGE = 4
@@ -33,15 +35,17 @@ def config(**kw) -> EngineConfig:
 
 
 class RecordingRunner(FakeRunner):
-  """A FakeRunner that keeps each plan's decode_steps."""
+  """A FakeRunner that keeps each plan's decode_steps (and whether it speculated)."""
 
   def __init__(self, **kw):
     super().__init__(**kw)
     self.decode_steps: list[int] = []
+    self.speculative: list[bool] = []
 
   def execute(self, *, plan):
     if plan.decodes:
       self.decode_steps.append(plan.decode_steps)
+      self.speculative.append(plan.speculative)
       assert all(r.num_steps == plan.decode_steps for r in plan.decodes)
     return super().execute(plan=plan)
 
@@ -168,9 +172,10 @@ def test_a_failed_multi_step_step_fails_only_its_request():
   assert_all_pages_free(eng)
 
 
-def scheduler(**kw) -> Scheduler:
+def scheduler(proposer=None, **kw) -> Scheduler:
   cfg = config(**kw)
-  return Scheduler(cfg, PageAllocator(cfg.cache.num_pages, PAGE, cfg.cache.enable_prefix_caching))
+  return Scheduler(cfg, PageAllocator(cfg.cache.num_pages, PAGE, cfg.cache.enable_prefix_caching),
+                   proposer=proposer)
 
 
 def decoding(sched: Scheduler, rid: str, max_tokens: int = 20, **params) -> Sequence:
@@ -223,3 +228,36 @@ def test_config_validates_the_multi_step_options():
   capped = config(decode_steps_max_batch=3, decode_buckets=(1, 2, 4)).scheduler
   assert capped.multi_step_batch_buckets == (1, 2, 4)
   assert config(num_decode_steps=1).scheduler.multi_step_batch_buckets == ()
+
+
+def test_a_host_proposer_runs_multi_step_between_speculative_steps():
+  """ngram drafts on the host from the tokens it has: a step that does not speculate (the
+  back-off paused, or too many rows) is multi-step; a speculative one is not; a draft
+  model (its K/V must follow every token) never runs multi-step."""
+  sched = scheduler(NgramProposer(1, 3), speculative_method="ngram")
+  decoding(sched, "a")
+  assert sched.schedule(speculate=False).decode_steps == K
+  sched = scheduler(NgramProposer(1, 3), speculative_method="ngram")
+  decoding(sched, "a")
+  assert sched.schedule(speculate=True).decode_steps == 1
+  sched = scheduler(DraftModelProposer(), speculative_method="draft",
+                    speculative_model="unused")
+  decoding(sched, "a")
+  assert sched.schedule(speculate=False).decode_steps == 1
+
+
+def test_ngram_and_multi_step_in_one_engine_match_the_plain_outputs():
+  """Two requests over `speculative_max_batch=1` decode multi-step; once the short one has
+  finished, the other speculates (the FakeRunner's echo is what ngram predicts). Outputs
+  are the plain engine's."""
+  eng, runner = engine(speculative_method="ngram", num_speculative_tokens=3,
+                       speculative_max_batch=1, prompt_lookup_min=1)
+  long = submit(eng, "long", prompt(1, 7), max_tokens=40)
+  short = submit(eng, "short", prompt(2, 9), max_tokens=13)
+  eng.run_until_idle()
+  assert tokens_of(long) == echo(prompt(1, 7), 40)
+  assert tokens_of(short) == echo(prompt(2, 9), 13)
+  assert K in runner.decode_steps and any(runner.speculative)
+  assert all(steps == 1 for steps, spec in zip(runner.decode_steps, runner.speculative,
+                                               strict=True) if spec)
+  assert_all_pages_free(eng)

@@ -6,8 +6,11 @@ match up to float32 summation order, for every weight format the kernel reads
 (mixed in one model), float32 and bfloat16 pools, 8- and 16-bit activations, padding
 rows, a sliding window and a context over several pages. The fused call must
 leave every pool entry it does not own untouched, refuse page ids outside the
-pool, and be chosen exactly where it fits. Through `LLM`, greedy tokens are
-the same with it on and off. The AVX2 stack (forced with `XLASERVE_NATIVE_ISA=avx2`)
+pool, and be chosen exactly where it fits. A verify step (speculative decoding:
+S positions per sequence, causal among them) runs as B * S decode rows and
+matches the op-by-op verify attention. Through `LLM`, greedy tokens are the
+same with it on and off, with and without ngram speculation, and nothing
+compiles after warm-up. The AVX2 stack (forced with `XLASERVE_NATIVE_ISA=avx2`)
 must match the op-by-op path too, and an engine on it give the XLA path's tokens.
 """
 
@@ -205,6 +208,83 @@ def test_sliding_window_matches(layer_types):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def _verify(seqs, s):
+  """Verify metadata for `seqs` = [(position, pages, num_drafts)] of S = s positions each
+  (as steps.verify_step builds it); a None sequence is padding."""
+  positions, kv_index, tables, q_lens = [], [], [], []
+  for seq in seqs:
+    pos, pages, drafts = seq if seq is not None else (0, [0], -1)
+    for j in range(s):
+      used = j <= drafts
+      p = pos + j
+      positions.append(p)
+      kv_index.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE if used else 0)
+      q_lens.append(p + 1 if used else 0)
+    tables.append(pages + [0] * (WIDTH - len(pages)))
+  meta = dict(kv_index=jnp.asarray(kv_index, jnp.int32),
+              block_tables=jnp.asarray(tables, jnp.int32),
+              q_lens=jnp.asarray(q_lens, jnp.int32).reshape(len(seqs), s))
+  used = np.asarray(q_lens) > 0
+  return jnp.asarray(positions, jnp.int32), meta, used
+
+
+def _op_by_op_verify(layers, cfg, x, positions, meta, kv):
+  attend = steps.attend_fn("xla", cfg, "verify", meta, 128)
+  return causal_lm.run_layers(layers, cfg, x, positions, kv, attend)
+
+
+# (position of the latest token, pages, drafts): all drafts, fewer drafts across a page
+# boundary, none; and padding.
+VERIFY = [(5, [3, 5, 6, 10], 4), (10, [1, 2, 7, 9], 2), None, (0, [4, 8], 0)]
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("activation_bits", [32, 16])
+@pytest.mark.parametrize("s", [5, 10])  # 20 rows; 40, past the per-op matvec's 32
+def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits, s):
+  """A verify step's S positions per sequence as decode rows (`verify_rows`): each
+  position sees the keys of the positions before it written in the same call. (8-bit
+  activations: one rounding flip from the RMSNorm's summation order moves a K/V value by
+  ~1% of its group, and every later position of the sequence sees it; the decode test
+  above covers that format.)"""
+  layers = _layers(activation_bits=activation_bits)
+  positions, meta, used = _verify(VERIFY, s)
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((len(VERIFY) * s, 128)),
+                  jnp.float32)
+  kv = _pool(kv_dtype)
+  assert native_decode.runs_native(layers, CFG, kv, x, None)
+  want_h, want_kv = jax.jit(_op_by_op_verify, static_argnums=1)(layers, CFG, x, positions,
+                                                                meta, kv)
+  run = lambda *a: native_decode.run_layers(  # noqa: E731
+      a[0], CFG, a[1], a[2], native_decode.verify_rows(a[3]), a[4])
+  got_h, got_kv = jax.jit(run)(layers, x, positions, meta, kv)
+  tol = {32: 2e-5, 16: 5e-4}[activation_bits]  # 16 bits: roundings feed later positions
+  np.testing.assert_allclose(np.asarray(got_h)[used], np.asarray(want_h)[used], rtol=tol,
+                             atol=tol)
+  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
+    got, want = np.asarray(got), np.asarray(want)
+    if kv_dtype == "bfloat16":
+      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
+                   for a in (got, want))
+    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
+    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
+    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
+    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+
+
+@needs_native
+def test_verify_of_k8_at_batch_4_takes_the_fused_call():
+  """36 rows (4 sequences of 9 positions) are within the fused call's rows; past its own
+  limit the step runs op by op."""
+  layers = _layers()
+  kv = _pool("float32")
+  assert native_decode.runs_native(layers, CFG, kv, jnp.ones((36, 128)), None)
+  limit = kernels_cpu.decoder.MAX_ROWS
+  assert native_decode.runs_native(layers, CFG, kv, jnp.ones((limit, 128)), None)
+  assert not native_decode.runs_native(layers, CFG, kv, jnp.ones((limit + 1, 128)), None)
+
+
 @needs_native
 def test_donated_pool_is_updated_in_place():
   """Inside a step that donates the pool the call aliases it: no copy of the pool in the
@@ -367,6 +447,46 @@ def test_avx2_llm_greedy_tokens_same_as_xla_path(force_avx2, monkeypatch, tmp_pa
   assert not kernels_cpu.available()
   want = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
   assert got == want
+
+
+@needs_native
+@pytest.mark.slow
+def test_llm_speculative_tokens_same_with_and_without(monkeypatch, tmp_path):
+  """ngram speculation on a tiny SmolLM2-shaped int8 model: every verify bucket (B
+  sequences of k + 1 positions) is traced through the fused call at warm-up, nothing
+  compiles after it, and the greedy tokens (drafts kept or not) are the op-by-op path's
+  and the plain engine's."""
+  tiny_models = pytest.importorskip("tiny_models")
+  from compile_watch import compile_events
+
+  from serving import LLM, SamplingParams
+
+  path = str(tmp_path / "smollm2")
+  tiny_models.save_tiny_model("smollm2", path)
+  k = 4
+  engine = dict(max_num_seqs=4, max_model_len=128, num_pages=48, max_num_batched_tokens=32,
+                dtype="float32", quantization="int8", compilation_cache=False)
+  spec = dict(speculative_method="ngram", num_speculative_tokens=k, prompt_lookup_min=1,
+              speculative_max_batch=4)
+  greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+  # Repetitive prompts: the n-gram proposer finds drafts, and the model keeps some.
+  prompts = ["a b c a b c a b c a b", "one two three one two three one", "x y x y x y x"]
+  traced: list[int] = []
+  run_layers = native_decode.run_layers
+  monkeypatch.setattr(native_decode, "run_layers",
+                      lambda layers, cfg, x, *a: traced.append(x.shape[0])
+                      or run_layers(layers, cfg, x, *a))
+  fused = LLM(path, **engine, **spec)
+  buckets = fused.engine.config.verify_batch_buckets
+  assert {b * (k + 1) for b in buckets} <= set(traced), (buckets, traced)
+  with compile_events() as events:
+    got = [o.token_ids for o in fused.generate(prompts, greedy)]
+  assert events == [], f"compiled after warm-up: {sorted(set(events))}"
+  assert fused.engine.stats().spec_decode.num_accepted_tokens > 0
+  plain = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
+  monkeypatch.setenv("XLASERVE_NATIVE_LAYERS", "0")
+  op_by_op = [o.token_ids for o in LLM(path, **engine, **spec).generate(prompts, greedy)]
+  assert got == op_by_op == plain
 
 
 _ONE_THREAD = """
