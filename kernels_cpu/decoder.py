@@ -33,9 +33,10 @@ FORMATS = {(8, True): 0, (8, False): 1, (4, True): 2, (4, False): 3}
 ACTIVATION_FLAGS = {32: 0, 8: 4, 16: 8}
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
+MAX_ROWS = 32  # rows one decode step takes (decoder.cc's kMaxRows; matvec takes more)
 
-__all__ = ["ACTIVATION_FLAGS", "FORMATS", "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers",
-           "enabled"]
+__all__ = ["ACTIVATION_FLAGS", "FORMATS", "MAX_ROWS", "PAGE_KINDS", "WEIGHTS_PER_LAYER",
+           "decode_layers", "enabled"]
 
 
 def enabled() -> bool:

@@ -1,5 +1,6 @@
-// Quantized weight x float activation products for up to 32 rows, as XLA FFI
-// custom calls (CPU), split by output columns over XLA's intra-op threads.
+// Quantized weight x float activation products for up to 8192 rows, as XLA FFI
+// custom calls (CPU), split by row blocks x output columns over XLA's intra-op
+// threads (quant_gemm.h).
 //
 // y[B, O] = x[B, I] @ W^T, W stored [O, I] in groups of 32 inputs with a
 // float16 scale per group, W = code * scale + min, in four code formats:
@@ -28,6 +29,7 @@
 
 #include "parallel.h"
 #include "quant_dot.h"
+#include "quant_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,6 +37,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace xlaserve;  // NOLINT: the kernels' building blocks (quant_dot.h)
+
+// Activation rows one call takes (matvec.py's MAX_ROWS): prefill chunks and large
+// decode batches; the drivers block any count into row tiles (quant_dot.h).
+constexpr int64_t kMaxCallRows = 8192;
 
 ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buffer<ffi::F16>& scale,
                        int64_t group_bytes, int64_t& rows, int64_t& in, int64_t& out_dim) {
@@ -47,9 +53,9 @@ ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& codes, ffi::Buf
   rows = xd[0];
   in = xd[1];
   out_dim = cd[0];
-  if (rows < 1 || rows > kMaxRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
+  if (rows < 1 || rows > kMaxCallRows || in % kGroup || cd[1] != in / kGroup * group_bytes ||
       sd[0] != out_dim || sd[1] != in / kGroup) {
-    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=32, I] x "
+    return ffi::Error::InvalidArgument("quantized matvec: shapes do not match [B<=8192, I] x "
                                        "[O, I/32 groups] with [O, I/32] scales");
   }
   return ffi::Error::Success();
@@ -89,14 +95,18 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
-  auto sums = std::make_shared<std::vector<float>>(rows * (in / kGroup));
+  const int64_t groups = in / kGroup;
+  auto sums = std::make_shared<std::vector<float>>(rows * groups);
   GroupSums(xs, static_cast<int>(rows), in, sums->data());
-  // Column ranges over the caller and XLA's intra-op threads (parallel.h): a few
-  // per thread, so a thread that starts late still finds work.
-  const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
-  xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-    Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim,
-                  out_dim * i / parts, out_dim * (i + 1) / parts);
+  // Row blocks x column ranges over the caller and XLA's intra-op threads
+  // (quant_gemm.h, parallel.h).
+  const Plan plan = PlanBlocks(rows, out_dim, in * sizeof(float), ThreadLimit(pool));
+  xlaserve::ParallelFor(pool, plan.items(), [=](int64_t i) {
+    const int64_t rb = i / plan.col_parts, cp = i % plan.col_parts;
+    const int r0 = static_cast<int>(rb * plan.row_block);
+    const int r1 = static_cast<int>(std::min(rows, r0 + plan.row_block));
+    BlockColumns<kFmt>(xs, sums->data(), r0, r1, in, q, s, m, y, out_dim,
+                       out_dim * cp / plan.col_parts, out_dim * (cp + 1) / plan.col_parts);
   });
   return ffi::Error::Success();
 }
@@ -120,20 +130,29 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   constexpr bool kLo = kBits == 16;
   auto r = std::make_shared<IntRows>();
-  QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
+  r->nibble_order = kFmt != kS8;  // only the layout this format's tiles read
+  r->plain_order = kFmt == kS8;
+  const float* xs = x.typed_data();
+  PrepareRows(static_cast<int>(rows), in, kLo, *r);
+  // Rounding the rows: in blocks over the threads where there are many.
+  constexpr int64_t kQuantizeRows = 64;
+  xlaserve::ParallelFor(pool, (rows + kQuantizeRows - 1) / kQuantizeRows, [=](int64_t i) {
+    QuantizeRowRange(xs, static_cast<int>(i * kQuantizeRows),
+                     static_cast<int>(std::min(rows, (i + 1) * kQuantizeRows)), in, *r);
+  });
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
-  const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
-  const int nrows = static_cast<int>(rows);
-  xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-    if constexpr (kFmt == kS8) {
-      S8IntColumns(*r, kLo, nrows, in, q, s, y, out_dim, out_dim * i / parts,
-                   out_dim * (i + 1) / parts);
-    } else {
-      IntColumns<kFmt>(*r, kLo, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
-                       out_dim * (i + 1) / parts);
-    }
+  // A row's int8 bytes, 16-float lane scales per pair and sums (quant_dot.h).
+  const int64_t row_bytes = in * (kLo ? 2 : 1) + (groups / 2) * 64 + groups * 4;
+  const Plan plan = PlanBlocks(rows, out_dim, row_bytes, ThreadLimit(pool));
+  xlaserve::ParallelFor(pool, plan.items(), [=](int64_t i) {
+    const int64_t rb = i / plan.col_parts, cp = i % plan.col_parts;
+    const int r0 = static_cast<int>(rb * plan.row_block);
+    const int r1 = static_cast<int>(std::min(rows, r0 + plan.row_block));
+    BlockIntColumns<kFmt, kLo>(*r, r0, r1, in, q, s, m, y, out_dim,
+                               out_dim * cp / plan.col_parts,
+                               out_dim * (cp + 1) / plan.col_parts);
   });
   return ffi::Error::Success();
 }

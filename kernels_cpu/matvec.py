@@ -16,6 +16,12 @@ Q8 scheme (the activations' 8-bit rounding shows in the result, ~0.5% of its
 range); 16 keeps 2^-16 of each group's largest activation, at one more dot
 instruction per 64 weights, and is still ~1.5x fewer instructions than the
 float tiles (kernels_cpu/quant_dot.h). 32: float32 activations.
+
+Any row count up to MAX_ROWS runs blocked (kernels_cpu/quant_gemm.h: rows x
+columns in cache-sized blocks over the threads), a prefill chunk as well as a
+decode batch, and each output is computed by the same operations whatever the
+other rows of the call: a row's result is bitwise the same alone or among
+thousands (batch invariance), at every `activation_bits`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jax.numpy as jnp
 
 from kernels_cpu.library import available, library_path, vnni
 
-MAX_ROWS = 32  # activation rows the kernel takes (in tiles of 8 register accumulators)
+MAX_ROWS = 8192  # activation rows one call takes (matvec.cc's kMaxCallRows)
 GROUP = 32
 # (code bits, has a min) -> FFI target
 _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_matvec_s8",

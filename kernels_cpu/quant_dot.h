@@ -26,7 +26,7 @@
 namespace xlaserve {
 
 constexpr int kGroup = 32;
-constexpr int kMaxRows = 32;
+constexpr int kMaxRows = 32;  // rows of one fused decode step (decoder.cc, decoder.py)
 constexpr int kTileRows = 8;  // activation rows per pass (their register accumulators)
 
 enum Format { kU8, kS8, kQ4_1, kQ4_0 };
@@ -169,6 +169,8 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
 struct IntRows {
   bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
+  bool nibble_order = true;      // fill hi, lo, dx (the nibble tiles read them)
+  bool plain_order = true;       // fill hi_plain, lo_plain, dx_plain (the Q8_0 tiles)
   std::vector<int8_t> hi, lo;    // [rows, pairs, 64] nibble order
   std::vector<int8_t> hi_plain, lo_plain;  // [rows, groups * 32] input order
   std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
@@ -182,21 +184,37 @@ inline __attribute__((target("avx512f"))) void StoreBytes(int8_t* dst, __m512i v
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(v));
 }
 
-// Rows of x rounded per group for the integer tiles; `with_lo`: to 16 bits.
-inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
-    const float* x, int rows, int64_t in, bool with_lo, IntRows& r) {
+// Sizes `r` for `rows` rows of `in` inputs (an even number of groups, as the
+// integer tiles take) rounded to 16 bits (`with_lo`) or 8, in the layouts its flags
+// ask for. QuantizeRowRange writes every entry, so buffers are only grown.
+inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   const int64_t groups = in / kGroup, pairs = groups / 2;
+  auto size = [](auto& v, bool used, int64_t n) {
+    if (used) {
+      v.resize(n);
+    } else {
+      v.clear();
+    }
+  };
   r.has_lo = with_lo;
-  r.hi.assign(rows * pairs * 64, 0);
-  r.hi_plain.assign(rows * groups * kGroup, 0);
-  r.dx.assign(rows * pairs * 16, 0.0f);
-  r.dx_plain.assign(rows * pairs * 16, 0.0f);
-  r.xsum8.assign(rows * groups, 0.0f);
-  r.lo.assign(with_lo ? rows * pairs * 64 : 0, 0);
-  r.lo_plain.assign(with_lo ? rows * groups * kGroup : 0, 0);
-  r.xsum16.assign(with_lo ? rows * groups : 0, 0.0f);
+  size(r.hi, r.nibble_order, rows * pairs * 64);
+  size(r.dx, r.nibble_order, rows * pairs * 16);
+  size(r.lo, r.nibble_order && with_lo, rows * pairs * 64);
+  size(r.hi_plain, r.plain_order, rows * groups * kGroup);
+  size(r.dx_plain, r.plain_order, rows * pairs * 16);
+  size(r.lo_plain, r.plain_order && with_lo, rows * groups * kGroup);
+  size(r.xsum8, true, rows * groups);
+  size(r.xsum16, with_lo, rows * groups);
+}
+
+// Rows [b0, b1) of x rounded per group into `r` (sized by PrepareRows); each row on
+// its own, so any split of the rows gives the same bytes.
+inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRange(
+    const float* x, int b0, int b1, int64_t in, IntRows& r) {
+  const int64_t groups = in / kGroup, pairs = groups / 2;
+  const bool with_lo = r.has_lo, nibbles = r.nibble_order, plain = r.plain_order;
   const __m512i lo_max = _mm512_set1_epi32(127), lo_min = _mm512_set1_epi32(-127);
-  for (int b = 0; b < rows; ++b) {
+  for (int b = b0; b < b1; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + b * in + g * kGroup;
       const __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
@@ -212,10 +230,14 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
       r.xsum8[b * groups + g] = d * static_cast<float>(sum8);
       const int64_t p = g / 2, half = g % 2;
       const int64_t pair_at = (b * pairs + p) * 64, plain_at = (b * groups + g) * kGroup;
-      StoreBytes(r.hi.data() + pair_at + 16 * half, qlo);
-      StoreBytes(r.hi.data() + pair_at + 32 + 16 * half, qhi);
-      StoreBytes(r.hi_plain.data() + plain_at, qlo);
-      StoreBytes(r.hi_plain.data() + plain_at + 16, qhi);
+      if (nibbles) {
+        StoreBytes(r.hi.data() + pair_at + 16 * half, qlo);
+        StoreBytes(r.hi.data() + pair_at + 32 + 16 * half, qhi);
+      }
+      if (plain) {
+        StoreBytes(r.hi_plain.data() + plain_at, qlo);
+        StoreBytes(r.hi_plain.data() + plain_at + 16, qhi);
+      }
       if (with_lo) {
         const __m512 k256 = _mm512_set1_ps(256.0f);
         const __m512i rlo = _mm512_max_epi32(lo_min, _mm512_min_epi32(lo_max, _mm512_cvtps_epi32(
@@ -225,17 +247,32 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRows(
         const int32_t sum_lo = _mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi));
         r.xsum16[b * groups + g] = d * (static_cast<float>(sum8) +
                                         static_cast<float>(sum_lo) * (1.0f / 256.0f));
-        StoreBytes(r.lo.data() + pair_at + 16 * half, rlo);
-        StoreBytes(r.lo.data() + pair_at + 32 + 16 * half, rhi);
-        StoreBytes(r.lo_plain.data() + plain_at, rlo);
-        StoreBytes(r.lo_plain.data() + plain_at + 16, rhi);
+        if (nibbles) {
+          StoreBytes(r.lo.data() + pair_at + 16 * half, rlo);
+          StoreBytes(r.lo.data() + pair_at + 32 + 16 * half, rhi);
+        }
+        if (plain) {
+          StoreBytes(r.lo_plain.data() + plain_at, rlo);
+          StoreBytes(r.lo_plain.data() + plain_at + 16, rhi);
+        }
       }
-      float* lanes = r.dx.data() + (b * pairs + p) * 16;
-      for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
-      float* plain_lanes = r.dx_plain.data() + (b * pairs + p) * 16;
-      for (int j = 0; j < 8; ++j) plain_lanes[8 * half + j] = d;
+      if (nibbles) {
+        float* lanes = r.dx.data() + (b * pairs + p) * 16;
+        for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
+      }
+      if (plain) {
+        float* plain_lanes = r.dx_plain.data() + (b * pairs + p) * 16;
+        for (int j = 0; j < 8; ++j) plain_lanes[8 * half + j] = d;
+      }
     }
   }
+}
+
+// Rows of x rounded per group for the integer tiles (`with_lo`: to 16 bits), in the
+// layouts r's flags ask for (both by default).
+inline void QuantizeRows(const float* x, int rows, int64_t in, bool with_lo, IntRows& r) {
+  PrepareRows(rows, in, with_lo, r);
+  QuantizeRowRange(x, 0, rows, in, r);
 }
 
 // The int32 lanes of 64 unsigned codes times one pair of activation bytes: hi

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import kernels_cpu
 from kernels_cpu import decoder
 from serving.models import layers as model_layers
 from serving.models.model_config import ModelConfig
@@ -49,7 +48,7 @@ def runs_native(layers: Any, cfg: ModelConfig, kv: KVCache, x: jax.Array, lora: 
   if not mesh.empty and math.prod(mesh.shape.values()) > 1:
     return False
   rows = x.shape[0]
-  if rows > kernels_cpu.MAX_ROWS or cfg.head_dim % 16 or kv.head_dim != cfg.head_dim:
+  if rows > decoder.MAX_ROWS or cfg.head_dim % 16 or kv.head_dim != cfg.head_dim:
     return False
   for lp in layers:
     for name in LINEAR_ORDER:

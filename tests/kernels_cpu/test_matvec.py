@@ -74,10 +74,11 @@ def _uses_native(fn, *args) -> bool:
 
 
 @needs_native
-def test_matmul_routes_few_rows_to_the_kernel():
+def test_matmul_routes_up_to_max_rows_to_the_kernel():
   qw = _weight(64, 96, True)
   few = jnp.ones((4, 8, 96), jnp.float32)  # 32 rows: the kernel, leading axes kept
-  many = jnp.ones((33, 96), jnp.float32)  # 33 rows: the XLA path
+  assert _uses_native(lambda w, x: w.matmul(x), qw, jnp.ones((matvec.MAX_ROWS, 96)))
+  many = jnp.ones((matvec.MAX_ROWS + 1, 96), jnp.float32)  # the XLA path
   assert _uses_native(lambda w, x: w.matmul(x), qw, few)
   assert not _uses_native(lambda w, x: w.matmul(x), qw, many)
   out = jax.jit(lambda w, x: w.matmul(x))(qw, few)
@@ -193,3 +194,44 @@ def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   assert any(t in traced for t in integer_targets)
   float_traced = str(jax.make_jaxpr(lambda w, x: w.matmul(x))(qw, jnp.asarray(x)))
   assert "_q8" not in float_traced and "_q16" not in float_traced
+
+
+def _format_weight(fmt: str, out_dim: int, in_dim: int):
+  """A quantized `[In, Out]` weight in one of the kernel's code formats."""
+  w = (np.random.default_rng(7).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
+  if fmt in ("u8", "q8_0"):
+    return jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=fmt == "u8"))
+  return jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32, asymmetric=fmt == "q4_1"))
+
+
+_INVARIANCE_CASES = [(fmt, bits) for fmt in ("u8", "q8_0", "q4_1", "q4_0") for bits in (32, 16, 8)
+                     if bits == 32 or fmt != "u8"]
+
+
+@needs_native
+@pytest.mark.parametrize("fmt,bits", _INVARIANCE_CASES)
+def test_a_row_gives_the_same_bits_in_any_batch(fmt, bits):
+  """Batch invariance: a row's outputs are bitwise the same multiplied alone or at any
+  position of a 1-, 7-, 33- or 300-row call (full and partial row tiles, several row
+  blocks), over more columns than one column sub-block holds (and not a multiple of
+  the wide tiles' four)."""
+  if bits != 32 and not kernels_cpu.library.vnni():
+    pytest.skip("integer activations need VNNI")
+  out_dim, in_dim = 1030, 576  # 18 groups: a partial 16-group scale load
+  qw = _format_weight(fmt, out_dim, in_dim)
+  rng = np.random.default_rng(8)
+  row = rng.standard_normal((1, in_dim)).astype(np.float32)
+
+  def product(x):
+    return np.asarray(matvec.quantized_matvec(jnp.asarray(x), qw.q, qw.scale, qw.offset,
+                                              qw.bits, activation_bits=bits))
+
+  alone = product(row)
+  np.testing.assert_allclose(alone, _reference(_rounded(row, bits) if bits != 32 else row, qw),
+                             rtol=1e-4, atol=1e-4)
+  for rows, at in ((1, 0), (7, 0), (7, 5), (33, 32), (33, 12), (300, 0), (300, 150),
+                   (300, 299)):
+    x = rng.standard_normal((rows, in_dim)).astype(np.float32) * rng.uniform(0.1, 10.0)
+    x[at] = row[0]
+    got = product(x)
+    assert np.array_equal(got[at], alone[0]), (rows, at)

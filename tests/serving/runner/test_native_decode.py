@@ -19,6 +19,7 @@ import pytest
 
 import kernels_cpu
 from checkpoints import quantizers
+from kernels_cpu import decoder
 from serving.models import causal_lm, quantized
 from serving.models.model_config import LongRopeScaling, ModelConfig
 from serving.runner import native_decode, steps
@@ -197,6 +198,10 @@ def test_chosen_only_where_it_fits(monkeypatch):
   one_window = dataclasses.replace(CFG, sliding_window=4, layer_types=("sliding_attention",) * 3)
   assert native_decode.runs_native(layers, one_window, kv, x, None)
   assert not native_decode.runs_native(layers, CFG, kv, x.astype(jnp.bfloat16), None)
+  # The decoder's own row limit, not the matvec's (which takes prefill chunks).
+  assert native_decode.runs_native(layers, CFG, kv, jnp.ones((decoder.MAX_ROWS, 128)), None)
+  assert not native_decode.runs_native(layers, CFG, kv, jnp.ones((decoder.MAX_ROWS + 1, 128)),
+                                       None)
   # Phi-3's layer is the kernel's, but not its RoPE on part of each head or LongRoPE's
   # scaled cos / sin.
   phi3 = dataclasses.replace(CFG, family="phi3", model_type="phi3")
