@@ -65,7 +65,7 @@ def _worker() -> None:
   held, others = held_out_prompts(), other_prompts()
 
   def tokens(outputs):
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [list(o.token_ids) for o in outputs]
 
   llm = LLM(compilation_cache=False)
   alone = [tokens(llm.generate([p], params))[0] for p in held]
