@@ -25,11 +25,13 @@ is a pure function of this config.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 DTYPES = ("auto", "float32", "bfloat16")
-QUANTIZATIONS = (None, "int8", "int4", "fp8", "gguf")
+# "auto": a GGUF file's blocks as stored ("gguf"), any other checkpoint as loaded (None).
+QUANTIZATIONS = (None, "auto", "int8", "int4", "fp8", "gguf")
 CPU_ACTIVATION_BITS = (32, 16, 8)  # CpuKernelOptions.cpu_activation_bits
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
@@ -67,14 +69,51 @@ def default_max_loras(num_adapters: int) -> int:
   return max(1, min(num_adapters, 4))
 
 
-def merge_engine_options(preset: dict, given: dict) -> dict:
-  """A model preset's engine options overridden by the ones given (LLM kwargs, flags).
+# Engine options for serving on each platform where the user and the model's preset set
+# none (`platform_defaults`): the same for every model, chosen for the machine kind.
+_CPU_DEFAULTS = {
+    # A decode call's host work (schedule, dispatch, fetch: ~1 ms) is a large share of a
+    # small model's step on CPU; four decode iterations per call pay it once
+    # (docs/multi_step.md). Larger models' steps take longer and lose nothing: the
+    # multi-step call runs only while no request waits.
+    "num_decode_steps": 4,
+    # Each compiled program holds 10-75 MB of host memory on XLA:CPU: fewer buckets
+    # than powers of two from 1 / 16 (a prompt padded to 64 tokens costs little more).
+    "prefill_buckets": (64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    "decode_buckets": (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+}
+
+
+def platform_defaults(platform: str) -> dict:
+  """Engine options a server on `platform` ("cpu", "tpu", "gpu") uses unless the model's
+  preset or the user sets them (`merge_engine_options`)."""
+  return dict(_CPU_DEFAULTS) if platform == "cpu" else {}
+
+
+def expected_platform() -> str:
+  """The platform jax will pick ("cpu", "gpu", "tpu"), found without starting a backend
+  (engine options are resolved before `jax.distributed` starts, which must come first):
+  $JAX_PLATFORMS' first entry, else "tpu" / "gpu" where their plugin is installed."""
+  chosen = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+  if chosen:
+    return "gpu" if chosen in ("cuda", "rocm") else chosen
+  if importlib.util.find_spec("libtpu") is not None:
+    return "tpu"
+  if any(importlib.util.find_spec(f"jax_{kind}_plugin") is not None
+         for kind in ("cuda12", "cuda13", "rocm7")):
+    return "gpu"
+  return "cpu"
+
+
+def merge_engine_options(preset: dict, given: dict, platform: str | None = None) -> dict:
+  """A model preset's engine options overridden by the ones given (LLM kwargs, flags),
+  over the `platform_defaults` of `platform` (None: none).
 
   An explicit `dtype` without a `weight_dtype` also takes the weights: the
   preset's `weight_dtype` is dropped (back to "auto", which follows `dtype`),
   so `dtype="float32"` never leaves bfloat16 weights behind.
   """
-  merged = {**preset, **given}
+  merged = {**(platform_defaults(platform) if platform else {}), **preset, **given}
   if "dtype" in given and "weight_dtype" not in given:
     merged.pop("weight_dtype", None)
   return merged
@@ -102,7 +141,7 @@ class ModelOptions:
 
   dtype: str = "auto"
   weight_dtype: str = "auto"  # "auto": as dtype; bfloat16 under float32 compute halves bytes
-  quantization: str | None = None
+  quantization: str | None = "auto"  # None: dequantize a GGUF; "auto": QUANTIZATIONS
   attention_backend: str = "auto"
   unroll_layers: bool | None = None  # None: unrolled on CPU, scanned on TPU/GPU
 

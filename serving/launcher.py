@@ -171,13 +171,14 @@ def cmd_batch(build_engine: EngineFactory) -> int:
 
 
 def cmd_convert() -> int:
-  from serving.entrypoints.engine_builder import check_model
+  from serving.entrypoints.engine_builder import check_model, load_method
   from serving.tools.convert import convert
 
   if not FLAGS.output:
     raise app.UsageError("convert needs --output=DIR")
   method = FLAGS.quantization if FLAGS.quantization != "none" else None
   check_model(FLAGS.model, method)
+  method = load_method(FLAGS.model, method)
   out = convert(FLAGS.model, FLAGS.output, method)
   print(f"wrote orbax checkpoint {out}", flush=True)
   return 0

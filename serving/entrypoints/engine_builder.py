@@ -59,9 +59,19 @@ def load_model(model: str | LoadedModel, config: EngineConfig) -> LoadedModel:
   """The checkpoint on the host (a `LoadedModel` passes through)."""
   if isinstance(model, LoadedModel):
     return model
-  if config.model.quantization:  # GGUF blocks of the matching type stay quantized
-    return load_quantized(model, config.model.quantization)
+  method = load_method(model, config.model.quantization)
+  if method:  # GGUF blocks of the matching type stay quantized
+    return load_quantized(model, method)
   return checkpoints.load_checkpoint(model)
+
+
+def load_method(model: str, quantization: str | None) -> str | None:
+  """The quantization `model` loads with: "auto" is "gguf" for a GGUF file (its blocks
+  served as stored: one set of weights for every batch size) and None (as loaded) for
+  any other checkpoint."""
+  if quantization != "auto":
+    return quantization
+  return "gguf" if checkpoints.checkpoint_format(model) == "gguf" else None
 
 
 def check_model(model: str | LoadedModel, quantization: str | None = None) -> None:
@@ -70,7 +80,7 @@ def check_model(model: str | LoadedModel, quantization: str | None = None) -> No
   if isinstance(model, LoadedModel):
     return
   try:
-    checkpoints.checkpoint_format(model, quantization)
+    checkpoints.checkpoint_format(model, load_method(model, quantization))
   except (FileNotFoundError, ValueError) as e:
     raise SetupError(str(e)) from e
 

@@ -42,8 +42,9 @@ flags.DEFINE_enum("weight_dtype", None, config_lib.DTYPES,
                   "Dtype of unquantized weights (default: --dtype); e.g. bfloat16 weights with "
                   "float32 activations.")
 flags.DEFINE_enum("kv_cache_dtype", None, config_lib.KV_CACHE_DTYPES, "KV cache dtype.")
-flags.DEFINE_enum("quantization", None, ["none", "int8", "int4", "fp8", "gguf"],
-                  "Weight quantization (gguf: a GGUF file's blocks as stored).")
+flags.DEFINE_enum("quantization", None, ["auto", "none", "int8", "int4", "fp8", "gguf"],
+                  "Weight quantization (default auto: a GGUF file's blocks as stored, other "
+                  "checkpoints as loaded; none: dequantize a GGUF; gguf: require a GGUF).")
 flags.DEFINE_bool("quantized_dense_copy", None,
                   "With --quantization on CPU: also keep a --weight_dtype copy of the weights; "
                   "small decode batches read the codes (native kernel), prefill and large "
@@ -182,7 +183,8 @@ def engine_config_from_flags() -> EngineConfig:
   for name in ENGINE_FLAGS:
     if FLAGS[name].value is not None:
       given[name] = FLAGS[name].value
-  values = config_lib.merge_engine_options(presets.engine_defaults(FLAGS.model), given)
+  values = config_lib.merge_engine_options(presets.engine_defaults(FLAGS.model), given,
+                                             config_lib.expected_platform())
   if "quantization" in values and values["quantization"] == "none":
     values["quantization"] = None
   for name in ("prefill_buckets", "decode_buckets"):

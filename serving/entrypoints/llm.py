@@ -17,7 +17,8 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 from checkpoints.presets import engine_defaults
-from serving.config import EngineConfig, default_max_loras, merge_engine_options
+from serving.config import (EngineConfig, default_max_loras, expected_platform,
+                            merge_engine_options)
 from serving.engine import EngineClient
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import RequestOutput, SamplingParams, TokenLogprob
@@ -37,7 +38,7 @@ class LLM:
     adapter, at most 4.
     """
     if engine is None:
-      options = merge_engine_options(engine_defaults(model), engine_kwargs)
+      options = merge_engine_options(engine_defaults(model), engine_kwargs, expected_platform())
       if lora_modules and not options.get("max_loras"):
         options["max_loras"] = default_max_loras(len(lora_modules))
       engine = build_engine(model, EngineConfig.of(**options), lora_modules=lora_modules)

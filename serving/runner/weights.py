@@ -177,7 +177,7 @@ def prepare_weights(params: Params, model_cfg: ModelConfig, engine_cfg: EngineCo
 def _transform(params: Params, engine_cfg: EngineConfig, weight_dtype, *, one_device: bool,
                unstack: bool) -> Params:
   """Steps 3-5 of the module doc, on the host."""
-  if engine_cfg.model.quantization:
+  if engine_cfg.model.quantization not in (None, "auto"):  # auto: kept as loaded
     params = quantize_params(params, engine_cfg.model.quantization)
   if engine_cfg.cpu.quantized_dense_copy and one_device:  # a mesh splits no copy
     params = with_full_copies(params, weight_dtype)

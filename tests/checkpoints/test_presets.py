@@ -11,8 +11,8 @@ def test_default_preset(smollm_path):
   assert "smollm2-135m-instruct" in presets.list_presets()
   assert smollm_path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
   assert resolve_model_path("smollm2-135m-instruct") == smollm_path
-  assert presets.engine_defaults("smollm2-135m-instruct")["max_model_len"] == 2048
-  assert presets.engine_defaults("smollm2-135m-instruct")["weight_dtype"] == "bfloat16"
+  # No per-model tuning: the engine's defaults and the platform's (serving/config.py).
+  assert presets.engine_defaults("smollm2-135m-instruct") == {}
   assert presets.engine_defaults("/some/dir") == {}
   assert resolve_model_path("/some/dir") == "/some/dir"
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from serving.config import EngineConfig, default_max_loras, merge_engine_options
+from serving.config import (EngineConfig, default_max_loras, expected_platform,
+                            merge_engine_options, platform_defaults)
 
 PRESET = {"max_model_len": 2048, "dtype": "float32", "weight_dtype": "bfloat16"}
 
@@ -19,6 +20,26 @@ def test_explicit_dtype_takes_the_weights_too():
   both = merge_engine_options(PRESET, {"dtype": "float32", "weight_dtype": "bfloat16"})
   assert both["weight_dtype"] == "bfloat16"
   assert merge_engine_options(PRESET, {"weight_dtype": "float32"})["weight_dtype"] == "float32"
+
+
+def test_platform_defaults_sit_under_the_preset_and_the_user():
+  """On CPU a server decodes several steps a call and compiles a few buckets whatever the
+  model; a preset's or the user's value wins; other platforms add nothing."""
+  cpu = merge_engine_options({}, {}, "cpu")
+  assert cpu["num_decode_steps"] == 4 and cpu == platform_defaults("cpu")
+  c = EngineConfig.of(**cpu)
+  assert c.scheduler.prefill_token_buckets == (64, 128, 256, 512)  # capped at 512 tokens
+  assert c.scheduler.decode_batch_buckets == (1, 4, 8, 16, 32)
+  assert merge_engine_options({"num_decode_steps": 2}, {}, "cpu")["num_decode_steps"] == 2
+  assert merge_engine_options({}, {"num_decode_steps": 1}, "cpu")["num_decode_steps"] == 1
+  assert merge_engine_options({}, {}, "tpu") == {} == merge_engine_options({}, {})
+
+
+def test_expected_platform_follows_jax_platforms(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  assert expected_platform() == "gpu"
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert expected_platform() == "cpu"
 
 
 def test_default_max_loras():

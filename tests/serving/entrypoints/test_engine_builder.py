@@ -56,3 +56,20 @@ def test_draft_model_with_workers(config_only):
   with pytest.raises(SetupError, match="prefill / decode workers"):
     check_setup(config_only, config)
   assert issubclass(SetupError, ValueError)  # callers catching ValueError still do
+
+
+def test_auto_quantization_keeps_gguf_blocks(config_only):
+  """The default `quantization="auto"`: a GGUF file is served from its blocks (one set of
+  weights for every batch), any other checkpoint as loaded; an explicit choice stays."""
+  from checkpoints import presets
+  from serving.entrypoints.engine_builder import load_method
+
+  try:
+    smollm_path = presets.resolve_preset("smollm2-135m-instruct")
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  assert EngineConfig().model.quantization == "auto"
+  assert load_method(smollm_path, "auto") == "gguf"
+  assert load_method(config_only, "auto") is None
+  assert load_method(smollm_path, None) is None  # --quantization=none: dequantized
+  assert load_method(config_only, "int8") == "int8"
