@@ -17,8 +17,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 from checkpoints.presets import engine_defaults
-from serving.config import (EngineConfig, default_max_loras, expected_platform,
-                            merge_engine_options)
+from serving.config import EngineConfig, default_max_loras, expected_platform, merge_engine_options
 from serving.engine import EngineClient
 from serving.entrypoints.engine_builder import build_engine
 from serving.types import RequestOutput, SamplingParams, TokenLogprob

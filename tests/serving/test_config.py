@@ -2,8 +2,13 @@
 
 import pytest
 
-from serving.config import (EngineConfig, default_max_loras, expected_platform,
-                            merge_engine_options, platform_defaults)
+from serving.config import (
+  EngineConfig,
+  default_max_loras,
+  expected_platform,
+  merge_engine_options,
+  platform_defaults,
+)
 
 PRESET = {"max_model_len": 2048, "dtype": "float32", "weight_dtype": "bfloat16"}
 

@@ -25,6 +25,8 @@ import shard_testutil as stu  # noqa: E402
 pytestmark = pytest.mark.slow  # three engines of the default model in a worker
 
 MAX_TOKENS = 32
+# The default engine options, with a smaller KV pool than a server sizes for itself.
+ENGINE = dict(num_pages=512, compilation_cache=False)
 TOPICS = ("the history of the printing press", "how a bicycle gear works",
           "why the sky is blue", "the rules of chess for beginners", "a recipe for bread",
           "how vaccines train the immune system", "the water cycle", "what a compiler does",
@@ -52,8 +54,8 @@ def test_greedy_tokens_do_not_depend_on_batch_or_tp():
   alone, batched, tp2 = got["alone"], got["batched"], got["tp2"]
   assert len(alone) == 12
   assert all(len(t) == MAX_TOKENS for t in alone)
-  same_batch = sum(a == b for a, b in zip(alone, batched))
-  same_tp = sum(a == b for a, b in zip(alone, tp2))
+  same_batch = sum(a == b for a, b in zip(alone, batched, strict=True))
+  same_tp = sum(a == b for a, b in zip(alone, tp2, strict=True))
   assert (same_batch, same_tp) == (12, 12), got
 
 
@@ -67,13 +69,13 @@ def _worker() -> None:
   def tokens(outputs):
     return [list(o.token_ids) for o in outputs]
 
-  llm = LLM(compilation_cache=False)
+  llm = LLM(**ENGINE)
   alone = [tokens(llm.generate([p], params))[0] for p in held]
-  mixed = [p for pair in zip(others[:12], held) for p in pair] + others[12:]
+  mixed = [p for pair in zip(others[:12], held, strict=True) for p in pair] + others[12:]
   out = tokens(llm.generate(mixed, params))
   batched = [out[mixed.index(p)] for p in held]
   llm.engine.shutdown()
-  tp2 = tokens(LLM(tp=2, compilation_cache=False).generate(held, params))
+  tp2 = tokens(LLM(tp=2, **ENGINE).generate(held, params))
   print(stu.json.dumps({"alone": alone, "batched": batched, "tp2": tp2}))
 
 
