@@ -80,15 +80,13 @@ def test_q4_k_m_greedy_tokens_match_the_xla_path(tmp_path, monkeypatch):
   got = [o.token_ids for o in native.generate(prompts, greedy)]
   del native
   monkeypatch.setenv("XLASERVE_NATIVE", "0")
-  library.available.cache_clear()
-  library.vnni.cache_clear()
+  library.isa.cache_clear()
   try:
     xla = LLM(path, **engine)
     assert not xla.engine.runner.params["lm_head"].runs_native(1)
     want = [o.token_ids for o in xla.generate(prompts, greedy)]
   finally:
     monkeypatch.delenv("XLASERVE_NATIVE")
-    library.available.cache_clear()
-    library.vnni.cache_clear()
+    library.isa.cache_clear()
   assert got == want
   assert len({tuple(t) for t in got}) > 1 and any(len(set(t)) > 3 for t in got)  # not degenerate
