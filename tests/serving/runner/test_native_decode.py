@@ -106,6 +106,20 @@ def _op_by_op(layers, cfg, x, positions, meta, kv):
 ROWS = [(6, [3, 5]), None, (13, [1, 2, 7, 9]), (0, [4])]
 
 
+def _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits):
+  """Every pool entry past the dummy page as the reference wrote it (bfloat16 pools: one
+  ulp, 2^-7 relative, where an input differs in its last bits)."""
+  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
+    got, want = np.asarray(got), np.asarray(want)
+    if kv_dtype == "bfloat16":
+      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
+                   for a in (got, want))
+    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
+    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
+    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
+    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+
+
 @needs_native
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("activation_bits", [32, 16, 8])
@@ -127,16 +141,7 @@ def test_matches_op_by_op(kv_dtype, activation_bits, rows):
                              atol=tol)
   # Every pool entry: the rows' new K/V (and the dummy page's padding write) as the
   # reference wrote them, everything else untouched.
-  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
-    got, want = np.asarray(got), np.asarray(want)
-    if kv_dtype == "bfloat16":
-      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
-                   for a in (got, want))
-    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
-    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
-    # bfloat16 pools: one ulp (2^-7 relative) where an input differs in its last bits.
-    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
-    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+  _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits)
 
 
 # GGUF K-quants (I a multiple of 256): Q4_K / Q6_K as in a Q4_K_M file, Q5_K, and Q8_0.
@@ -262,15 +267,7 @@ def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits, s):
   tol = {32: 2e-5, 16: 5e-4}[activation_bits]  # 16 bits: roundings feed later positions
   np.testing.assert_allclose(np.asarray(got_h)[used], np.asarray(want_h)[used], rtol=tol,
                              atol=tol)
-  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
-    got, want = np.asarray(got), np.asarray(want)
-    if kv_dtype == "bfloat16":
-      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
-                   for a in (got, want))
-    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
-    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
-    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
-    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+  _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits)
 
 
 @needs_native
@@ -409,15 +406,7 @@ def test_avx2_matches_op_by_op(force_avx2, kv_dtype, activation_bits):
          16: 1e-4 if kv_dtype == "float32" else 5e-4, 8: 2e-3}[activation_bits]
   np.testing.assert_allclose(np.asarray(got_h)[real], np.asarray(want_h)[real], rtol=tol,
                              atol=tol)
-  for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
-    got, want = np.asarray(got), np.asarray(want)
-    if kv_dtype == "bfloat16":
-      got, want = (np.asarray(jax.lax.bitcast_convert_type(a, jnp.bfloat16), np.float32)
-                   for a in (got, want))
-    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
-    per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
-    ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
-    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+  _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits)
 
 
 @pytest.mark.slow
