@@ -24,6 +24,8 @@ one tensor). Weight names covered:
     mlp.experts.gate_up_proj [E, D, 2M] (gate / up columns interleaved) and its
     bias [E, 2M], mlp.experts.down_proj [E, M, D] and its bias [E, D]; MXFP4
     experts (`*_blocks` / `*_scales`) load in checkpoints/hf_mxfp4.py
+  DeepSeek-V3: MLA projections, kv_b_proj split into w_uk / w_uv, shared experts,
+    e_score_correction_bias (serving/models/deepseek.py `put_tensor`)
 
 Linear weights are transposed to [in, out]. Tied embeddings: any `lm_head`
 tensor in the file is ignored. A config with a `quantization_config` (GPTQ,
@@ -44,7 +46,7 @@ import numpy as np
 from safetensors import safe_open
 
 from checkpoints.layout import Params, ParamsBuilder
-from serving.models import gemma, phi3
+from serving.models import deepseek, gemma, phi3
 from serving.models.model_config import ModelConfig
 
 _TOP_LEVEL = {
@@ -194,7 +196,9 @@ def put_tensor(builder: ParamsBuilder, cfg: ModelConfig, name: str, read) -> Non
     raise ValueError(f"unsupported tensor {name!r} in a {cfg.model_type} checkpoint")
   layer, rest = int(m.group(1)), m.group(2)
   table = layer_names(cfg)
-  if cfg.family == "gpt_oss" and (gm := _GPT_OSS_EXPERT_RE.fullmatch(rest)):
+  if cfg.family == deepseek.FAMILY:
+    deepseek.put_tensor(builder, cfg, layer, rest, read)
+  elif cfg.family == "gpt_oss" and (gm := _GPT_OSS_EXPERT_RE.fullmatch(rest)):
     _put_gpt_oss_experts(builder, gm.group(1), bool(gm.group(2)), read(), layer, name)
   elif rest in table:
     key, transpose = table[rest]

@@ -38,6 +38,12 @@ PHI3_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + 
 _GEMMA = {**_COMMON, "tie_word_embeddings": True, "eos_token_id": [257, 259], "head_dim": 16,
           "sliding_window": 8, "query_pre_attn_scalar": 24, "initializer_range": 0.1}
 
+_DEEPSEEK = dict(**{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                 q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
+                 topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32,
+                 n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
     "llama3": lambda: transformers.LlamaConfig(**{**_COMMON, "rope_theta": 500000.0}, rope_scaling={
@@ -83,15 +89,30 @@ FAMILIES = {
         **{**_GEMMA, "num_hidden_layers": 6}, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
+    # MLA (q LoRA, interleaved RoPE) over a latent cache of 32 + 8 per token per layer; one
+    # dense layer, then routed experts in 4 groups (2 kept) plus a shared expert narrower
+    # than the dense MLP.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**_DEEPSEEK),
+    # V2-Lite's shape (a direct q projection), rotate-half RoPE, YaRN with mscale_all_dim
+    # (the softmax scale) and no shared experts.
+    "deepseek_v3_yarn": lambda: transformers.DeepseekV3Config(**{
+        **_DEEPSEEK, "q_lora_rank": None, "rope_interleave": False, "n_shared_experts": 0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}}),
 }
 # The families the model-independent sweeps (LoRA parity, draft-model speculation) run
 # over: each family's code path once (gemma2 shares gemma3's, phi3_mini phi3's; their own
 # parity and feature tests cover what differs).
-SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini"}))
+# DeepSeek (MLA) has its own tests: no LoRA on its projections, no draft-model pairing.
+SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini", "deepseek_v3",
+                                               "deepseek_v3_yarn"}))
 # Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).
 _RANDOMISED = {"gpt_oss": {"norm": 0.1, "sinks": 1.0, "bias": 0.1}}
+# Buffers randomised too: DeepSeek's routing correction bias (zeros as initialised).
+_RANDOMISED_BUFFERS = {"e_score_correction_bias": 0.1}
 # Extra special tokens and the checkpoint's chat template (tests/data) per family.
 _CHAT = {
     "gemma2": (["<start_of_turn>", "<end_of_turn>"], "gemma2_chat_template.jinja"),
@@ -128,6 +149,10 @@ def save_tiny_model(family: str, path: str, seed: int = 0) -> transformers.PreTr
       for part, scale in _RANDOMISED.get(family, {"norm": 0.1}).items():
         if part in name:
           p.add_(scale * torch.randn_like(p))
+    for name, b in model.named_buffers():
+      for part, scale in _RANDOMISED_BUFFERS.items():
+        if part in name:
+          b.add_(scale * torch.randn_like(b))
   model.save_pretrained(path)
   if config.model_type == "phi3":
     _write_phi3_tokenizer(path)

@@ -72,6 +72,39 @@ MOE_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
+class MlaConfig:
+  """Multi-head latent attention and DeepSeek MoE routing (serving/models/deepseek.py).
+
+  The KV cache of such a model holds one latent row per token per layer,
+  `kv_lora_rank + qk_rope_head_dim` wide (`ModelConfig.head_dim`, one KV head,
+  no separate values: serving/runner/mla_attention.py).
+  """
+
+  q_lora_rank: int | None  # None: a direct q projection
+  kv_lora_rank: int  # R, the latent
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  rope_interleave: bool  # RoPE over interleaved pairs (x0, x1), (x2, x3), ...
+  first_k_dense_replace: int  # the first layers are dense MLPs
+  dense_intermediate_size: int  # their MLP width
+  shared_intermediate_size: int  # the shared experts' MLP width (moe_intermediate * n_shared)
+  n_group: int  # expert groups for group-limited routing
+  topk_group: int  # groups kept per token
+  routed_scaling_factor: float
+
+  @property
+  def latent_dim(self) -> int:
+    """The cached row: latent plus the roped key."""
+    return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def mlp_width(self) -> int:
+    """The dense / shared MLP keys' width: both kinds of layer zero-pad theirs to it."""
+    return max(self.dense_intermediate_size, self.shared_intermediate_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class LinearRopeScaling:
   """Position interpolation (`rope_type == "linear"`): every frequency divided by `factor`."""
 
@@ -130,6 +163,8 @@ class ModelConfig:
   moe_activation: str = "silu"
   swiglu_alpha: float = 1.702
   swiglu_limit: float = 7.0
+  # Multi-head latent attention (DeepSeek-V2/V3): a latent KV cache; None elsewhere.
+  mla: MlaConfig | None = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -198,6 +233,8 @@ class ModelConfig:
     return v * d + head + self.num_layers * (attn + mlp + 2 * d) + d
 
   def kv_bytes_per_token(self, itemsize: int) -> int:
+    if self.mla is not None:  # one latent row per token per layer, no separate values
+      return self.num_layers * self.mla.latent_dim * itemsize
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
   @classmethod

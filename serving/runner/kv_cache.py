@@ -4,8 +4,12 @@ Layout: `k`, `v` are `[L * P, page_size, K, H]` — layer `l` owns pages
 `[l*P, (l+1)*P)`. Block tables hold per-layer page ids in `[0, P)`; the
 attention code offsets them by `l * P`, so kernels see a standard page pool
 and the scan over layers never slices (copies) a layer out of the cache.
-Page 0 of every layer is reserved as the dummy page that padding tokens
-write into; the host allocator never hands it out.
+A latent cache (MLA models, `ModelConfig.mla`): `k` holds one
+`[kv_lora_rank + qk_rope_head_dim]` row per token per layer (one KV head: the
+normed latent and the roped key), `v` is an empty `[..., 0]` pool
+(serving/runner/mla_attention.py). Page 0 of every layer is reserved as the
+dummy page that padding tokens write into; the host allocator never hands it
+out.
 
 Hybrid models (full-attention and sliding-window layers, `KVLayout`): the
 layers form two page groups, each with its own page ids — full layers `P`
@@ -155,8 +159,11 @@ def create_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: str
   row = cfg.head_dim + (SCALE_BYTES if dtype in QUANTIZED_DTYPES else 0)
   rows = layout.rows if layout is not None else cfg.num_layers * num_pages
   shape = (rows, page_size, cfg.num_kv_heads, row)
-  make = jax.jit(lambda: jnp.zeros(shape, STORAGE_DTYPES[dtype]), out_shardings=sharding)
-  kv = KVCache(k=make(), v=make(), num_pages=num_pages, dtype=dtype, layout=layout)
+  make = jax.jit(lambda shape: jnp.zeros(shape, STORAGE_DTYPES[dtype]), static_argnums=0,
+                 out_shardings=sharding)
+  # A latent cache (MLA) keeps one row per token in `k`; `v` is an empty [.., 0] pool.
+  v_shape = shape[:-1] + (0,) if cfg.mla is not None else shape
+  kv = KVCache(k=make(shape), v=make(v_shape), num_pages=num_pages, dtype=dtype, layout=layout)
   for pool in (kv.k, kv.v):
     release_zero_pages(pool)
   return kv
@@ -202,6 +209,8 @@ def _libc():
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
   """KV bytes of one token in every layer."""
+  if dtype in QUANTIZED_DTYPES and cfg.mla is not None:  # one latent row, codes + scale
+    return cfg.num_layers * (cfg.head_dim + SCALE_BYTES)
   if dtype in QUANTIZED_DTYPES:  # 1-byte codes + a float32 scale per token per head
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + SCALE_BYTES)
   return cfg.kv_bytes_per_token(jnp.dtype(STORAGE_DTYPES[dtype]).itemsize)
@@ -295,14 +304,15 @@ def read_pages(kv: KVCache, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
   (as stored: quantized rows keep their codes and scales). Disaggregated serving
   moves a prefix's pages between engines with this and `write_pages`."""
   rows = page_rows(kv, pages)
-  shape = (-1, pages.shape[0], *kv.k.shape[1:])
-  return kv.k[rows].reshape(shape), kv.v[rows].reshape(shape)
+  layers = kv.k.shape[0] // kv.num_pages
+  return (kv.k[rows].reshape(layers, pages.shape[0], *kv.k.shape[1:]),
+          kv.v[rows].reshape(layers, pages.shape[0], *kv.v.shape[1:]))
 
 
 def write_pages(kv: KVCache, pages: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
   """Writes `read_pages`' output into `pages` [n] of every layer (page 0, the dummy
   page, may take padding)."""
   rows = page_rows(kv, pages)
-  k = kv.k.at[rows].set(k.reshape(-1, *kv.k.shape[1:]).astype(kv.k.dtype))
-  v = kv.v.at[rows].set(v.reshape(-1, *kv.v.shape[1:]).astype(kv.v.dtype))
+  k = kv.k.at[rows].set(k.reshape(rows.shape[0], *kv.k.shape[1:]).astype(kv.k.dtype))
+  v = kv.v.at[rows].set(v.reshape(rows.shape[0], *kv.v.shape[1:]).astype(kv.v.dtype))
   return dataclasses.replace(kv, k=k, v=v)

@@ -699,6 +699,9 @@ class ModelRunner:
                 f"{layout.num_pages - 1} pages, {sliding} sliding-window layers (window "
                 f"{layout.window}) x {layout.window_pages - 1} pages; {full} B/token/layer")
       per_tok = full * (self.model_cfg.num_layers - sliding)  # what a token of context costs
+    if self.model_cfg.mla is not None:  # MLA: one latent row per token per layer, no K/V
+      groups = (f"; latent cache, {self.model_cfg.num_layers} layers x "
+                f"{self.model_cfg.mla.latent_dim} per token")
     for msg in (f"KV cache: {self.num_pages - 1} pages x {c.cache.page_size} tokens = "
                 f"{tokens} tokens "
                 f"({self.kv_pool_bytes() / 2**30:.2f} GiB, {per_tok} B/token, "

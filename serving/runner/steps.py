@@ -24,7 +24,7 @@ import sharding
 from serving.models import causal_lm
 from serving.models.lora import LoraBatch
 from serving.models.model_config import ModelConfig
-from serving.runner import attention, native_decode, sampling
+from serving.runner import attention, mla_attention, native_decode, sampling
 from serving.runner.kv_cache import NO_WINDOW, KVCache, layer_pages, write_kv
 from serving.types import MAX_LOGPROBS
 
@@ -122,6 +122,10 @@ def attend_fn(backend, cfg: ModelConfig, kind: str, meta, block_tokens: int,
   others' queries zero and returns these rows.
   """
   def attend(layer, q, k, v, kv, sinks=None):
+    if cfg.mla is not None:  # a latent cache: k is the latent row, no v (mla_attention.py)
+      return mla_attention.attend(backend, kind, meta, layer - layer_offset, q, k, kv,
+                                  scale=cfg.scale, value_dim=cfg.mla.kv_lora_rank,
+                                  block_tokens=block_tokens, window=window)
     index, tables = layer_pages(kv, layer - layer_offset, meta)
     kv = write_kv(kv, layer - layer_offset, k, v, index)
     kw = dict(scale=cfg.scale, sliding_window=layer_window(cfg, layer))
@@ -151,7 +155,9 @@ def attend_fn(backend, cfg: ModelConfig, kind: str, meta, block_tokens: int,
 
   # Under a mesh, kernels run per head shard (no gather of the KV cache);
   # the XLA path lets jit partition it.
-  return attend if backend == "xla" else sharding.head_parallel(attend, cfg)
+  if backend == "xla" or cfg.mla is not None:
+    return attend
+  return sharding.head_parallel(attend, cfg)
 
 
 def layer_window(cfg: ModelConfig, layer) -> int | jax.Array | None:
