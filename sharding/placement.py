@@ -55,7 +55,8 @@ class Placement:
     """
     layers = params["layers"]
     first = layers[0] if isinstance(layers, (list, tuple)) else layers
-    if not all(isinstance(first[k], (np.ndarray, jax.Array)) for k in ("wk", "wv")):
+    if self.kv_replicas > 1 and not all(isinstance(first[k], (np.ndarray, jax.Array))
+                                        for k in ("wk", "wv")):
       self.kv_replicas, self.model_cfg = 1, self.source_cfg
     params = rules.replicate_kv_heads(params, self.source_cfg, self.kv_replicas)[0]
     if self.stages > 1:

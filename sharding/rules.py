@@ -54,6 +54,7 @@ LOGICAL_AXIS_RULES: Rules = {
     "page": None,  # page_size
     "lora_slot": None,  # S, resident LoRA adapters
     "lora_rank": None,  # R, the slots' LoRA rank
+    "latent": None,  # MLA's q / kv LoRA ranks (the latent cache is replicated)
 }
 
 # Logical axes of every params leaf, without the leading "layers" axis.
@@ -89,6 +90,15 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "be_gate": ("expert", "expert_mlp"),
     "be_up": ("expert", "expert_mlp"),
     "be_down": ("router_out", "embed"),
+    # DeepSeek MLA (serving/models/deepseek.py): the down-projections to the latents and
+    # their norms are replicated, the per-head up-projections split with the heads.
+    "wq_a": ("embed", "latent"),
+    "q_a_norm": ("latent",),
+    "wq_b": ("latent", "heads"),
+    "wkv_a": ("embed", "latent"),
+    "kv_a_norm": ("latent",),
+    "w_uk": ("latent", "heads"),
+    "w_uv": ("latent", "heads"),
 }
 KV_CACHE_AXES = ("cache_pages", "page", "kv_heads", "head_dim")  # [L*P, page_size, K, H]
 
@@ -105,8 +115,14 @@ def resolve_rules(cfg: ModelConfig, mesh) -> Rules:
 
   keep_if(("layers", "cache_pages"), cfg.num_layers)  # pipeline.pad_layers makes pp divide
   keep_if(("vocab",), cfg.vocab_size)
-  # Whole heads per device, and query and KV heads split alike (GQA groups stay local).
-  keep_if(("heads", "kv_heads", "q_heads"), cfg.num_heads, cfg.num_kv_heads)
+  if cfg.mla is not None:
+    # MLA: heads split, the one latent "KV head" (the cache) replicated on every device.
+    keep_if(("heads", "q_heads"), cfg.num_heads)
+    keep_if(("mlp",), cfg.intermediate_size)  # the dense MLP / shared experts
+    rules["kv_heads"] = None
+  else:
+    # Whole heads per device, and query and KV heads split alike (GQA groups stay local).
+    keep_if(("heads", "kv_heads", "q_heads"), cfg.num_heads, cfg.num_kv_heads)
   if cfg.is_moe:
     keep_if(("expert",), cfg.num_experts)
     keep_if(("expert_mlp",), cfg.moe_intermediate_size)
@@ -185,6 +201,8 @@ def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
   counts either divide tp already or attention stays replicated.
   """
   k, n = cfg.num_kv_heads, cfg.num_heads
+  if cfg.mla is not None:  # the latent cache is replicated, never repeated
+    return 1
   if k < tp and tp % k == 0 and n % tp == 0:
     return tp // k
   return 1

@@ -284,7 +284,7 @@ _MLP_KEYS = {"gate": "w_gate", "up": "w_up", "down": "w_down"}
 
 def put_tensor(builder: Any, cfg: ModelConfig, layer: int, rest: str, read) -> None:
   """Routes one layer tensor of a DeepSeek checkpoint (`rest`: its name after
-  "model.layers.{layer}.") into `builder` (checkpoints/layout.ParamsBuilder). Layers past
+  "model.layers.{layer}.") into `builder` (checkpoints.layout.ParamsBuilder). Layers past
   num_hidden_layers (the multi-token-prediction layer) are skipped, as transformers
   skips them; a dense layer's first tensor also fills its router and experts with zeros."""
   if layer >= cfg.num_layers:
