@@ -4,6 +4,8 @@ Public entry points (stable; ``serving/runner/attention.py`` calls them with ``i
 chosen by platform):
 
 - ``paged_decode_attention``: one query token per sequence.
+- ``mla_decode_attention``: one query token per sequence over a latent (MLA) page
+  pool (kernels_pallas/mla_decode.py).
 - ``ragged_paged_attention``: many query tokens per sequence (prefill, chunked
   prefill, mixed prefill + decode), causal.
 
@@ -29,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.mla_decode import mla_decode_attention, ref_mla_decode_attention
 from kernels_pallas.paged_attention import (
   common,
   decode_gpu,
@@ -45,8 +48,10 @@ from kernels_pallas.paged_attention.tuning import BlockSizes
 
 __all__ = [
   "BlockSizes",
+  "mla_decode_attention",
   "paged_decode_attention",
   "ragged_paged_attention",
+  "ref_mla_decode_attention",
   "ref_paged_decode_attention",
   "ref_ragged_paged_attention",
 ]

@@ -13,7 +13,8 @@ chunks): `latent_multi_query_attention` is the one XLA loop (flash-style over
 blocks of pages, up to the longest row's length); prefill chunks run it per
 query block of one chunk (`QueryBlocks`, as attention.py's blocked prefill)
 or, without blocks, as one-query rows. The Pallas backends run the decode
-rows through `kernels_pallas.mla_decode` and the rest through the same XLA
+rows through `kernels_pallas.mla_decode_attention` (GPU; Pallas interpret mode
+on CPU; TPU and int8 / fp8 pools take the XLA loop) and the rest through the same XLA
 loop (interpret mode checks the kernel against it on CPU).
 
 Letters: B rows, T queries per row, N heads, C = R + r the row width, R the
@@ -34,7 +35,14 @@ from serving.runner.attention import (
   _online_softmax_update,
   _softmax_init,
 )
-from serving.runner.kv_cache import KVCache, _to_storage, from_storage, layer_base, layer_pages
+from serving.runner.kv_cache import (
+  QUANTIZED_DTYPES,
+  KVCache,
+  _to_storage,
+  from_storage,
+  layer_base,
+  layer_pages,
+)
 
 
 def write_latent(kv: KVCache, layer, latent: jax.Array, kv_index: jax.Array) -> KVCache:
@@ -120,15 +128,19 @@ def decode(backend: str, q: jax.Array, kv: KVCache, block_tables: jax.Array,
            seq_lens: jax.Array, *, scale: float, value_dim: int,
            block_tokens: int = 128) -> jax.Array:
   """Decode rows q [B, N, C] over their tables -> [B, N, value_dim]: the Pallas kernel on
-  the Pallas backends, the XLA loop otherwise."""
-  if backend == "xla":
-    return latent_multi_query_attention(q[:, None], kv, block_tables, seq_lens[:, None],
-                                        scale=scale, value_dim=value_dim,
-                                        block_tokens=block_tokens)[:, 0]
-  import kernels_pallas
-  return kernels_pallas.mla_decode_attention(
-      q, from_storage(kv.k, kv)[:, :, 0, :], block_tables, seq_lens, scale=scale,
-      value_dim=value_dim, interpret=backend == "pallas_interpret")
+  the Pallas backends where it applies (GPU or interpret mode, a float pool, power-of-two
+  latent / rope / page sizes), the XLA loop otherwise."""
+  from kernels_pallas import mla_decode
+  kernel = (backend == "pallas_interpret"
+            or (backend == "pallas" and jax.default_backend() != "tpu"))
+  if (kernel and kv.dtype not in QUANTIZED_DTYPES
+      and mla_decode.supports(q.shape, kv.k.shape, value_dim)):
+    return mla_decode.mla_decode_attention(
+        q, from_storage(kv.k, kv), block_tables, seq_lens, scale=scale, value_dim=value_dim,
+        interpret=backend == "pallas_interpret")
+  return latent_multi_query_attention(q[:, None], kv, block_tables, seq_lens[:, None],
+                                      scale=scale, value_dim=value_dim,
+                                      block_tokens=block_tokens)[:, 0]
 
 
 def attend(backend: str, kind: str, meta: dict, layer, q: jax.Array, latent: jax.Array,

@@ -72,3 +72,16 @@ def test_unsupported_config_refused():
   with pytest.raises(ValueError, match="rope type"):
     ModelConfig.from_hf_config({**raw, "rope_parameters": {"rope_type": "dynamic",
                                                            "rope_theta": 1e4}})
+
+
+@pytest.mark.slow
+def test_pallas_kernel_backend_matches_transformers(tmp_path):
+  """Decode rows through the latent Pallas kernel (interpret mode) in the engine."""
+  model = save_tiny_model("deepseek_v3", str(tmp_path))
+  engine = build_engine(str(tmp_path), engine_config(attention_backend="pallas_interpret",
+                                                     max_num_seqs=2))
+  assert engine.runner.backend == "pallas_interpret"
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, 256, n).tolist() for n in (7, 36)]
+  params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=20)
+  assert_matches_torch(model, prompts, run_requests(engine, prompts, params), 16, LOGPROB_TOL)
