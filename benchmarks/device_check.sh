@@ -10,7 +10,8 @@
 #    decode at batch 4 (split-K), a ragged prefill (8 x 2048 tokens) for the
 #    gpu kernel, GPT-OSS-like decode and prefill (64 q heads, 8 kv heads, head
 #    dim 64, sinks, a traced window of 128), and a small block-size sweep while
-#    time remains.
+#    time remains; benchmarks/mla_bench.py: the latent (MLA) decode kernel
+#    against the XLA loop at a DeepSeek-V3 layer's per-device shape.
 # Writes everything and a summary to $OUT (default ./device_check_out); the
 # benchmarks' run records go to $OUT/results (copy them into benchmarks/results/).
 # Needs a jax with CUDA support (jax[cuda12]) in the active environment.
@@ -69,6 +70,13 @@ bench bench_decode_b4 --op decode --impls gpu --batch 4 --reps 20  # split-K pat
 oss=(--q_heads 64 --kv_heads 8 --head_dim 64 --sinks --sliding_window 128 --traced_window)
 bench bench_decode_oss --op decode --impls ref,gpu --reps 20 "${oss[@]}"
 bench bench_prefill_oss --op ragged --impls gpu --batch 8 --context 2048 --reps 5 "${oss[@]}"
+
+# DeepSeek-V3-like latent (MLA) decode: 16 heads (128 / tp 8), latent 512 + rope 64, bf16.
+if [ $((budget_s - SECONDS)) -gt 60 ]; then
+  timeout 90 python benchmarks/mla_bench.py --impls kernel,xla,ref \
+    --output "$out/bench_mla_decode.json" > "$out/bench_mla_decode.txt" 2>&1 || status=1
+  { echo "## bench_mla_decode"; tail -4 "$out/bench_mla_decode.txt"; } >> "$summary"
+fi
 
 # Block-size sweep for the tuning table, while the 8-minute budget allows.
 for ppb in 4 16; do

@@ -1,5 +1,6 @@
-"""The latent (MLA) paged decode kernel in Pallas interpret mode against its pure-jnp
-reference and against the engine's XLA loop (serving/runner/mla_attention.py).
+"""The latent (MLA) paged decode kernel against its pure-jnp reference and against the
+engine's XLA loop (serving/runner/mla_attention.py): in Pallas interpret mode on CPU,
+compiled (Triton) on a CUDA GPU (benchmarks/device_check.sh), skipped elsewhere.
 
 Rows of different lengths (0, inside one page, across page blocks, the whole
 table), shuffled page ids, NaN in every page no row owns (a kernel reading a
@@ -9,6 +10,7 @@ bfloat16 pools.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +21,13 @@ from serving.runner.mla_attention import latent_multi_query_attention
 
 LATENT, ROPE, PAGE, WIDTH = 32, 8, 8, 6
 LENS = [0, 5, 8, 21, 48]
+
+
+def _interpret() -> bool:
+  backend = jax.default_backend()
+  if backend not in ("cpu", "gpu"):
+    pytest.skip(f"the latent decode kernel has no {backend} lowering")
+  return backend == "cpu"
 
 
 def _case(heads: int, dtype, seed: int = 0):
@@ -45,7 +54,7 @@ def _case(heads: int, dtype, seed: int = 0):
 def test_kernel_matches_reference_and_xla_loop(heads, dtype, tol):
   q, pages, tables, lens = _case(heads, dtype)
   kw = dict(scale=0.3, value_dim=LATENT)
-  got = mla_decode.mla_decode_attention(q, pages, tables, lens, interpret=True,
+  got = mla_decode.mla_decode_attention(q, pages, tables, lens, interpret=_interpret(),
                                         pages_per_block=2, **kw)
   ref = mla_decode.ref_mla_decode_attention(q, pages, tables, lens, **kw)
   assert got.shape == (len(LENS), heads, LATENT) and got.dtype == dtype
@@ -67,4 +76,4 @@ def test_shapes_it_refuses():
   q, pages, tables, lens = _case(4, jnp.float32)
   with pytest.raises(ValueError, match="power-of-two latent"):
     mla_decode.mla_decode_attention(q[..., :36], pages[..., :36], tables, lens, scale=1.0,
-                                     value_dim=28, interpret=True)
+                                     value_dim=28, interpret=_interpret())
