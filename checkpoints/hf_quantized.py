@@ -29,6 +29,11 @@ Formats (docs/quantization.md, "Pre-quantized Hugging Face checkpoints"):
   channel or per `[bo, bi]` block. Static activation scales (`input_scale`) and
   KV-cache scales (`k_scale` / `v_scale`) are ignored: serving is weight-only.
 
+DeepSeek-V3 FP8 (block-scaled, as released): the routed experts, `o_proj` and a
+direct `q_proj` stay FP8; the MLA projections (q_a / q_b / kv_a / kv_b, which
+are split or padded into the params layout), the dense MLP and the shared
+experts are dequantized to float at load (serving/models/deepseek.py).
+
 MoE expert projections of a quantized checkpoint stay quantized, one `[E, ...]`
 weight per layer (dequantized inside the step before the grouped matmul);
 with act-order perms they are dequantized to float leaves instead (the
@@ -54,6 +59,7 @@ from checkpoints import hf
 from checkpoints.layout import Params, ParamsBuilder
 from checkpoints.quantize import stack_blocks
 from checkpoints.quantizers import pack_int4
+from serving.models import deepseek
 from serving.models.model_config import ModelConfig
 from serving.models.quantized import QuantizedWeight
 
@@ -189,6 +195,9 @@ def load_hf_quantized_params(path: str, cfg: ModelConfig, quantization_config: d
   kept: dict[str, dict[int | None, QuantizedWeight]] = {}
   experts: dict[tuple[str, int], dict[int, QuantizedWeight]] = {}
   for module, tensors in modules.items():
+    if cfg.family == deepseek.FAMILY and deepseek.dequantized_at_load(module, cfg):
+      _put_dequantized(builder, cfg, scheme, module, tensors)
+      continue
     slot = hf.linear_slot(module)
     if slot is None:
       raise ValueError(f"quantized tensors {sorted(tensors)} of {module!r} do not belong to a "
@@ -211,6 +220,19 @@ def load_hf_quantized_params(path: str, cfg: ModelConfig, quantization_config: d
     _experts_of_layer(builder, kept, key, layer, by_expert, cfg.num_experts)
   params = builder.finish()
   return _assemble(params, kept, cfg)
+
+
+def _put_dequantized(builder: _Builder, cfg: ModelConfig, scheme: Scheme, module: str,
+                     tensors: dict[str, np.ndarray]) -> None:
+  """A quantized linear the family keeps in float (DeepSeek's MLA projections, split or
+  padded at load): dequantized to float32 `[Out, In]` and routed like a float tensor."""
+  if scheme.method != "fp8":
+    raise ValueError(f"{module!r}: a {cfg.model_type} checkpoint loads quantized as fp8 only, "
+                     f"not {scheme.method}")
+  _need(tensors, ("weight",), module, "FP8")
+  out_dim, in_dim = tensors["weight"].shape
+  rows = np.asarray(quantized_weight(scheme, tensors, in_dim, out_dim, module).dequantize())
+  hf.put_tensor(builder, cfg, f"{module}.weight", lambda: rows)
 
 
 def _experts_of_layer(builder: _Builder, kept: dict, key: str, layer: int,

@@ -316,6 +316,19 @@ def put_tensor(builder: Any, cfg: ModelConfig, layer: int, rest: str, read) -> N
     raise ValueError(f"unsupported tensor {rest!r} in layer {layer} of a deepseek_v3 checkpoint")
 
 
+_KEPT_QUANTIZED_RE = re.compile(r"model\.layers\.(\d+)\.(?:self_attn\.(?:o_proj|q_proj)|"
+                                r"mlp\.experts\.\d+\.(?:gate|up|down)_proj)")
+
+
+def dequantized_at_load(module: str, cfg: ModelConfig) -> bool:
+  """Whether a pre-quantized (FP8) linear `module` of a DeepSeek checkpoint is loaded as
+  float: everything but the routed experts, `o_proj` and a direct `q_proj`, whose
+  params keep the checkpoint's layout (the others are split or zero-padded at load);
+  also the layers past num_hidden_layers, which `put_tensor` skips."""
+  m = _KEPT_QUANTIZED_RE.fullmatch(module)
+  return m is None or int(m.group(1)) >= cfg.num_layers
+
+
 def _put_experts(builder: Any, em: re.Match, v: np.ndarray, layer: int, name: str) -> None:
   """Routed experts: one per tensor ([out, in]) or fused ([E, 2M, D] gate rows first;
   [E, D, M])."""

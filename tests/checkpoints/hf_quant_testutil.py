@@ -26,7 +26,9 @@ from safetensors.torch import save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_MAX = 448.0
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           # DeepSeek's MLA projections (released FP8 checkpoints quantize them too)
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def _pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
