@@ -6,6 +6,9 @@ model, float32 unless said).
   watched from the end of its warm-up: nothing compiles, and every greedy
   request (prompts behind a shared 24-token prefix, one chunked) equals
   transformers token for token.
+- A step that fails after it ran on the device (latent rows of every sequence in it
+  written) fails its own request only: the others, sharing steps with it, still
+  equal transformers token for token, and every page is free afterwards.
 - int8 weights (wq / wo, the MLP and the experts; the latent projections stay
   float) and int8 / bfloat16 latent caches: the first step's log-probs stay close
   to transformers'.
@@ -19,8 +22,10 @@ import jax
 import numpy as np
 import pytest
 from compile_watch import compile_events
+from runner_faults import FaultyRunner
 
 from serving.config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.engine_builder import build_engine
 from serving.models.quantized import is_quantized
 from serving.types import SamplingParams
@@ -74,6 +79,30 @@ def test_prefix_cache_preemption_ngram_without_compiling(tiny):
   # Drafts were verified over the latent pages (this random model rejects them: its
   # outputs do not repeat the prompt), and the tokens above stayed exact.
   assert stats.spec_decode.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_at", ["execute", "fetch"])
+def test_a_failed_step_fails_only_its_request(fail_at, tiny):
+  path, model = tiny
+  built = make_engine(path)
+  doomed = 255  # the failing request's first token; the others start lower
+  faulty = FaultyRunner(built.runner, fail_request=lambda s: s.prompt_ids[0] == doomed,
+                        fail_at=fail_at)
+  engine = LLMEngine(runner=faulty, tokenizer=built.tokenizer, config=built.config)
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, 200, n).tolist() for n in (12, 40, 5)]
+  prompts.insert(1, [doomed, *rng.integers(0, 200, 9).tolist()])
+  results = {i: [] for i in range(len(prompts))}
+  params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+  for i, prompt in enumerate(prompts):
+    engine.add_request(f"r{i}", prompt, params, results[i].append)
+  engine.run_until_idle()
+  assert results[1][-1].finish_reason == "error"
+  for i in (0, 2, 3):
+    tokens = sum((o.token_ids for o in results[i]), [])
+    assert tokens == torch_greedy(model, prompts[i], NEW_TOKENS)[0], i
+  assert engine.allocator.num_free == engine.allocator.num_usable
 
 
 @pytest.mark.slow
