@@ -26,7 +26,7 @@ from typing import Any
 from checkpoints.layout import LoadedModel, Params, resolve_dtype
 from checkpoints.quantize import from_saveable, to_saveable
 from checkpoints.tokenizer import Tokenizer
-from serving.models.model_config import ROPE_SCALINGS, ModelConfig
+from serving.models.model_config import ROPE_SCALINGS, MlaConfig, ModelConfig
 from serving.models.quantized import is_quantized
 
 MARKER_FILE = "xlaserve_checkpoint.json"
@@ -111,6 +111,8 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     d["rope_scaling"] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in rs.items()})
   d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
   d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}  # JSON lists
+  if d.get("mla"):  # DeepSeek's latent attention settings
+    d["mla"] = MlaConfig(**d["mla"])
   known = {f.name for f in dataclasses.fields(ModelConfig)}
   return ModelConfig(**{k: v for k, v in d.items() if k in known})
 

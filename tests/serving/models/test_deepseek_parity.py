@@ -85,3 +85,11 @@ def test_pallas_kernel_backend_matches_transformers(tmp_path):
   prompts = [rng.integers(0, 256, n).tolist() for n in (7, 36)]
   params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=20)
   assert_matches_torch(model, prompts, run_requests(engine, prompts, params), 16, LOGPROB_TOL)
+
+
+def test_config_round_trips_through_the_orbax_metadata():
+  from checkpoints.orbax_io import config_from_dict, config_to_dict
+
+  for family in ("deepseek_v3", "deepseek_v3_yarn"):
+    cfg = ModelConfig.from_hf_config(FAMILIES[family]().to_dict())
+    assert config_from_dict(config_to_dict(cfg)) == cfg
