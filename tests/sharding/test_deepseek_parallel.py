@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (MLA, grouped-routing MoE) through the engine over a mesh: tp, ep, tp x ep.
+"""DeepSeek-V3 (MLA, grouped-routing MoE) through the engine over a mesh: tp, ep, tp x ep,
+pp (3 layers padded to 4 for two stages; each stage its layers' latent pages).
 
 The worker (simulated CPU devices) builds one engine per layout and runs a
 ragged batch of prompts at once (one longer than the prefill budget); each
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import shard_testutil as stu
 
-LAYOUTS = ({"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2})
+LAYOUTS = ({"tp": 2}, {"ep": 2}, {"tp": 2, "ep": 2}, {"pp": 2})
 PROMPTS = [[3, 17, 101, 45, 8, 250, 77, 12, 5, 60, 33, 21], [200, 31, 9, 144, 2],
            list(range(40, 80))]
 NEW_TOKENS = 12
@@ -54,7 +55,7 @@ def test_layouts_match_transformers(model, result):
       np.testing.assert_allclose(lps, ref_lp[list(ids)], atol=LOGPROB_TOL, err_msg=str(layout))
     tp, ep = layout.get("tp", 1) > 1, layout.get("ep", 1) > 1
     assert ("'tp'" in got["w_uk_spec"]) == tp, got
-    assert "'tp'" not in got["cache_spec"], got
+    assert "'tp'" not in got["cache_spec"], got  # the latent pool is never split by heads
     assert ("'ep'" in got["experts_spec"]) == ep, got
 
 
