@@ -151,6 +151,9 @@ def prepare_weights(params: Params, model_cfg: ModelConfig, engine_cfg: EngineCo
   model_cfg = model_cfg.for_max_model_len(engine_cfg.scheduler.max_model_len)
   placement = sharding.Placement(mesh, model_cfg) if mesh is not None else None
   check_supported(engine_cfg, placement, draft is not None)
+  if model_cfg.mla is not None and engine_cfg.lora.max_loras:
+    raise ValueError("LoRA adapters on a multi-head latent attention (DeepSeek) model are not "
+                     "supported; max_loras must be 0")
   served_cfg = model_cfg
   if placement is not None:
     compilation = engine_cfg.compilation

@@ -93,3 +93,29 @@ def test_config_round_trips_through_the_orbax_metadata():
   for family in ("deepseek_v3", "deepseek_v3_yarn"):
     cfg = ModelConfig.from_hf_config(FAMILIES[family]().to_dict())
     assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_lora_refused_before_placement(tmp_path):
+  save_tiny_model("deepseek_v3", str(tmp_path))
+  with pytest.raises(ValueError, match="LoRA adapters on a multi-head latent attention"):
+    build_engine(str(tmp_path), engine_config(max_loras=1))
+
+
+def test_latent_pages_move_between_pools():
+  """Disaggregated serving's page export / import (kv_cache.read_pages / write_pages) on a
+  latent pool: the rows come back, the empty value pool stays empty."""
+  import jax.numpy as jnp
+
+  from serving.runner.kv_cache import create_kv_cache, read_pages, write_pages
+
+  cfg = ModelConfig.from_hf_config(FAMILIES["deepseek_v3"]().to_dict())
+  src = create_kv_cache(cfg, num_pages=6, page_size=4, dtype="float32")
+  rows = jnp.arange(src.k.size, dtype=jnp.float32).reshape(src.k.shape)
+  src = type(src)(k=rows, v=src.v, num_pages=6, dtype="float32")
+  pages = jnp.asarray([2, 5], jnp.int32)
+  k, v = read_pages(src, pages)
+  assert k.shape == (3, 2, 4, 1, 40) and v.shape == (3, 2, 4, 1, 0)
+  dst = write_pages(create_kv_cache(cfg, num_pages=6, page_size=4, dtype="float32"),
+                    jnp.asarray([1, 3], jnp.int32), k, v)
+  np.testing.assert_array_equal(np.asarray(read_pages(dst, jnp.asarray([1, 3]))[0]),
+                                np.asarray(k))
