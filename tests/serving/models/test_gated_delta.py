@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from transformers.models.qwen3_next import modeling_qwen3_next as ref  # noqa: E402
-
 import jax.numpy as jnp  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next as ref  # noqa: E402
 
 from serving.models import gated_delta as gd  # noqa: E402
 
