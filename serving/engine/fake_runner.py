@@ -90,8 +90,11 @@ class FakeRunner:
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
                vocab_size: int = 32000, step_s: float = 0.0,
-               window_group: WindowGroup | None = None):
+               window_group: WindowGroup | None = None, state_slots: bool = False):
     self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
+    self.state_slots = state_slots
+    # Per decode slot with state_slots: (request id, tokens folded into the slot's state).
+    self.slot_states: list[tuple[str, list[int]] | None] = [None] * (max_num_seqs + 1)
     self.step_s = step_s
     self.window_group = window_group
     self.kv: list[list[tuple[int, int] | None]] = [[None] * page_size

@@ -20,6 +20,9 @@ NV value heads, dk / dv key / value head dims, Kc conv kernel, F conv channels.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -149,3 +152,63 @@ def chunked_rule_packed(q, k, v, g, beta, init, cu, chunk: int):
   last = jnp.clip(blk_cu[1:] - 1, 0, nb - 1)
   final = jnp.where((lens > 0)[:, None, None, None], states[last], init)
   return out, final
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StateCarry:
+  """What a linear-attention model's layers thread through a step in place of the KV
+  cache alone (the runner builds it, serving/runner/state_cache.py): the cache, every
+  slot's states and the step's rows.
+
+  States are per state slot S (the runner's decode slots, the last one the dummy that
+  padding writes) and per linear layer (block G, linear layer J within it). A prefill
+  step has `cu` (its packed chunks) and `reset` (a chunk that starts its sequence
+  begins from zero states); a decode step has neither (one row per slot).
+  """
+
+  kv: Any  # the KV cache of the full-attention layers (the attention callback's)
+  conv: jax.Array  # [S, G, J, Kc-1, F] each slot's last conv inputs
+  rec: jax.Array  # [S, G, J, NV, dk, dv] f32 each slot's recurrent state
+  slots: jax.Array  # [C] each chunk's slot (prefill) / [B] each row's (decode)
+  cu: jax.Array | None = None  # [C+1] packed chunk row offsets (prefill)
+  reset: jax.Array | None = None  # [C] bool: the chunk is its sequence's first
+  chunk: int = dataclasses.field(default=64, metadata=dict(static=True))
+
+
+def mix(carry: StateCarry, layer, j: int, qkv: jax.Array, conv_w: jax.Array, a: jax.Array,
+        b: jax.Array, a_log: jax.Array, dt_bias: jax.Array, dk: int
+        ) -> tuple[jax.Array, StateCarry]:
+  """One linear-attention layer's token mixing from its slots' states, writing them back.
+
+  qkv [T, NK, 2*dk + r*dv] (per key head: q, k, then its r value heads' v), before the
+  conv; conv_w [Kc, NK * (2*dk + r*dv)]; a, b [T, NV] the decay / beta projections;
+  a_log, dt_bias [NV]. -> (core [T, NV, dv] f32, carry).
+  """
+  t, nk, width = qkv.shape
+  nv = a.shape[-1]
+  dv = (width - 2 * dk) * nk // nv
+  conv0 = carry.conv[carry.slots, layer, j]  # [C|B, Kc-1, F]
+  rec0 = carry.rec[carry.slots, layer, j]  # [C|B, NV, dk, dv]
+  x = qkv.reshape(t, nk * width)
+  if carry.cu is None:
+    y, conv1 = conv_step(x, conv_w, conv0)
+  else:
+    keep = ~carry.reset
+    conv0 = jnp.where(keep[:, None, None], conv0, 0)
+    rec0 = jnp.where(keep[:, None, None, None], rec0, 0.0)
+    y, conv1 = causal_conv_packed(x, conv_w, conv0, carry.cu)
+  y = y.reshape(t, nk, width)
+  q = expand_heads(l2norm(y[..., :dk]), nv) * dk ** -0.5
+  k = expand_heads(l2norm(y[..., dk:2 * dk]), nv)
+  v = y[..., 2 * dk:].reshape(t, nv, dv).astype(jnp.float32)
+  g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
+      a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+  beta = jax.nn.sigmoid(b.astype(jnp.float32))
+  if carry.cu is None:
+    core, rec1 = recurrent_step(q, k, v, g, beta, rec0)
+  else:
+    core, rec1 = chunked_rule_packed(q, k, v, g, beta, rec0, carry.cu, carry.chunk)
+  conv = carry.conv.at[carry.slots, layer, j].set(conv1.astype(carry.conv.dtype))
+  rec = carry.rec.at[carry.slots, layer, j].set(rec1)
+  return core, dataclasses.replace(carry, conv=conv, rec=rec)

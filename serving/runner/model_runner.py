@@ -66,6 +66,7 @@ from serving.runner.steps import (
   verify_sample_step,
   verify_step,
 )
+from serving.runner.state_cache import check_engine, create_state_slots
 from serving.runner.weights import PreparedWeights, prepare_weights, resolve_dtypes
 from serving.types import (
   RunnerDeadError,
@@ -178,6 +179,8 @@ class ModelRunner:
     / `import_pages` too (a disaggregated prefill or decode worker,
     serving/engine/disaggregated.py)."""
     ec, cfg, placement = weights.engine_cfg, weights.model_cfg, weights.placement
+    check_engine(cfg, ec)  # before anything is placed
+    self.state_slots = cfg.has_state_slots  # linear-attention states per decode slot
     self.kv_transfer = kv_transfer
     self.mesh = weights.mesh  # sharded when tp*ep*dp*pp > 1 or a mesh was given
     self.source_cfg = weights.source_cfg  # before tp repeats KV heads: what adapters must fit
@@ -270,7 +273,8 @@ class ModelRunner:
                            kv_sharding, self.kv_layout),
         last_tokens=jnp.zeros((slots,), jnp.int32),
         prompt_mask=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
-        output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
+        output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
+        states=create_state_slots(cfg, slots))
     if placement is None:
       return state
     rest = placement.replicate(dataclasses.replace(state, kv=None))
