@@ -54,6 +54,7 @@ from serving.runner.kv_cache import (
   window_group_pages,
   write_pages,
 )
+from serving.runner.state_cache import check_engine, create_state_slots
 from serving.runner.steps import (
   DecodeInput,
   DeviceState,
@@ -66,7 +67,6 @@ from serving.runner.steps import (
   verify_sample_step,
   verify_step,
 )
-from serving.runner.state_cache import check_engine, create_state_slots
 from serving.runner.weights import PreparedWeights, prepare_weights, resolve_dtypes
 from serving.types import (
   RunnerDeadError,
