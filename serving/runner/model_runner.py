@@ -91,6 +91,8 @@ def capacity_pages(model_cfg: ModelConfig, config: EngineConfig,
   if draft_cfg is not None:
     group_bytes[0] += config.cache.page_size * kv_bytes_per_token(draft_cfg, kv_dtype)
   budget = _kv_budget(config)
+  # Linear-attention state slots (state_cache.py) come out of the same budget.
+  budget -= (config.scheduler.max_num_seqs + 1) * model_cfg.state_bytes_per_sequence()
   cap = config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
   pages = min(_pages_within(budget, group_bytes, model_cfg, config), cap)
   if pages < config.max_pages_per_seq + 1:
@@ -710,8 +712,21 @@ class ModelRunner:
                 f"max concurrency at max_model_len={c.scheduler.max_model_len}: "
                 f"{tokens / c.scheduler.max_model_len:.1f} requests",
                 f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "
-                f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"):
+                f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"
+                + self._state_note()):
       print(msg, file=sys.stderr, flush=True)  # not logged too: the launcher shows logs on stderr
+
+
+  def _state_note(self) -> str:
+    """The capacity line's linear-attention state slots (state_cache.py), if any."""
+    cfg = self.model_cfg
+    if not cfg.has_state_slots:
+      return ""
+    per_seq, states = cfg.state_bytes_per_sequence(), self.state.states
+    total = states.conv.nbytes + states.rec.nbytes
+    return (f"; linear-attention state {per_seq} B/sequence ({cfg.num_layers * "
+            f"cfg.linear_layers_per_block} layers) x {states.conv.shape[0]} slots "
+            f"({total / 2**20:.2f} MiB)")
 
 
 def _load_threads() -> int:
