@@ -724,9 +724,9 @@ class ModelRunner:
       return ""
     per_seq, states = cfg.state_bytes_per_sequence(), self.state.states
     total = states.conv.nbytes + states.rec.nbytes
-    return (f"; linear-attention state {per_seq} B/sequence ({cfg.num_layers * "
-            f"cfg.linear_layers_per_block} layers) x {states.conv.shape[0]} slots "
-            f"({total / 2**20:.2f} MiB)")
+    layers = cfg.num_layers * cfg.linear_layers_per_block
+    return (f"; linear-attention state {per_seq} B/sequence ({layers} layers) x "
+            f"{states.conv.shape[0]} slots ({total / 2**20:.2f} MiB)")
 
 
 def _load_threads() -> int:
