@@ -95,13 +95,16 @@ FAMILIES = {
     "qwen3_next": lambda: transformers.Qwen3NextConfig(**_QWEN3_NEXT),
     "qwen3_next_dense": lambda: transformers.Qwen3NextConfig(**{**_QWEN3_NEXT,
                                                                 "num_experts": 0}),
+    # Qwen3.5 text: the same blocks, separate linear projections, dense MLP.
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**{
+        k: v for k, v in _QWEN3_NEXT.items() if "expert" not in k}),
 }
 # The families the model-independent sweeps (LoRA parity, draft-model speculation) run
 # over: each family's code path once (gemma2 shares gemma3's, phi3_mini phi3's; their own
 # parity and feature tests cover what differs).
 # Qwen3-Next's linear-attention state slots refuse LoRA and speculation.
 SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini", "qwen3_next",
-                                               "qwen3_next_dense"}))
+                                               "qwen3_next_dense", "qwen3_5"}))
 # Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).

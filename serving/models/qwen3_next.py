@@ -1,5 +1,15 @@
-"""Qwen3-Next (`Qwen3NextForCausalLM`) as a flax nnx family: Gated DeltaNet linear
-attention with a gated full-attention layer every few layers, MoE with a shared expert.
+"""Qwen3-Next (`Qwen3NextForCausalLM`) and Qwen3.5 text (`Qwen3_5ForCausalLM`, and the
+language model of `Qwen3_5ForConditionalGeneration`) as a flax nnx family: Gated
+DeltaNet linear attention with a gated full-attention layer every few layers; MoE with
+a shared expert (Qwen3-Next) or a dense SwiGLU MLP (Qwen3.5, Qwen3-Next without experts).
+
+Qwen3.5's text layers are Qwen3-Next's with the linear layers' projections stored
+apart (`in_proj_qkv` with all queries, then keys, then values; `in_proj_z`,
+`in_proj_b`, `in_proj_a`) rather than fused per key head; the loader regroups them
+into the same leaves. Its multimodal RoPE (`mrope_section`) turns text positions
+exactly as plain RoPE does (the three position axes are equal), so text-only
+serving uses plain RoPE; vision and multi-token-prediction (`mtp.*`) weights are
+not loaded.
 
 Layers come in **blocks**: `linear_layers_per_block` (J) linear-attention layers then
 one full-attention layer (HF `layer_types`, or `full_attention_interval` = J + 1; any
@@ -41,6 +51,7 @@ from serving.models.causal_lm import CausalLM, DecoderLayer, param, value
 from serving.models.model_config import ModelConfig, hf_eos_token_ids, hf_rope_theta
 
 FAMILY = "qwen3_next"
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5")  # Qwen3.5: separate linear projections, dense
 LAYER_KINDS = ("linear_attention", "full_attention")
 
 
@@ -177,7 +188,11 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
   missing key or an unsupported layer pattern / MLP layout / activation."""
   j = layer_pattern(raw)
   n = raw["num_hidden_layers"]
-  moe = raw.get("num_experts", 0) > 0
+  model_type = raw.get("model_type") or FAMILY
+  if model_type not in (FAMILY, *QWEN3_5_TYPES):
+    archs = raw.get("architectures") or []
+    model_type = QWEN3_5_TYPES[0] if any(a.startswith("Qwen3_5") for a in archs) else FAMILY
+  moe = model_type == FAMILY and (raw.get("num_experts") or 0) > 0
   if moe and (raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1):
     raise ValueError("unsupported qwen3_next MLP layout: mlp_only_layers / decoder_sparse_step "
                      "must leave every layer MoE")
@@ -191,7 +206,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
   heads = _need(raw, "num_attention_heads")
   hidden = _need(raw, "hidden_size")
   return ModelConfig(
-      model_type=FAMILY, family=FAMILY,
+      model_type=model_type, family=FAMILY,
       vocab_size=_need(raw, "vocab_size"), hidden_size=hidden,
       intermediate_size=raw.get("intermediate_size", 0) if not moe else 0,
       num_layers=n // (j + 1), num_heads=heads,
@@ -223,6 +238,7 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
 _TOP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
         "lm_head.weight": "lm_head"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_NOT_LOADED = ("mtp.", "model.visual.")  # multi-token prediction, the vision tower
 _EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 # Per-layer tensors with one params leaf each: name -> (key, transpose, sub-layer axis).
 _PLAIN = {
@@ -240,6 +256,9 @@ _PLAIN = {
     "linear_attn.A_log": ("lin_a_log", False),
     "linear_attn.norm.weight": ("lin_norm", False),
     "linear_attn.out_proj.weight": ("lin_out", True),
+    "linear_attn.in_proj_z.weight": ("lin_z", True),  # Qwen3.5
+    "linear_attn.in_proj_b.weight": ("lin_b", True),
+    "linear_attn.in_proj_a.weight": ("lin_a", True),
     "self_attn.k_proj.weight": ("wk", True),
     "self_attn.v_proj.weight": ("wv", True),
     "self_attn.o_proj.weight": ("wo", True),
@@ -253,6 +272,9 @@ def hf_tensors(cfg: ModelConfig, name: str, tensor: np.ndarray
   """One HF tensor -> [(params key, index into the leaf, value)]: the index is () for a
   top-level leaf, (block,) or (block, sub-layer[, expert]) for a layer's. ValueError
   for a name this family does not have."""
+  name = name.replace("model.language_model.", "model.", 1)  # Qwen3.5's multimodal layout
+  if name.startswith(_NOT_LOADED):
+    return []
   if name in _TOP:
     return [(_TOP[name], (), tensor.T if name == "lm_head.weight" else tensor)]
   m = _LAYER_RE.fullmatch(name)
@@ -289,9 +311,15 @@ def _linear_attn(cfg: ModelConfig, rest: str, tensor: np.ndarray, name: str):
     return [("lin_b", per_head[:, 0].reshape(nv, -1).T),
             ("lin_a", per_head[:, 1].reshape(nv, -1).T)]
   if rest == "linear_attn.conv1d.weight":  # [q (NK*dk) | k (NK*dk) | v (NV*dv), 1, Kc]
-    w = tensor[:, 0, :]
-    q, k, v = w[:nk * dk], w[nk * dk:2 * nk * dk], w[2 * nk * dk:]
-    grouped = np.concatenate([q.reshape(nk, dk, -1), k.reshape(nk, dk, -1),
-                              v.reshape(nk, r * dv, -1)], axis=1)  # [NK, 2dk + r*dv, Kc]
-    return [("lin_conv", grouped.reshape(-1, w.shape[-1]).T)]
+    return [("lin_conv", _per_key_head(tensor[:, 0, :], nk, dk, r * dv).T)]
+  if rest == "linear_attn.in_proj_qkv.weight":  # Qwen3.5: the same row order, [F, D]
+    return [("lin_qkv", _per_key_head(tensor, nk, dk, r * dv).T)]
   raise ValueError(f"unsupported tensor {name!r} in a qwen3_next checkpoint")
+
+
+def _per_key_head(w: np.ndarray, nk: int, dk: int, vdim: int) -> np.ndarray:
+  """Rows [q (NK*dk) | k (NK*dk) | v (NK*vdim)] -> per key head [q dk | k dk | v vdim]."""
+  q, k, v = w[:nk * dk], w[nk * dk:2 * nk * dk], w[2 * nk * dk:]
+  grouped = np.concatenate([q.reshape(nk, dk, -1), k.reshape(nk, dk, -1),
+                            v.reshape(nk, vdim, -1)], axis=1)  # [NK, 2dk + vdim, cols]
+  return grouped.reshape(-1, w.shape[-1])

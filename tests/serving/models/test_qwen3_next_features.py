@@ -120,3 +120,14 @@ def test_engine_options_without_state_rollback_are_refused(option, name):
   cfg = qwen3_next.config_from_hf(RAW)
   with pytest.raises(ValueError, match=name):
     check_engine(cfg, engine_config(**option))
+
+
+def test_qwen3_5_multimodal_checkpoints_load_the_language_model_only():
+  cfg = qwen3_next.config_from_hf({**RAW, "model_type": "qwen3_5_text", "num_hidden_layers": 8})
+  assert (cfg.family, cfg.num_experts, cfg.num_layers) == ("qwen3_next", 0, 2)
+  b = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
+  assert qwen3_next.hf_tensors(cfg, "model.visual.blocks.0.attn.qkv.weight", b) == []
+  assert qwen3_next.hf_tensors(cfg, "mtp.fc.weight", b) == []
+  [(key, index, value)] = qwen3_next.hf_tensors(
+      cfg, "model.language_model.layers.5.linear_attn.in_proj_b.weight", b)
+  assert (key, index) == ("lin_b", (1, 1)) and np.array_equal(value, b.T)

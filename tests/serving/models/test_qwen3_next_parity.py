@@ -38,7 +38,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,batched", [("qwen3_next", 32), ("qwen3_next_dense", 32),
-                                            ("qwen3_next", 256)])
+                                            ("qwen3_next", 256), ("qwen3_5", 32)])
 def test_qwen3_next_matches_transformers(family, batched, tmp_path):
   model = save_tiny_model(family, str(tmp_path))
   engine = build_engine(str(tmp_path), engine_config(max_num_batched_tokens=batched))
