@@ -57,6 +57,9 @@ LOGICAL_AXIS_RULES: Rules = {
     # Qwen3-Next blocks (serving/models/qwen3_next.py): the sub-layer axis of a block's
     # weights, linear-attention columns grouped per key head, the shared expert's columns.
     "sublayer": None,
+    "conv_tap": None,  # the linear layers' conv kernel taps
+    "lin_head_dim": None,  # a value head's dims (the gated norm's weight)
+    "gate_out": None,  # the shared expert gate's one output
     "lin_heads": "tp",
     "shared_mlp": "tp",
 }
@@ -101,10 +104,10 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "lin_z": ("sublayer", "embed", "lin_heads"),
     "lin_b": ("sublayer", "embed", "lin_heads"),
     "lin_a": ("sublayer", "embed", "lin_heads"),
-    "lin_conv": ("sublayer", None, "lin_heads"),
+    "lin_conv": ("sublayer", "conv_tap", "lin_heads"),
     "lin_dt_bias": ("sublayer", "lin_heads"),
     "lin_a_log": ("sublayer", "lin_heads"),
-    "lin_norm": ("sublayer", None),
+    "lin_norm": ("sublayer", "lin_head_dim"),
     "lin_out": ("sublayer", "lin_heads", "embed"),
     "sub_attn_norm": ("sublayer", "embed"),
     "sub_mlp_norm": ("sublayer", "embed"),
@@ -115,7 +118,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "sub_ws_gate": ("sublayer", "embed", "shared_mlp"),
     "sub_ws_up": ("sublayer", "embed", "shared_mlp"),
     "sub_ws_down": ("sublayer", "shared_mlp", "embed"),
-    "sub_ws_router": ("sublayer", "embed", None),
+    "sub_ws_router": ("sublayer", "embed", "gate_out"),
     "sub_w_gate": ("sublayer", "embed", "mlp"),
     "sub_w_up": ("sublayer", "embed", "mlp"),
     "sub_w_down": ("sublayer", "mlp", "embed"),

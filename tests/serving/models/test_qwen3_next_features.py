@@ -131,3 +131,17 @@ def test_qwen3_5_multimodal_checkpoints_load_the_language_model_only():
   [(key, index, value)] = qwen3_next.hf_tensors(
       cfg, "model.language_model.layers.5.linear_attn.in_proj_b.weight", b)
   assert (key, index) == ("lin_b", (1, 1)) and np.array_equal(value, b.T)
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_every_param_has_logical_axes_of_its_rank(experts):
+  from serving.models.layout import param_shapes
+  from sharding import rules
+
+  cfg = qwen3_next.config_from_hf({**RAW, "num_experts": experts, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 8,
+                                   "shared_expert_intermediate_size": 8})
+  shapes = param_shapes(cfg)
+  for key, shape in shapes["layers"].items():
+    assert len(rules.PARAM_AXES[key]) + 1 == len(shape), key
+  assert set(rules.LOGICAL_AXIS_RULES) >= {n for a in rules.PARAM_AXES.values() for n in a}
