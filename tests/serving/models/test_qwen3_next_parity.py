@@ -37,11 +37,13 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,batched", [("qwen3_next", 32), ("qwen3_next_dense", 32),
-                                            ("qwen3_next", 256), ("qwen3_5", 32)])
-def test_qwen3_next_matches_transformers(family, batched, tmp_path):
+@pytest.mark.parametrize("family,options", [
+    ("qwen3_next", {}), ("qwen3_next_dense", {}), ("qwen3_5", {}),
+    ("qwen3_next", dict(max_num_batched_tokens=256)),  # whole prompts: 2 blocks of 64
+    ("qwen3_next", dict(unroll_layers=True, num_decode_steps=4))])  # per-block dicts
+def test_qwen3_next_matches_transformers(family, options, tmp_path):
   model = save_tiny_model(family, str(tmp_path))
-  engine = build_engine(str(tmp_path), engine_config(max_num_batched_tokens=batched))
+  engine = build_engine(str(tmp_path), engine_config(**options))
   params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
   batch = prompts()
   assert_matches_torch(model, batch, run_requests(engine, batch, params), NUM_TOKENS,
