@@ -28,9 +28,10 @@ def load_params(files: Any, cfg: ModelConfig, dtype: Any = np.float32) -> Params
   params["layers"] = {k: np.empty(s, dt) for k, s in shapes["layers"].items()}
   if cfg.tie_word_embeddings:
     params.pop("lm_head", None)
-  filled = {k: np.zeros(s[:_index_dims(k, top=k != "layers" and k in shapes)], bool)
-            for k, s in {**{k: v for k, v in shapes.items() if k != "layers"},
-                         **shapes["layers"]}.items() if k in params or k in params["layers"]}
+  # Which slices of each leaf a tensor has written: () for a top-level leaf, (G,) or
+  # (G, J[, E]) for a layer leaf (`_INDEX_DIMS`).
+  filled = {k: np.zeros((), bool) for k in params if k != "layers"}
+  filled.update({k: np.zeros(s[:_index_dims(k)], bool) for k, s in shapes["layers"].items()})
   for name, read in files:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
       continue
@@ -45,14 +46,13 @@ def load_params(files: Any, cfg: ModelConfig, dtype: Any = np.float32) -> Params
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
                          f"expected {leaf[index].shape} for {key!r}")
       leaf[index] = value
-      filled[key][index] = True
+      filled[key][index] = True  # a fused experts tensor fills (block, sub-layer, every expert)
   missing = sorted(k for k, f in filled.items() if not f.all())
   if missing:
     raise ValueError(f"qwen3_next checkpoint is missing tensors for {missing}")
   return params
 
 
-def _index_dims(key: str, top: bool) -> int:
-  if top:
-    return 0
+def _index_dims(key: str) -> int:
+  """Leading axes of layer leaf `key` that one checkpoint tensor indexes."""
   return next((n for p, n in _INDEX_DIMS.items() if key.startswith(p)), 1)

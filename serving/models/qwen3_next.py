@@ -285,6 +285,12 @@ def hf_tensors(cfg: ModelConfig, name: str, tensor: np.ndarray
   g, j = divmod(i, per)
   if em := _EXPERT_RE.fullmatch(rest):
     return [(f"sub_we_{em.group(2)}", (g, j, int(em.group(1))), tensor.T)]
+  if rest == "mlp.experts.gate_up_proj":  # fused (transformers 5 in memory): [E, 2M, D]
+    gate, up = np.split(tensor, 2, axis=1)
+    return [("sub_we_gate", (g, j), gate.transpose(0, 2, 1)),
+            ("sub_we_up", (g, j), up.transpose(0, 2, 1))]
+  if rest == "mlp.experts.down_proj":  # fused: [E, D, M]
+    return [("sub_we_down", (g, j), tensor.transpose(0, 2, 1))]
   if rest in _PLAIN:
     key, transpose = _PLAIN[rest]
     index = (g,) if not key.startswith(("sub_", "lin_")) else (g, j)

@@ -145,3 +145,18 @@ def test_every_param_has_logical_axes_of_its_rank(experts):
   for key, shape in shapes["layers"].items():
     assert len(rules.PARAM_AXES[key]) + 1 == len(shape), key
   assert set(rules.LOGICAL_AXIS_RULES) >= {n for a in rules.PARAM_AXES.values() for n in a}
+
+
+def test_the_loader_takes_fused_experts_and_names_a_missing_tensor(tiny):
+  from checkpoints import hf_qwen3_next
+
+  loaded, model = tiny
+  state = {k: v.detach().numpy() for k, v in model.state_dict().items()}  # fused experts
+  assert "model.layers.0.mlp.experts.gate_up_proj" in state
+  files = [(k, lambda v=v: v) for k, v in state.items()]
+  params = hf_qwen3_next.load_params(files, loaded.config)
+  for key, leaf in params["layers"].items():
+    np.testing.assert_array_equal(leaf, loaded.params["layers"][key], err_msg=key)
+  with pytest.raises(ValueError, match="missing tensors for \\['lin_conv'\\]"):
+    hf_qwen3_next.load_params([f for f in files if f[0] != "model.layers.5.linear_attn.conv1d"
+                               ".weight"], loaded.config)
