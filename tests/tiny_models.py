@@ -38,6 +38,12 @@ PHI3_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + 
 _GEMMA = {**_COMMON, "tie_word_embeddings": True, "eos_token_id": [257, 259], "head_dim": 16,
           "sliding_window": 8, "query_pre_attn_scalar": 24, "initializer_range": 0.1}
 
+_QWEN3_NEXT = {**_COMMON, "num_hidden_layers": 8, "head_dim": 16, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4, "num_experts": 4,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32}
+
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
     "llama3": lambda: transformers.LlamaConfig(**{**_COMMON, "rope_theta": 500000.0}, rope_scaling={
@@ -83,11 +89,22 @@ FAMILIES = {
         **{**_GEMMA, "num_hidden_layers": 6}, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}),
+    # Qwen3-Next: blocks of 3 Gated DeltaNet layers then 1 gated full-attention layer
+    # (2 blocks), 2 key / 4 value heads in the linear layers, RoPE on a quarter of each
+    # head; MoE with a shared expert, or a dense MLP.
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**_QWEN3_NEXT),
+    "qwen3_next_dense": lambda: transformers.Qwen3NextConfig(**{**_QWEN3_NEXT,
+                                                                "num_experts": 0}),
+    # Qwen3.5 text: the same blocks, separate linear projections, dense MLP.
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**{
+        k: v for k, v in _QWEN3_NEXT.items() if "expert" not in k}),
 }
 # The families the model-independent sweeps (LoRA parity, draft-model speculation) run
 # over: each family's code path once (gemma2 shares gemma3's, phi3_mini phi3's; their own
 # parity and feature tests cover what differs).
-SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini"}))
+# Qwen3-Next's linear-attention state slots refuse LoRA and speculation.
+SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini", "qwen3_next",
+                                               "qwen3_next_dense", "qwen3_5"}))
 # Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).

@@ -104,6 +104,12 @@ class LLMEngine:
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
     self.lora_loader = lora_loader
+    if runner.state_slots and config.cache.enable_prefix_caching:
+      # A cached prefix's pages hold the full-attention layers' K/V, not the linear
+      # layers' states at that position (serving/runner/state_cache.py).
+      log.info("prefix caching off: the model's linear-attention layers keep per-sequence "
+               "states that cached pages do not hold")
+      config = self.config = config.replace(enable_prefix_caching=False)
     self.allocator = PageAllocator(runner.num_pages, config.cache.page_size,
                                    config.cache.enable_prefix_caching)
     group = runner.window_group  # a hybrid model's sliding-window layers: their own pages

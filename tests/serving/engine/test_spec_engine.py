@@ -175,6 +175,7 @@ class _Recording:
     self.runner, self.plans = runner, plans
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.window_group = runner.window_group
+    self.state_slots = runner.state_slots
 
   def __getattr__(self, name):
     return getattr(self.runner, name)
