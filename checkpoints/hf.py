@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
+from checkpoints import hf_qwen3_next
 from checkpoints.layout import Params, ParamsBuilder
-from serving.models import deepseek, gemma, phi3
+from serving.models import deepseek, gemma, phi3, qwen3_next
 from serving.models.model_config import ModelConfig
 
 _TOP_LEVEL = {
@@ -117,6 +118,8 @@ def load_hf_config(path: str) -> tuple[dict[str, Any], ModelConfig]:
 
 def load_hf_params(path: str, cfg: ModelConfig, dtype: Any = np.float32) -> Params:
   """Streams the safetensors weights of `path` into the params tree."""
+  if cfg.family == qwen3_next.FAMILY:  # its blocks gather several HF layers
+    return hf_qwen3_next.load_params(iter_safetensors(path), cfg, dtype)
   builder = ParamsBuilder(cfg, dtype)
   for name, read in iter_safetensors(path):
     put_tensor(builder, cfg, name, read)

@@ -55,6 +55,14 @@ LOGICAL_AXIS_RULES: Rules = {
     "lora_slot": None,  # S, resident LoRA adapters
     "lora_rank": None,  # R, the slots' LoRA rank
     "latent": None,  # MLA's q / kv LoRA ranks (the latent cache is replicated)
+    # Qwen3-Next blocks (serving/models/qwen3_next.py): the sub-layer axis of a block's
+    # weights, linear-attention columns grouped per key head, the shared expert's columns.
+    "sublayer": None,
+    "conv_tap": None,  # the linear layers' conv kernel taps
+    "lin_head_dim": None,  # a value head's dims (the gated norm's weight)
+    "gate_out": None,  # the shared expert gate's one output
+    "lin_heads": "tp",
+    "shared_mlp": "tp",
 }
 
 # Logical axes of every params leaf, without the leading "layers" axis.
@@ -99,6 +107,31 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "kv_a_norm": ("latent",),
     "w_uk": ("latent", "heads"),
     "w_uv": ("latent", "heads"),
+    # Qwen3-Next (a block: J linear-attention layers, then a gated full-attention layer;
+    # `sub_*` leaves have one entry per layer of the block).
+    "wq_gate": ("embed", "heads"),
+    "lin_qkv": ("sublayer", "embed", "lin_heads"),
+    "lin_z": ("sublayer", "embed", "lin_heads"),
+    "lin_b": ("sublayer", "embed", "lin_heads"),
+    "lin_a": ("sublayer", "embed", "lin_heads"),
+    "lin_conv": ("sublayer", "conv_tap", "lin_heads"),
+    "lin_dt_bias": ("sublayer", "lin_heads"),
+    "lin_a_log": ("sublayer", "lin_heads"),
+    "lin_norm": ("sublayer", "lin_head_dim"),
+    "lin_out": ("sublayer", "lin_heads", "embed"),
+    "sub_attn_norm": ("sublayer", "embed"),
+    "sub_mlp_norm": ("sublayer", "embed"),
+    "sub_router": ("sublayer", "embed", "router_out"),
+    "sub_we_gate": ("sublayer", "expert", "embed", "expert_mlp"),
+    "sub_we_up": ("sublayer", "expert", "embed", "expert_mlp"),
+    "sub_we_down": ("sublayer", "expert", "expert_mlp", "embed"),
+    "sub_ws_gate": ("sublayer", "embed", "shared_mlp"),
+    "sub_ws_up": ("sublayer", "embed", "shared_mlp"),
+    "sub_ws_down": ("sublayer", "shared_mlp", "embed"),
+    "sub_ws_router": ("sublayer", "embed", "gate_out"),
+    "sub_w_gate": ("sublayer", "embed", "mlp"),
+    "sub_w_up": ("sublayer", "embed", "mlp"),
+    "sub_w_down": ("sublayer", "mlp", "embed"),
 }
 KV_CACHE_AXES = ("cache_pages", "page", "kv_heads", "head_dim")  # [L*P, page_size, K, H]
 
@@ -123,6 +156,8 @@ def resolve_rules(cfg: ModelConfig, mesh) -> Rules:
   else:
     # Whole heads per device, and query and KV heads split alike (GQA groups stay local).
     keep_if(("heads", "kv_heads", "q_heads"), cfg.num_heads, cfg.num_kv_heads)
+  keep_if(("lin_heads",), cfg.linear_num_key_heads)  # whole key-head groups per device
+  keep_if(("shared_mlp",), cfg.shared_expert_intermediate_size)
   if cfg.is_moe:
     keep_if(("expert",), cfg.num_experts)
     keep_if(("expert_mlp",), cfg.moe_intermediate_size)

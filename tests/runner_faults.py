@@ -46,6 +46,7 @@ class FaultyRunner:
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.window_group = runner.window_group
+    self.state_slots = runner.state_slots
     self.fail_request, self.fail_steps = fail_request, fail_steps
     self.block_steps, self.block_request = set(block_steps), block_request
     self.dead_from, self.dead_request = dead_from, dead_request

@@ -43,6 +43,11 @@ _DEEPSEEK = dict(**{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}
                  v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_group=4,
                  topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32,
                  n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+_QWEN3_NEXT = {**_COMMON, "num_hidden_layers": 8, "head_dim": 16, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4, "num_experts": 4,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32}
 
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
@@ -100,13 +105,25 @@ FAMILIES = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 256, "beta_fast": 32.0,
                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    # Qwen3-Next: blocks of 3 Gated DeltaNet layers then 1 gated full-attention layer
+    # (2 blocks), 2 key / 4 value heads in the linear layers, RoPE on a quarter of each
+    # head; MoE with a shared expert, or a dense MLP.
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**_QWEN3_NEXT),
+    "qwen3_next_dense": lambda: transformers.Qwen3NextConfig(**{**_QWEN3_NEXT,
+                                                                "num_experts": 0}),
+    # Qwen3.5 text: the same blocks, separate linear projections, dense MLP.
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**{
+        k: v for k, v in _QWEN3_NEXT.items() if "expert" not in k}),
 }
 # The families the model-independent sweeps (LoRA parity, draft-model speculation) run
 # over: each family's code path once (gemma2 shares gemma3's, phi3_mini phi3's; their own
 # parity and feature tests cover what differs).
-# DeepSeek (MLA) has its own tests: no LoRA on its projections, no draft-model pairing.
+# Families with their own tests only: DeepSeek (MLA: no LoRA on its projections, no
+# draft-model pairing); Qwen3-Next's linear-attention state slots refuse LoRA and
+# speculation.
 SWEEP_FAMILIES = tuple(sorted(set(FAMILIES) - {"gemma2", "phi3_mini", "deepseek_v3",
-                                               "deepseek_v3_yarn"}))
+                                               "deepseek_v3_yarn", "qwen3_next",
+                                               "qwen3_next_dense", "qwen3_5"}))
 # Parameters (name fragment -> noise scale) `save_tiny_model` randomises, so the tests
 # exercise them: norms everywhere; GPT-OSS's zero-initialised biases and its sinks
 # (large enough to take a real share of each softmax).

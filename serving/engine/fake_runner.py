@@ -21,6 +21,14 @@ tests exercise the same contract a real runner relies on:
     twice, or handed to another sequence while still read raises `FakeKVError`
     as well, and so does a read through the dummy page 0;
   * per decode slot, the last sampled token (the next decode's input);
+  * with `state_slots` (a model with linear-attention layers, whose per-sequence
+    states live in the decode slot: serving/runner/state_cache.py), per slot the
+    request and the tokens folded into its state: a sequence's first chunk
+    (position 0) takes the slot over, every later chunk or decode token must find
+    the slot holding its own request and exactly its positions before it, so a
+    slot read by another sequence, a chunk resuming mid-sequence on a fresh slot
+    (e.g. from a prefix-cache hit) or a state a failed step left half-updated and
+    then resumed raises `FakeKVError`;
   * `export_pages` / `import_pages` copy pool entries between two runners
     (disaggregated serving), so a page imported into the wrong place, or
     never imported, fails the same check;
@@ -90,8 +98,11 @@ class FakeRunner:
 
   def __init__(self, *, num_pages: int, page_size: int, max_num_seqs: int,
                vocab_size: int = 32000, step_s: float = 0.0,
-               window_group: WindowGroup | None = None):
+               window_group: WindowGroup | None = None, state_slots: bool = False):
     self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
+    self.state_slots = state_slots
+    # Per decode slot with state_slots: (request id, tokens folded into the slot's state).
+    self.slot_states: list[tuple[str, list[int]] | None] = [None] * (max_num_seqs + 1)
     self.step_s = step_s
     self.window_group = window_group
     self.kv: list[list[tuple[int, int] | None]] = [[None] * page_size
@@ -191,6 +202,7 @@ class FakeRunner:
     seq, known = chunk.seq, chunk.seq.token_ids()
     for pos in range(chunk.start, chunk.end):
       self._write(seq, pos, known[pos])
+      self._fold_state(seq, pos, known[pos])
     self._check_window(seq, chunk.start, chunk.end, [])
     if not chunk.sample:
       return None
@@ -205,12 +217,30 @@ class FakeRunner:
     known = len(seq.token_ids()) == row.position + 1
     for j in range(row.num_steps):
       self._write(seq, row.position + j, self.last_tokens[seq.decode_slot])
+      self._fold_state(seq, row.position + j, self.last_tokens[seq.decode_slot])
       run.append(self._sample(seq, row.position + 1 + j,
                               [t.token_id for t in run] if known else ()))
     return run
 
+  def _fold_state(self, seq: Sequence, pos: int, token: int) -> None:
+    """With state slots: the token at `pos` updates the sequence's slot state, which must
+    hold this request's positions [0, pos) (position 0 takes the slot over)."""
+    if not self.state_slots:
+      return
+    slot, rid = seq.decode_slot, seq.request_id
+    if pos == 0:
+      self.slot_states[slot] = (rid, [])
+    owner, folded = self.slot_states[slot] or (None, [])
+    expected = seq.token_ids()[:pos]
+    if owner != rid or len(folded) != pos or folded[:len(expected)] != expected:
+      raise FakeKVError(f"{rid}: state slot {slot} holds {owner!r} after {len(folded)} "
+                        f"tokens, but position {pos} needs this request's first {pos}")
+    folded.append(token)
+
   def _write_drafts(self, row: DecodeRow) -> list[int]:
     """A speculative row's forward: writes its token and drafts; returns the drafts."""
+    if self.state_slots:
+      raise FakeKVError(f"{row.seq.request_id}: a speculative step on a state-slot model")
     seq, p = row.seq, row.position
     drafts = list(row.drafts) if row.drafts else self._device_drafts(seq, p, row.num_drafts)
     for j, token in enumerate([self.last_tokens[seq.decode_slot]] + drafts):

@@ -104,6 +104,12 @@ class LLMEngine:
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
     self.lora_loader = lora_loader
+    if runner.state_slots and config.cache.enable_prefix_caching:
+      # A cached prefix's pages hold the full-attention layers' K/V, not the linear
+      # layers' states at that position (serving/runner/state_cache.py).
+      log.info("prefix caching off: the model's linear-attention layers keep per-sequence "
+               "states that cached pages do not hold")
+      config = self.config = config.replace(enable_prefix_caching=False)
     self.allocator = PageAllocator(runner.num_pages, config.cache.page_size,
                                    config.cache.enable_prefix_caching)
     group = runner.window_group  # a hybrid model's sliding-window layers: their own pages
@@ -422,7 +428,13 @@ class LLMEngine:
   def _take_run(self, seq: Sequence, run: list) -> None:
     """Feeds a step's tokens of one request (the scheduler appended them) to its grammar
     and output; a stop string or a complete grammar ends the request there, dropping
-    the run's later tokens."""
+    the run's later tokens.
+
+    The grammar follows every token of the run, also when the scheduler has already
+    finished the request at the run's last one (EOS, a stop id, max_tokens): a
+    speculative run can complete the grammar before that token (a kept draft, then an
+    EOS the grammar allows), and the request then ends where the grammar completed.
+    """
     for i, sampled in enumerate(run):
       complete = self._follow_grammar(seq, sampled.token_id)
       if self.outputs.on_token(seq, sampled) or complete:
@@ -430,6 +442,8 @@ class LLMEngine:
         if seq.finish_reason is None:
           self.scheduler.finish(seq, "stop")
         else:  # the run went on to a later stop condition: this one came first
+          if i < len(run) - 1 and seq.stop_reason == run[-1].token_id:
+            seq.stop_reason = None  # the stop id is dropped with the run's tail
           seq.finish_reason = "stop"
         return
 
@@ -449,7 +463,7 @@ class LLMEngine:
     """Advances the sequence's output grammar by its new token; True once the grammar
     is complete (the output is whole: the request stops). Raises ValueError for a token
     the grammar refuses (the request then fails)."""
-    if seq.grammar is None or seq.finish_reason is not None:
+    if seq.grammar is None:
       return False
     if not seq.grammar.accept(token):
       raise ValueError(f"token {token} violates the output constraint "

@@ -45,6 +45,9 @@ class Runner(Protocol):
   # A hybrid model's sliding-window layers' own page group (None: every layer uses the
   # `num_pages` pages; docs/engine.md, "Hybrid attention").
   window_group: WindowGroup | None
+  # Linear-attention layers: each running sequence's states sit in its decode slot
+  # (serving/runner/state_cache.py); the engine then serves no prefix-cache hits.
+  state_slots: bool
   vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
 
   def warm_up(self) -> int:

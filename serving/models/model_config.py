@@ -165,6 +165,19 @@ class ModelConfig:
   swiglu_limit: float = 7.0
   # Multi-head latent attention (DeepSeek-V2/V3): a latent KV cache; None elsewhere.
   mla: MlaConfig | None = None
+  # Gated DeltaNet linear attention (serving/models/qwen3_next.py): each of the
+  # num_layers blocks is `linear_layers_per_block` linear-attention layers, then one
+  # full-attention layer (0: no linear layers). Their per-sequence states live in the
+  # runner's state slots (serving/runner/state_cache.py); prefill runs the chunked rule
+  # over blocks of `linear_chunk_size` tokens.
+  linear_layers_per_block: int = 0
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 0
+  linear_chunk_size: int = 64
+  shared_expert_intermediate_size: int = 0  # MoE shared expert (0: none)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -182,6 +195,19 @@ class ModelConfig:
     if self.moe_activation not in MOE_ACTIVATIONS:
       raise ValueError(f"unsupported moe_activation {self.moe_activation!r} (supported: "
                        f"{MOE_ACTIVATIONS})")
+
+  @property
+  def has_state_slots(self) -> bool:
+    """Linear-attention layers: every running sequence needs a state slot."""
+    return self.linear_layers_per_block > 0
+
+  def state_bytes_per_sequence(self) -> int:
+    """Bytes of one sequence's linear-attention states (float32 conv inputs and
+    recurrent states) over every linear layer."""
+    nk, nv = self.linear_num_key_heads, self.linear_num_value_heads
+    dk, dv = self.linear_key_head_dim, self.linear_value_head_dim
+    conv = (self.linear_conv_kernel - 1) * (2 * nk * dk + nv * dv)
+    return 4 * self.num_layers * self.linear_layers_per_block * (conv + nv * dk * dv)
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of layer `layer` (None: full attention)."""

@@ -45,6 +45,9 @@ FAMILIES = (
     Family("gemma", architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
            model_types=("gemma2", "gemma3_text"), gguf_architectures=("gemma2", "gemma3")),
     Family("deepseek", architectures=("DeepseekV3ForCausalLM",), model_types=("deepseek_v3",)),
+    Family("qwen3_next", architectures=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                                        "Qwen3_5ForConditionalGeneration"),
+           model_types=("qwen3_next", "qwen3_5_text", "qwen3_5")),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -54,6 +54,7 @@ from serving.runner.kv_cache import (
   window_group_pages,
   write_pages,
 )
+from serving.runner.state_cache import check_engine, create_state_slots
 from serving.runner.steps import (
   DecodeInput,
   DeviceState,
@@ -90,6 +91,8 @@ def capacity_pages(model_cfg: ModelConfig, config: EngineConfig,
   if draft_cfg is not None:
     group_bytes[0] += config.cache.page_size * kv_bytes_per_token(draft_cfg, kv_dtype)
   budget = _kv_budget(config)
+  # Linear-attention state slots (state_cache.py) come out of the same budget.
+  budget -= (config.scheduler.max_num_seqs + 1) * model_cfg.state_bytes_per_sequence()
   cap = config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
   pages = min(_pages_within(budget, group_bytes, model_cfg, config), cap)
   if pages < config.max_pages_per_seq + 1:
@@ -178,6 +181,8 @@ class ModelRunner:
     / `import_pages` too (a disaggregated prefill or decode worker,
     serving/engine/disaggregated.py)."""
     ec, cfg, placement = weights.engine_cfg, weights.model_cfg, weights.placement
+    check_engine(cfg, ec)  # before anything is placed
+    self.state_slots = cfg.has_state_slots  # linear-attention states per decode slot
     self.kv_transfer = kv_transfer
     self.mesh = weights.mesh  # sharded when tp*ep*dp*pp > 1 or a mesh was given
     self.source_cfg = weights.source_cfg  # before tp repeats KV heads: what adapters must fit
@@ -270,7 +275,8 @@ class ModelRunner:
                            kv_sharding, self.kv_layout),
         last_tokens=jnp.zeros((slots,), jnp.int32),
         prompt_mask=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
-        output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32))
+        output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
+        states=create_state_slots(cfg, slots))
     if placement is None:
       return state
     rest = placement.replicate(dataclasses.replace(state, kv=None))
@@ -709,8 +715,21 @@ class ModelRunner:
                 f"max concurrency at max_model_len={c.scheduler.max_model_len}: "
                 f"{tokens / c.scheduler.max_model_len:.1f} requests",
                 f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "
-                f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"):
+                f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"
+                + self._state_note()):
       print(msg, file=sys.stderr, flush=True)  # not logged too: the launcher shows logs on stderr
+
+
+  def _state_note(self) -> str:
+    """The capacity line's linear-attention state slots (state_cache.py), if any."""
+    cfg = self.model_cfg
+    if not cfg.has_state_slots:
+      return ""
+    per_seq, states = cfg.state_bytes_per_sequence(), self.state.states
+    total = states.conv.nbytes + states.rec.nbytes
+    layers = cfg.num_layers * cfg.linear_layers_per_block
+    return (f"; linear-attention state {per_seq} B/sequence ({layers} layers) x "
+            f"{states.conv.shape[0]} slots ({total / 2**20:.2f} MiB)")
 
 
 def _load_threads() -> int:

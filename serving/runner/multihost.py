@@ -61,6 +61,7 @@ class LeaderRunner:
     self.runner = runner
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.window_group = runner.window_group
+    self.state_slots = runner.state_slots
 
   def warm_up(self) -> int:
     return self.runner.warm_up()

@@ -24,7 +24,7 @@ import sharding
 from serving.models import causal_lm
 from serving.models.lora import LoraBatch
 from serving.models.model_config import ModelConfig
-from serving.runner import attention, mla_attention, native_decode, sampling
+from serving.runner import attention, mla_attention, native_decode, sampling, state_cache
 from serving.runner.kv_cache import NO_WINDOW, KVCache, layer_pages, write_kv
 from serving.types import MAX_LOGPROBS
 
@@ -36,6 +36,8 @@ class DeviceState:
   last_tokens: jax.Array  # [R+1] int32: each decode slot's latest sampled token (R: dummy)
   prompt_mask: jax.Array  # [R+1, V] bool: token occurs in the slot's prompt
   output_counts: jax.Array  # [R+1, V] int32: times the slot generated each token
+  # Linear-attention models: each slot's conv / recurrent states (state_cache.py).
+  states: state_cache.StateSlots | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -208,6 +210,8 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
       window = None if x.shape[0] == total else (start, total)
     offset = sharding.layer_offset(layers)
     attend = attend_fn(backend, cfg, kind, meta, block_tokens, window, offset)
+    if cfg.has_state_slots:  # kv is a StateCarry: the layers' states with the pool
+      attend = state_cache.carry_attend(attend)
     return causal_lm.run_layers(layers, cfg, x, positions, kv, attend,
                                 experts_fn=sharding.expert_parallel(cfg),
                                 lora=lora_batch(lora, lora_rows), layer_offset=offset)
@@ -245,9 +249,16 @@ def prefill_step(params, lora, state: DeviceState, inp: PrefillInput, *, cfg: Mo
 
   `lora`: the runner's LoRA slots (lora_state.py), or None when LoRA is off.
   """
-  hidden, kv = model_forward(params, lora, state.kv, inp.tokens, inp.positions, inp.lora_rows,
+  kv = state.kv
+  if state.states is not None:
+    kv = state_cache.prefill_carry(kv, state.states, cfg, inp.decode_slots, inp.cu_q_lens,
+                                   inp.reset)
+  hidden, kv = model_forward(params, lora, kv, inp.tokens, inp.positions, inp.lora_rows,
                              prefill_meta(inp), "prefill", cfg=cfg, backend=backend,
                              act_dtype=act_dtype, block_tokens=block_tokens)
+  if state.states is not None:
+    kv, states = state_cache.split(kv)
+    state = dataclasses.replace(state, states=states)
   logits = causal_lm.logits(params, cfg, hidden[inp.sample_rows])
   # Penalty state of the chunks' slots: cleared on a first chunk, then fed by the tokens.
   valid = jnp.arange(inp.tokens.shape[0]) < inp.cu_q_lens[-1]
@@ -269,9 +280,15 @@ def decode_step(params, lora, state: DeviceState, inp: DecodeInput, *, cfg: Mode
   tokens = state.last_tokens[inp.decode_slots]
   meta = with_window(dict(kv_index=inp.kv_index, block_tables=inp.block_tables,
                           seq_lens=inp.seq_lens), inp)
-  hidden, kv = model_forward(params, lora, state.kv, tokens, inp.positions, inp.lora_slots,
+  kv = state.kv
+  if state.states is not None:
+    kv = state_cache.decode_carry(kv, state.states, cfg, inp.decode_slots)
+  hidden, kv = model_forward(params, lora, kv, tokens, inp.positions, inp.lora_slots,
                              meta, "decode", cfg=cfg, backend=backend, act_dtype=act_dtype,
                              block_tokens=block_tokens)
+  if state.states is not None:
+    kv, states = state_cache.split(kv)
+    state = dataclasses.replace(state, states=states)
   return dataclasses.replace(state, kv=kv), causal_lm.logits(params, cfg, hidden)
 
 

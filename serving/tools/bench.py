@@ -196,6 +196,7 @@ class StepTimer:
     self.runner, self.totals, self.steps = runner, dict.fromkeys(self.PARTS, 0.0), 0
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.window_group = runner.window_group
+    self.state_slots = runner.state_slots
 
   def warm_up(self) -> int:
     return self.runner.warm_up()

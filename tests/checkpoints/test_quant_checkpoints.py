@@ -1,5 +1,6 @@
 """Quantized checkpoints: GGUF blocks as QuantizedWeights, orbax round trip, convert."""
 
+import dataclasses
 from unittest import mock
 
 import gguf
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from ckpt_testutil import tiny_model
 
+import kernels_cpu
 from checkpoints import gguf as gguf_io
 from checkpoints import load_hf_dir, load_orbax, load_quantized, quantizers, save_orbax
 from checkpoints.layout import LoadedModel
@@ -148,12 +150,12 @@ def write_quantized_gguf(model, path: str, arch: str, block_type) -> None:
   w.close()
 
 
-def _runner_logits(loaded, tokens):
+def _runner_logits(loaded, tokens, **engine):
   from quant_testutil import eval_config, teacher_forced_logits
 
   from serving.runner.model_runner import ModelRunner
 
-  ec = eval_config(max_model_len=64, num_pages=8, max_num_batched_tokens=64)
+  ec = eval_config(max_model_len=64, num_pages=8, max_num_batched_tokens=64, **engine)
   return teacher_forced_logits(ModelRunner.from_params(loaded.params, loaded.config, ec), tokens)
 
 
@@ -190,10 +192,26 @@ def test_mixed_k_quant_file_served_as_stored(tmp_path):
   assert [lp["wv"].kind for lp in layers] == ["int4", "int5"]
   assert kept.params["lm_head"].kind == "int6" and kept.params["embed"].kind == "int8"
   tokens = np.arange(3, 60, dtype=np.int32) % model.config.vocab_size
-  got, want = _runner_logits(kept, tokens), _runner_logits(load_gguf(path), tokens)
+  want = _runner_logits(load_gguf(path), tokens)
+  got = _runner_logits(kept, tokens, cpu_activation_bits=32)
   # Same weights; the per-layer (unrolled) and scanned forwards sum in other orders.
   np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
   assert (got.argmax(-1) == want.argmax(-1)).all()
+  # The K-quants' integer tiles (marked by hand: `with_activation_bits` keeps K-quants on
+  # the float tiles), activations rounded to 16 bits in a 57-row prefill: off by the
+  # rounding, 2^-16 of each group's largest, grown through the layers of these large
+  # random weights (logits span ~280; measured 6e-4 of it, and 2.7e-3 for the same
+  # weights as Q8_0 blocks on their integer tiles).
+  marked = jax.tree.map(
+      lambda w: (dataclasses.replace(w, activation_bits=16)
+                 if quant.is_quantized(w) and quant.kquant_format(w) else w),
+      kept.params, is_leaf=quant.is_quantized)
+  assert marked["lm_head"].activation_bits == 16
+  rounded = _runner_logits(dataclasses.replace(kept, params=marked), tokens)
+  if kernels_cpu.library.vnni():  # the integer tiles ran
+    assert not np.array_equal(rounded, got)
+  assert np.abs(rounded - want).max() < 2e-3 * np.abs(want).max()
+  assert (rounded.argmax(-1) == want.argmax(-1)).all()
   # int4 keeps only the Q4_K tensors; the others are re-quantized by the runner.
   int4 = load_quantized(path, "int4").params["layers"]  # per layer: w_down Q6_K, Q4_K
   assert quant.is_quantized(int4[0]["wq"]) and int4[0]["wq"].super_size == 256

@@ -81,11 +81,12 @@ def _rounded(x: np.ndarray, bits: int) -> np.ndarray:
 
 @needs_vnni
 @pytest.mark.parametrize("fmt", list(K_TYPES))
-@pytest.mark.parametrize("rows", [1, 8, 13])
+@pytest.mark.parametrize("rows", [1, 8, 13, 14, 33, 64])
 @pytest.mark.parametrize("bits", [8, 16])
 def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   """Exactly `rounded(x) @ W` up to float32 sums; from the exact product by the
-  activations' rounding (under 2% of the output range with 8 bits, 256x less with 16)."""
+  activations' rounding (under 2% of the output range with 8 bits, 256x less with 16).
+  Rows past one tile of 8 and past the call's row blocks of 32 (prefill chunks) too."""
   in_dim = 768
   qw = _weight(fmt, 72, in_dim, seed=bits)
   x = _x(rows, in_dim, seed=rows)

@@ -153,6 +153,21 @@ def test_constrained_requests_speculate_within_their_grammar(default_tokenizer, 
     assert not any(drafts for _, drafts in with_grammar)
 
 
+@pytest.mark.parametrize("stop", [{}, dict(stop_token_ids=[2])], ids=["eos", "stop_id"])
+def test_a_grammar_completed_inside_a_run_ends_the_request_there(default_tokenizer, stop):
+  """The prompt is the whole output, then EOS (2): the first speculative step keeps drafts
+  that complete the grammar and then the EOS it allows. The request ends where the grammar
+  completed, without the EOS (or a stop reason from it), as without speculation."""
+  ids = default_tokenizer.encode("yes no yes", add_special_tokens=False) + [2]
+  reqs = [("c", ids, SamplingParams(max_tokens=14, temperature=0.0,
+                                    structured_outputs={"regex": "yes no yes"}, **stop))]
+  plans = []
+  got = run(engine_over(default_tokenizer, plans, **METHODS[0]), reqs)
+  assert got == run(engine_over(default_tokenizer, []), reqs)
+  assert got["c"][:4] == (ids[:-1], "yes no yes", "stop", None)
+  assert any(speculative and drafts for speculative, _, drafts in plans)
+
+
 class _Recording:
   """A Runner that notes (speculative?, request ids) of every plan it passes on."""
 
@@ -160,6 +175,7 @@ class _Recording:
     self.runner, self.plans = runner, plans
     self.num_pages, self.vocab_size = runner.num_pages, runner.vocab_size
     self.window_group = runner.window_group
+    self.state_slots = runner.state_slots
 
   def __getattr__(self, name):
     return getattr(self.runner, name)
