@@ -32,6 +32,7 @@
 #include "parallel.h"
 #include "kquant_dot.h"
 #include "quant_dot.h"
+#include "quant_int.h"
 #include "quant_gemm.h"
 #include "quant_dot_avx2.h"
 #include "xla/ffi/api/ffi.h"
@@ -158,8 +159,10 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     });
     return ffi::Error::Success();
   }
-  r->nibble_order = kFmt != kS8;  // only the layout this format's tiles read
-  r->plain_order = kFmt == kS8;
+  // Only the layouts this format's tiles read: the nibble tiles' order (VNNI) and the
+  // input order (Q8_0's VNNI tiles, every format's AMX tiles; quant_int.h).
+  r->nibble_order = kFmt != kS8;
+  r->plain_order = kFmt == kS8 || rows >= kAmxRows;
   const float* xs = x.typed_data();
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
