@@ -176,14 +176,19 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   float* y = out->typed_data();
   // A row's int8 bytes, 16-float lane scales per pair and sums (quant_dot.h).
   const int64_t row_bytes = in * (kLo ? 2 : 1) + (groups / 2) * 64 + groups * 4;
-  const Plan plan = PlanBlocks(rows, out_dim, row_bytes, ThreadLimit(pool));
+  // Row blocks of whole 16-row tiles (the AMX tiles', quant_int.h), up to 256 rows
+  // whose activations fit L2 (each column tile's packed codes meet all of them).
+  const Plan plan = PlanBlocks(rows, out_dim, row_bytes, ThreadLimit(pool), 1 << 20, kAmxRows,
+                               256);
   xlaserve::ParallelFor(pool, plan.items(), [=](int64_t i) {
     const int64_t rb = i / plan.col_parts, cp = i % plan.col_parts;
     const int r0 = static_cast<int>(rb * plan.row_block);
     const int r1 = static_cast<int>(std::min(rows, r0 + plan.row_block));
-    BlockIntColumns<kFmt, kLo>(*r, r0, r1, in, q, s, m, y, out_dim,
-                               out_dim * cp / plan.col_parts,
-                               out_dim * (cp + 1) / plan.col_parts);
+    // Column ranges of whole 16-column tiles (the integer tiles' width).
+    auto edge = [&](int64_t k) {
+      return k == plan.col_parts ? out_dim : out_dim * k / plan.col_parts / 16 * 16;
+    };
+    BlockIntColumns<kFmt, kLo>(*r, r0, r1, in, q, s, m, y, out_dim, edge(cp), edge(cp + 1));
   });
   return ffi::Error::Success();
 }

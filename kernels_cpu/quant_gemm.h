@@ -104,10 +104,11 @@ struct Plan {
 // four per thread where the columns allow (a thread that starts late still finds
 // work, and two threads both work when the rows are few).
 inline Plan PlanBlocks(int64_t rows, int64_t out_dim, int64_t row_bytes, int64_t threads,
-                       int64_t block_bytes = 512 << 10) {
+                       int64_t block_bytes = 512 << 10, int64_t row_multiple = kTileRows,
+                       int64_t max_rows = 64) {
   Plan p;
-  p.row_block = std::clamp<int64_t>(block_bytes / std::max<int64_t>(row_bytes, 1) / kTileRows *
-                                        kTileRows, kTileRows, 64);
+  p.row_block = std::clamp<int64_t>(block_bytes / std::max<int64_t>(row_bytes, 1) /
+                                        row_multiple * row_multiple, row_multiple, max_rows);
   p.row_block = std::min(p.row_block, rows);
   p.row_blocks = (rows + p.row_block - 1) / p.row_block;
   const int64_t want = 4 * threads;

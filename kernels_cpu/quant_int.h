@@ -267,70 +267,94 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void PackColumns(const uint
 }
 
 // One group's stored products (ch: hi bytes', cl: lo bytes') into the 16 rows'
-// accumulators: the epilogue of the module comment (dg: the columns' scales, dx[i *
-// stride]: row i's group scale).
+// accumulators: the epilogue of the module comment (dg: the columns' scales, dx[i]:
+// row i's group scale).
 template <bool kLo>
 __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogue(
     const int32_t (*ch)[16], const int32_t (*cl)[16], const float* dg, const float* dx,
-    int64_t stride, __m512* acc) {
+    __m512* acc) {
   const __m512 d = _mm512_loadu_ps(dg);
   for (int i = 0; i < 16; ++i) {
     __m512i v = _mm512_load_si512(ch[i]);
     if constexpr (kLo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(cl[i]));
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(dx[i * stride])),
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(dx[i])),
                              acc[i]);
   }
 }
 
-// Columns [o, o + 16) x rows [r0, r0 + 16) of `r` (input-order bytes) with AMX:
-// b the columns' PackColumns, dcol / mcol their ColumnValues. Needs AmxConfigure()
-// on this thread.
+// Rows [r0, r0 + 16) of `r` (input-order bytes) as A tiles, contiguous per group
+// (a[g]: 16 rows x 32 hi bytes, then as many lo bytes with kLo), and their group
+// scales dxt[g][16].
+template <bool kLo>
+inline void PackRows(const IntRows& r, int r0, int64_t groups, int8_t* a, float* dxt) {
+  const int64_t in = groups * kGroup;
+  constexpr int64_t kStep = kLo ? 1024 : 512;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < 16; ++i) {
+      std::memcpy(a + g * kStep + i * kGroup, r.hi_plain.data() + (r0 + i) * in + g * kGroup,
+                  kGroup);
+      if (kLo) {
+        std::memcpy(a + g * kStep + 512 + i * kGroup,
+                    r.lo_plain.data() + (r0 + i) * in + g * kGroup, kGroup);
+      }
+      dxt[g * 16 + i] = r.dx_group[(r0 + i) * groups + g];
+    }
+  }
+}
+
+// Columns [o, o + 16) x rows [r0, r0 + 16) of `r` with AMX: a / dxt the rows'
+// PackRows, b the columns' PackColumns, dcol / mcol their ColumnValues. Needs
+// AmxConfigure() on this thread.
 template <Format kFmt, bool kLo>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
-    const IntRows& r, int r0, int64_t groups, const int8_t* b, const float* dcol,
-    const float* mcol, float* out, int64_t out_dim, int64_t o) {
+    const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
+    const int8_t* b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
+    int64_t o) {
   constexpr bool kMin = HasMin(kFmt);
-  const int64_t in = groups * kGroup;
-  const int8_t* ah = r.hi_plain.data() + r0 * in;
-  const int8_t* al = kLo ? r.lo_plain.data() + r0 * in : nullptr;
-  const float* dx = r.dx_group.data() + r0 * groups;
+  constexpr int64_t kStep = kLo ? 1024 : 512;  // PackRows' bytes a group
+  const int8_t* ah = a;
+  const int8_t* al = a + 512;
   alignas(64) int32_t ch[2][16][16], cl[2][16][16];
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   // Group g's products into tile set 0 (tmm3, tmm5) or 1 (tmm4, tmm6).
   auto issue0 = [&](int64_t g) {
     XLASERVE_TILE_ZERO(3);
-    XLASERVE_TILE_LOAD(0, ah + g * kGroup, in);
+    XLASERVE_TILE_LOAD(0, ah + g * kStep, kGroup);
     XLASERVE_TILE_LOAD(2, b + g * 512, 64);
     XLASERVE_TILE_DPBSSD(3, 0, 2);
     if constexpr (kLo) {
       XLASERVE_TILE_ZERO(5);
-      XLASERVE_TILE_LOAD(1, al + g * kGroup, in);
+      XLASERVE_TILE_LOAD(1, al + g * kStep, kGroup);
       XLASERVE_TILE_DPBSSD(5, 1, 2);
     }
   };
   auto issue1 = [&](int64_t g) {
     XLASERVE_TILE_ZERO(4);
-    XLASERVE_TILE_LOAD(0, ah + g * kGroup, in);
+    XLASERVE_TILE_LOAD(0, ah + g * kStep, kGroup);
     XLASERVE_TILE_LOAD(2, b + g * 512, 64);
     XLASERVE_TILE_DPBSSD(4, 0, 2);
     if constexpr (kLo) {
       XLASERVE_TILE_ZERO(6);
-      XLASERVE_TILE_LOAD(1, al + g * kGroup, in);
+      XLASERVE_TILE_LOAD(1, al + g * kStep, kGroup);
       XLASERVE_TILE_DPBSSD(6, 1, 2);
     }
   };
+  // Software pipeline: group g's products are stored while group g + 1's are under
+  // way, and scaled one step later (a tile store is not forwarded to vector loads, so
+  // the epilogue reads a buffer stored a step before).
   issue0(0);
   for (int64_t g = 0; g < groups; g += 2) {  // groups is even
     issue1(g + 1);
     XLASERVE_TILE_STORE(3, ch[0], 64);
     if constexpr (kLo) XLASERVE_TILE_STORE(5, cl[0], 64);
-    AmxEpilogue<kLo>(ch[0], cl[0], dcol + g * 16, dx + g, groups, acc);
+    if (g > 0) AmxEpilogue<kLo>(ch[1], cl[1], dcol + (g - 1) * 16, dxt + (g - 1) * 16, acc);
     if (g + 2 < groups) issue0(g + 2);
     XLASERVE_TILE_STORE(4, ch[1], 64);
     if constexpr (kLo) XLASERVE_TILE_STORE(6, cl[1], 64);
-    AmxEpilogue<kLo>(ch[1], cl[1], dcol + (g + 1) * 16, dx + g + 1, groups, acc);
+    AmxEpilogue<kLo>(ch[0], cl[0], dcol + g * 16, dxt + g * 16, acc);
   }
+  AmxEpilogue<kLo>(ch[1], cl[1], dcol + (groups - 1) * 16, dxt + (groups - 1) * 16, acc);
   const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() + r0 * groups : nullptr;
   for (int i = 0; i < 16; ++i) {
     __m512 mins = _mm512_setzero_ps();
@@ -356,13 +380,22 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
   constexpr bool kMin = HasMin(kFmt);
   const int64_t groups = in / kGroup;
   thread_local std::vector<float> dcol, mcol;
-  thread_local std::vector<int8_t> packed;
+  thread_local std::vector<int8_t> packed, rows_packed;
+  thread_local std::vector<float> dx_packed;
   dcol.resize(groups * 16);
   if (kMin) mcol.resize(groups * 16);
   const bool amx = r_end - r_begin >= kAmxRows && r.plain_order && AmxEnabled();
   const int amx_end = amx ? r_begin + (r_end - r_begin) / 16 * 16 : r_begin;
   if (amx) {
     packed.resize(groups * 512);
+    const int64_t tiles = (amx_end - r_begin) / 16;
+    rows_packed.resize(tiles * groups * (kLo ? 1024 : 512));
+    dx_packed.resize(tiles * groups * 16);
+    for (int64_t t = 0; t < tiles; ++t) {
+      PackRows<kLo>(r, static_cast<int>(r_begin + 16 * t), groups,
+                    rows_packed.data() + t * groups * (kLo ? 1024 : 512),
+                    dx_packed.data() + t * groups * 16);
+    }
     AmxConfigure();
   }
   for (int64_t o = o0; o < o1; o += 16) {
@@ -373,8 +406,10 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
     if (amx && n == 16) {
       PackColumns<kFmt>(codes, groups, o, packed.data());
       for (int r0 = r_begin; r0 < amx_end; r0 += 16) {
-        AmxTile<kFmt, kLo>(r, r0, groups, packed.data(), dcol.data(), mcol.data(), out, out_dim,
-                           o);
+        const int64_t t = (r0 - r_begin) / 16;
+        AmxTile<kFmt, kLo>(r, r0, groups, rows_packed.data() + t * groups * (kLo ? 1024 : 512),
+                           dx_packed.data() + t * groups * 16, packed.data(), dcol.data(),
+                           mcol.data(), out, out_dim, o);
       }
       vnni_begin = amx_end;
     }
