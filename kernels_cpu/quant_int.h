@@ -314,7 +314,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
   constexpr int64_t kStep = kLo ? 1024 : 512;  // PackRows' bytes a group
   const int8_t* ah = a;
   const int8_t* al = a + 512;
-  alignas(64) int32_t ch[2][16][16], cl[2][16][16];
+  alignas(64) int32_t ch[4][16][16], cl[4][16][16];
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   // Group g's products into tile set 0 (tmm3, tmm5) or 1 (tmm4, tmm6).
@@ -340,21 +340,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
       XLASERVE_TILE_DPBSSD(6, 1, 2);
     }
   };
-  // Software pipeline: group g's products are stored while group g + 1's are under
-  // way, and scaled one step later (a tile store is not forwarded to vector loads, so
-  // the epilogue reads a buffer stored a step before).
+  // Software pipeline: group g + 1's products are under way while group g's are
+  // stored, and a group is scaled two steps after its store (a tile store is not
+  // forwarded to vector loads: the epilogue reads buffers stored well before).
+#define XLASERVE_AMX_SCALE(g) \
+  AmxEpilogue<kLo>(ch[(g) % 4], cl[(g) % 4], dcol + (g) * 16, dxt + (g) * 16, acc)
   issue0(0);
   for (int64_t g = 0; g < groups; g += 2) {  // groups is even
     issue1(g + 1);
-    XLASERVE_TILE_STORE(3, ch[0], 64);
-    if constexpr (kLo) XLASERVE_TILE_STORE(5, cl[0], 64);
-    if (g > 0) AmxEpilogue<kLo>(ch[1], cl[1], dcol + (g - 1) * 16, dxt + (g - 1) * 16, acc);
+    XLASERVE_TILE_STORE(3, ch[g % 4], 64);
+    if constexpr (kLo) XLASERVE_TILE_STORE(5, cl[g % 4], 64);
+    if (g >= 2) XLASERVE_AMX_SCALE(g - 2);
     if (g + 2 < groups) issue0(g + 2);
-    XLASERVE_TILE_STORE(4, ch[1], 64);
-    if constexpr (kLo) XLASERVE_TILE_STORE(6, cl[1], 64);
-    AmxEpilogue<kLo>(ch[0], cl[0], dcol + g * 16, dxt + g * 16, acc);
+    XLASERVE_TILE_STORE(4, ch[(g + 1) % 4], 64);
+    if constexpr (kLo) XLASERVE_TILE_STORE(6, cl[(g + 1) % 4], 64);
+    if (g >= 2) XLASERVE_AMX_SCALE(g - 1);
   }
-  AmxEpilogue<kLo>(ch[1], cl[1], dcol + (groups - 1) * 16, dxt + (groups - 1) * 16, acc);
+  XLASERVE_AMX_SCALE(groups - 2);
+  XLASERVE_AMX_SCALE(groups - 1);
+#undef XLASERVE_AMX_SCALE
   const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() + r0 * groups : nullptr;
   for (int i = 0; i < 16; ++i) {
     __m512 mins = _mm512_setzero_ps();
