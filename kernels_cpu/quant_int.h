@@ -210,8 +210,8 @@ struct alignas(64) TileConfig {
 
 inline void AmxConfigure() {
   TileConfig cfg;
-  for (int t = 0; t < 7; ++t) {
-    cfg.rows[t] = t == 2 ? 8 : 16;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t == 2 || t == 7 ? 8 : 16;
     cfg.colsb[t] = t < 2 ? 32 : 64;
   }
   asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
@@ -266,101 +266,88 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void PackColumns(const uint
   }
 }
 
-// One group's stored products (ch: hi bytes', cl: lo bytes') into the 16 rows'
-// accumulators: the epilogue of the module comment (dg: the columns' scales, dx[i]:
-// row i's group scale).
+// One group's stored products c (16 tile rows x 16 columns) into the accumulators of
+// kAct activation rows: the epilogue of the module comment (a8: tile row i is row i;
+// a16: tile rows i and 8 + i are row i's hi and lo products). dg: the columns'
+// scales, dx[i]: row i's group scale.
 template <bool kLo>
 __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogue(
-    const int32_t (*ch)[16], const int32_t (*cl)[16], const float* dg, const float* dx,
-    __m512* acc) {
+    const int32_t (*c)[16], const float* dg, const float* dx, __m512* acc) {
+  constexpr int kAct = kLo ? 8 : 16;
   const __m512 d = _mm512_loadu_ps(dg);
-  for (int i = 0; i < 16; ++i) {
-    __m512i v = _mm512_load_si512(ch[i]);
-    if constexpr (kLo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(cl[i]));
+  for (int i = 0; i < kAct; ++i) {
+    __m512i v = _mm512_load_si512(c[i]);
+    if constexpr (kLo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(c[8 + i]));
     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(dx[i])),
                              acc[i]);
   }
 }
 
-// Rows [r0, r0 + 16) of `r` (input-order bytes) as A tiles, contiguous per group
-// (a[g]: 16 rows x 32 hi bytes, then as many lo bytes with kLo), and their group
-// scales dxt[g][16].
+// Rows [r0, r0 + 16) of `r` (input-order bytes) as A tiles of 16 x 32 bytes, one per
+// group (a8) or two (a16: rows r0..r0+7, then r0+8..r0+15, each 8 hi rows then their
+// 8 lo rows): a[g * 512 (a16: 1024) + h * 512], and the rows' group scales dxt[g][16].
 template <bool kLo>
 inline void PackRows(const IntRows& r, int r0, int64_t groups, int8_t* a, float* dxt) {
   const int64_t in = groups * kGroup;
   constexpr int64_t kStep = kLo ? 1024 : 512;
   for (int64_t g = 0; g < groups; ++g) {
     for (int i = 0; i < 16; ++i) {
-      std::memcpy(a + g * kStep + i * kGroup, r.hi_plain.data() + (r0 + i) * in + g * kGroup,
-                  kGroup);
-      if (kLo) {
-        std::memcpy(a + g * kStep + 512 + i * kGroup,
-                    r.lo_plain.data() + (r0 + i) * in + g * kGroup, kGroup);
+      const int64_t at = (r0 + i) * in + g * kGroup;
+      if constexpr (kLo) {
+        int8_t* half = a + g * kStep + (i / 8) * 512 + (i % 8) * kGroup;
+        std::memcpy(half, r.hi_plain.data() + at, kGroup);
+        std::memcpy(half + 8 * kGroup, r.lo_plain.data() + at, kGroup);
+      } else {
+        std::memcpy(a + g * kStep + i * kGroup, r.hi_plain.data() + at, kGroup);
       }
       dxt[g * 16 + i] = r.dx_group[(r0 + i) * groups + g];
     }
   }
 }
 
-// Columns [o, o + 16) x rows [r0, r0 + 16) of `r` with AMX: a / dxt the rows'
-// PackRows, b the columns' PackColumns, dcol / mcol their ColumnValues. Needs
-// AmxConfigure() on this thread.
+// Columns [o, o + 16) x rows [r0, r0 + kAct) of `r` with AMX (kAct = 16, or 8 for a16):
+// a the rows' A tiles (PackRows, this half's), dxt their scales (PackRows, from this
+// half's first row; stride 16), b the columns' PackColumns, dcol / mcol their
+// ColumnValues. Needs AmxConfigure() on this thread. Tile sets (A, B, C) alternate
+// between groups (tmm0, tmm2, tmm3 and tmm1, tmm7, tmm4), so a group's loads and
+// product do not wait for the previous group's.
 template <Format kFmt, bool kLo>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
     const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
     const int8_t* b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
     int64_t o) {
   constexpr bool kMin = HasMin(kFmt);
+  constexpr int kAct = kLo ? 8 : 16;
   constexpr int64_t kStep = kLo ? 1024 : 512;  // PackRows' bytes a group
-  const int8_t* ah = a;
-  const int8_t* al = a + 512;
-  alignas(64) int32_t ch[4][16][16], cl[4][16][16];
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  // Group g's products into tile set 0 (tmm3, tmm5) or 1 (tmm4, tmm6).
-  auto issue0 = [&](int64_t g) {
-    XLASERVE_TILE_ZERO(3);
-    XLASERVE_TILE_LOAD(0, ah + g * kStep, kGroup);
-    XLASERVE_TILE_LOAD(2, b + g * 512, 64);
-    XLASERVE_TILE_DPBSSD(3, 0, 2);
-    if constexpr (kLo) {
-      XLASERVE_TILE_ZERO(5);
-      XLASERVE_TILE_LOAD(1, al + g * kStep, kGroup);
-      XLASERVE_TILE_DPBSSD(5, 1, 2);
-    }
-  };
-  auto issue1 = [&](int64_t g) {
-    XLASERVE_TILE_ZERO(4);
-    XLASERVE_TILE_LOAD(0, ah + g * kStep, kGroup);
-    XLASERVE_TILE_LOAD(2, b + g * 512, 64);
-    XLASERVE_TILE_DPBSSD(4, 0, 2);
-    if constexpr (kLo) {
-      XLASERVE_TILE_ZERO(6);
-      XLASERVE_TILE_LOAD(1, al + g * kStep, kGroup);
-      XLASERVE_TILE_DPBSSD(6, 1, 2);
-    }
-  };
+  alignas(64) int32_t c[4][16][16];
+  __m512 acc[kAct];
+  for (int i = 0; i < kAct; ++i) acc[i] = _mm512_setzero_ps();
   // Software pipeline: group g + 1's products are under way while group g's are
   // stored, and a group is scaled two steps after its store (a tile store is not
   // forwarded to vector loads: the epilogue reads buffers stored well before).
-#define XLASERVE_AMX_SCALE(g) \
-  AmxEpilogue<kLo>(ch[(g) % 4], cl[(g) % 4], dcol + (g) * 16, dxt + (g) * 16, acc)
-  issue0(0);
+#define XLASERVE_AMX_SCALE(g) AmxEpilogue<kLo>(c[(g) % 4], dcol + (g) * 16, dxt + (g) * 16, acc)
+#define XLASERVE_AMX_ISSUE(g, ta, tb, tc)              \
+  do {                                                 \
+    XLASERVE_TILE_ZERO(tc);                            \
+    XLASERVE_TILE_LOAD(ta, a + (g) * kStep, kGroup);   \
+    XLASERVE_TILE_LOAD(tb, b + (g) * 512, 64);         \
+    XLASERVE_TILE_DPBSSD(tc, ta, tb);                  \
+  } while (0)
+  XLASERVE_AMX_ISSUE(0, 0, 2, 3);
   for (int64_t g = 0; g < groups; g += 2) {  // groups is even
-    issue1(g + 1);
-    XLASERVE_TILE_STORE(3, ch[g % 4], 64);
-    if constexpr (kLo) XLASERVE_TILE_STORE(5, cl[g % 4], 64);
+    XLASERVE_AMX_ISSUE(g + 1, 1, 7, 4);
+    XLASERVE_TILE_STORE(3, c[g % 4], 64);
     if (g >= 2) XLASERVE_AMX_SCALE(g - 2);
-    if (g + 2 < groups) issue0(g + 2);
-    XLASERVE_TILE_STORE(4, ch[(g + 1) % 4], 64);
-    if constexpr (kLo) XLASERVE_TILE_STORE(6, cl[(g + 1) % 4], 64);
+    if (g + 2 < groups) XLASERVE_AMX_ISSUE(g + 2, 0, 2, 3);
+    XLASERVE_TILE_STORE(4, c[(g + 1) % 4], 64);
     if (g >= 2) XLASERVE_AMX_SCALE(g - 1);
   }
   XLASERVE_AMX_SCALE(groups - 2);
   XLASERVE_AMX_SCALE(groups - 1);
 #undef XLASERVE_AMX_SCALE
+#undef XLASERVE_AMX_ISSUE
   const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() + r0 * groups : nullptr;
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kAct; ++i) {
     __m512 mins = _mm512_setzero_ps();
     if constexpr (kMin) {
       for (int64_t g = 0; g < groups; ++g) {
@@ -411,9 +398,12 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
       PackColumns<kFmt>(codes, groups, o, packed.data());
       for (int r0 = r_begin; r0 < amx_end; r0 += 16) {
         const int64_t t = (r0 - r_begin) / 16;
-        AmxTile<kFmt, kLo>(r, r0, groups, rows_packed.data() + t * groups * (kLo ? 1024 : 512),
-                           dx_packed.data() + t * groups * 16, packed.data(), dcol.data(),
-                           mcol.data(), out, out_dim, o);
+        const int8_t* a = rows_packed.data() + t * groups * (kLo ? 1024 : 512);
+        const float* dxt = dx_packed.data() + t * groups * 16;
+        for (int h = 0; h < (kLo ? 2 : 1); ++h) {  // a16: two halves of 8 rows
+          AmxTile<kFmt, kLo>(r, r0 + 8 * h, groups, a + 512 * h, dxt + 8 * h, packed.data(),
+                             dcol.data(), mcol.data(), out, out_dim, o);
+        }
       }
       vnni_begin = amx_end;
     }
