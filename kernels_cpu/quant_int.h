@@ -322,10 +322,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
   alignas(64) int32_t c[4][16][16];
   __m512 acc[kAct];
   for (int i = 0; i < kAct; ++i) acc[i] = _mm512_setzero_ps();
-  // Software pipeline: group g + 1's products are under way while group g's are
-  // stored, and a group is scaled two steps after its store (a tile store is not
-  // forwarded to vector loads: the epilogue reads buffers stored well before).
-#define XLASERVE_AMX_SCALE(g) AmxEpilogue<kLo>(c[(g) % 4], dcol + (g) * 16, dxt + (g) * 16, acc)
+  // Software pipeline over four product tiles: group g's product goes to tmm3 + g % 4
+  // (A and B tiles alternate, tmm0 / tmm1 and tmm2 / tmm7), is stored a step later
+  // and scaled three steps later (a tile store is not forwarded to vector loads), so
+  // the tile unit always has independent products under way.
 #define XLASERVE_AMX_ISSUE(g, ta, tb, tc)              \
   do {                                                 \
     XLASERVE_TILE_ZERO(tc);                            \
@@ -333,19 +333,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
     XLASERVE_TILE_LOAD(tb, b + (g) * 512, 64);         \
     XLASERVE_TILE_DPBSSD(tc, ta, tb);                  \
   } while (0)
-  XLASERVE_AMX_ISSUE(0, 0, 2, 3);
-  for (int64_t g = 0; g < groups; g += 2) {  // groups is even
-    XLASERVE_AMX_ISSUE(g + 1, 1, 7, 4);
-    XLASERVE_TILE_STORE(3, c[g % 4], 64);
-    if (g >= 2) XLASERVE_AMX_SCALE(g - 2);
-    if (g + 2 < groups) XLASERVE_AMX_ISSUE(g + 2, 0, 2, 3);
-    XLASERVE_TILE_STORE(4, c[(g + 1) % 4], 64);
-    if (g >= 2) XLASERVE_AMX_SCALE(g - 1);
-  }
-  XLASERVE_AMX_SCALE(groups - 2);
-  XLASERVE_AMX_SCALE(groups - 1);
-#undef XLASERVE_AMX_SCALE
+  auto issue = [&](int64_t g) {
+    switch (g % 4) {
+      case 0: XLASERVE_AMX_ISSUE(g, 0, 2, 3); break;
+      case 1: XLASERVE_AMX_ISSUE(g, 1, 7, 4); break;
+      case 2: XLASERVE_AMX_ISSUE(g, 0, 2, 5); break;
+      default: XLASERVE_AMX_ISSUE(g, 1, 7, 6); break;
+    }
+  };
+  auto store = [&](int64_t g) {
+    switch (g % 4) {
+      case 0: XLASERVE_TILE_STORE(3, c[0], 64); break;
+      case 1: XLASERVE_TILE_STORE(4, c[1], 64); break;
+      case 2: XLASERVE_TILE_STORE(5, c[2], 64); break;
+      default: XLASERVE_TILE_STORE(6, c[3], 64); break;
+    }
+  };
 #undef XLASERVE_AMX_ISSUE
+  for (int64_t g = 0; g < groups + 3; ++g) {
+    if (g < groups) issue(g);
+    if (g >= 1 && g - 1 < groups) store(g - 1);
+    if (g >= 3) AmxEpilogue<kLo>(c[(g - 3) % 4], dcol + (g - 3) * 16, dxt + (g - 3) * 16, acc);
+  }
   const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() + r0 * groups : nullptr;
   for (int i = 0; i < kAct; ++i) {
     __m512 mins = _mm512_setzero_ps();
