@@ -16,7 +16,9 @@
 // converted in registers and multiplied into the rows, so W is read once, as
 // bytes. Numerics: float32 products and sums, the same values as the XLA path
 // up to summation order; the integer-activation variants (nibbles, Q8_0) round
-// the activations per group to 8 or 16 bits first (quant_dot.h).
+// the activations per group to 8 or 16 bits first (quant_dot.h) and take exact
+// per-group integer dot products (VNNI, or AMX-INT8 where the CPU and Linux allow:
+// quant_int.h; the same bits either way).
 //
 // Built by the package's own build (setup.py) with per-function target
 // attributes, so the library loads on any x86-64 CPU; `xlaserve_native_isa()`
@@ -305,6 +307,10 @@ extern "C" int xlaserve_native_isa() {
                   __builtin_cpu_supports("fma");
   return ok ? 1 : 0;
 }
+
+// Whether the integer tiles use AMX-INT8 here (quant_int.h: the CPU has it and Linux
+// grants the tile state; XLASERVE_NATIVE_AMX=0 turns it off). Same results either way.
+extern "C" int xlaserve_native_amx() { return AmxEnabled() ? 1 : 0; }
 
 // Whether this CPU runs the AVX2 handlers (the `...Avx2` symbols): AVX2, FMA, F16C.
 extern "C" int xlaserve_native_avx2() {

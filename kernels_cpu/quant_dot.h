@@ -10,10 +10,10 @@
 //         input j + 16 in its high nibble, and a float16 min (GGUF Q4_1);
 //   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
 // `Columns` converts each group of codes in registers and multiplies it into
-// up to kTileRows float rows at a time (float32 products and sums);
-// `IntColumns` / `S8IntColumns` multiply nibbles / Q8_0 codes by activations
-// rounded per group to 8 bits (llama.cpp's Q4 x Q8 scheme) or 16 bits, with VNNI
-// integer dot products.
+// up to kTileRows float rows at a time (float32 products and sums). The integer
+// activations (`IntRows`, rounded per group to 8 bits, llama.cpp's Q4 x Q8 scheme,
+// or 16 bits) are made here; the tiles that multiply nibbles / Q8_0 codes by them
+// (`IntColumns` / `S8IntColumns`, VNNI and AMX, block-exact) are in quant_int.h.
 
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_H_
@@ -162,13 +162,14 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // [x_g[0:16], x_g+1[0:16], x_g[16:32], x_g+1[16:32]]. A pair's 32 code bytes become
 // 64 unsigned codes (low nibbles, then high) and one VPDPBUSD sums 4 code x
 // activation products per int32 lane (lanes 0-3 and 8-11: group g, 4-7 and 12-15:
-// g + 1); lanes are scaled by d * dx into float accumulators. The min (Q4_1: m;
-// Q4_0: -8 d) multiplies the sum of each group's rounded x.
+// g + 1; `DotBytes`). quant_int.h reduces the lanes to exact per-group integers;
+// the K-quant tiles (kquant_dot.h) scale the lanes by d * dx (`dx`) instead.
 //
 // Signed one-byte codes (Q8_0) take the same rounded activations in input order
 // (`hi_plain`, `lo_plain`): a pair's 64 code bytes are groups g and g + 1 back to
 // back, so int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies
 // unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
+// The AMX tiles (quant_int.h) read the input-order bytes too, whatever the format.
 struct IntRows {
   bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
   bool nibble_order = true;      // fill hi, lo, dx (the nibble tiles read them)

@@ -7,12 +7,13 @@
 // is cut into row blocks x column ranges (`Plan`), the work items of one
 // ParallelFor; an item walks its column range in sub-blocks whose codes stay in
 // L2, and within a sub-block each tile of rows (in L1 or L2) meets every column.
-// Columns go four at a time through the `Wide*` tiles, which load each row's
-// activations once for four columns.
+// Float activations: columns go four at a time through the `Wide*` tiles, which
+// load each row's activations once for four columns. Integer activations: the
+// block-exact tiles of quant_int.h (16 columns a tile; AMX for 16-row tiles).
 //
 // Batch invariance: every tile here computes each (row, column) output with
 // exactly the operations, in the same order, as the one-column tiles of
-// quant_dot.h (`Tile`, `IntTile`, `S8IntTile`), whatever the other rows and
+// quant_dot.h (`Tile`; the integer tiles: quant_int.h's numerics), whatever the other rows and
 // columns of the call, and a row's activations are rounded on their own
 // (`QuantizeRowRange`). So a row's result is bitwise the same alone or among any
 // number of other rows, and the same as the decoder's (decoder.cc).
