@@ -194,10 +194,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
 
 // ---- AMX-INT8 ----
 //
-// Tiles: tmm0 activations' hi bytes, tmm1 lo bytes (16 rows x 32 bytes: one group),
-// tmm2 the codes (8 rows x 64 bytes: 32 inputs x 16 columns, 4 bytes a column a row),
-// tmm3 / tmm4 hi products and tmm5 / tmm6 lo products (16 x 16 int32), two sets so
-// that group g + 1's products are under way while group g's are stored and scaled.
+// Tiles: tmm0 / tmm1 activations (16 rows x 32 bytes: one group of 16 rows, or for
+// a16 the hi bytes of 8 rows above their lo bytes), tmm2 / tmm7 codes (8 rows x 64
+// bytes: 32 inputs x 16 columns, 4 bytes a column a row), tmm3-tmm6 products (16 x 16
+// int32): `AmxTile` keeps four groups' products in flight.
 // The instructions are written as inline assembly with memory clobbers (so the
 // compiler orders them against the buffers' plain loads and stores).
 
