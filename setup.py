@@ -49,7 +49,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
       "kernels_cpu._native", sources=["kernels_cpu/matvec.cc", "kernels_cpu/attention.cc",
                                   "kernels_cpu/decoder.cc"],
       depends=["kernels_cpu/parallel.h", "kernels_cpu/quant_dot.h", "kernels_cpu/quant_gemm.h",
-               "kernels_cpu/kquant_dot.h", "kernels_cpu/attention.h",
+               "kernels_cpu/quant_int.h", "kernels_cpu/kquant_dot.h", "kernels_cpu/attention.h",
                "kernels_cpu/quant_dot_avx2.h", "kernels_cpu/attention_avx2.h"],
       language="c++",
       extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes",

@@ -21,6 +21,7 @@ intra_op_parallelism_threads=1").
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -35,6 +36,9 @@ VARIANTS = {"U8 a32": (8, False, True, 32), "Q8_0 a32": (8, True, False, 32),
             "Q8_0 a16": (8, True, False, 16), "Q8_0 a8": (8, True, False, 8),
             "Q4_1 a32": (4, False, True, 32), "Q4_0 a32": (4, False, False, 32),
             "Q4_0 a16": (4, False, False, 16), "Q4_0 a8": (4, False, False, 8)}
+# Integer variants also timed with the AMX tiles off (XLASERVE_NATIVE_AMX=0, read by the
+# library at each call): "<variant> noAMX".
+NO_AMX = " noAMX"
 
 
 def _operands(rng, d_in: int, d_out: int, bits: int, signed: bool, has_min: bool):
@@ -59,14 +63,25 @@ def _callables(rng, d_in: int, d_out: int, names: list[str]) -> dict[str, tuple]
                                                    preferred_element_type=jnp.float32)),
                       (w.astype(jnp.bfloat16),))}
   for name in names:
-    bits, signed, has_min, act = VARIANTS[name]
+    bits, signed, has_min, act = VARIANTS[name.removesuffix(NO_AMX)]
     if act != 32 and not matvec.vnni():
       continue
     ops = _operands(rng, d_in, d_out, bits, signed, has_min)
     fn = jax.jit(lambda x, c, s, m, bits=bits, act=act: matvec.quantized_matvec(
         x, c, s, m, bits=bits, activation_bits=act))
-    out[name] = (fn, ops)
+    out[name] = (_without_amx(fn) if name.endswith(NO_AMX) else fn, ops)
   return out
+
+
+def _without_amx(fn):
+  """fn called with XLASERVE_NATIVE_AMX=0 in the environment (the kernels' VNNI tiles)."""
+  def call(*args):
+    os.environ["XLASERVE_NATIVE_AMX"] = "0"
+    try:
+      return jax.block_until_ready(fn(*args))
+    finally:
+      del os.environ["XLASERVE_NATIVE_AMX"]
+  return call
 
 
 def _time(fn, x, ops, clock=time.perf_counter) -> float:
@@ -81,7 +96,8 @@ def main() -> None:
   ap.add_argument("--shapes", default="576x1536,1536x576,576x49152,2048x8192,8192x2048",
                   help="In x Out, comma-separated")
   ap.add_argument("--rows", default="1,8,32,128,512")
-  ap.add_argument("--variants", default=",".join(VARIANTS))
+  ap.add_argument("--variants", default=",".join(VARIANTS),
+                  help=f"comma-separated; an integer one + '{NO_AMX}': with the AMX tiles off")
   ap.add_argument("--reps", type=int, default=7)
   ap.add_argument("--cpu-time", action="store_true", help="GFLOP per CPU second")
   args = ap.parse_args()

@@ -59,6 +59,7 @@
 #include "attention_avx2.h"
 #include "parallel.h"
 #include "quant_dot.h"
+#include "quant_int.h"
 #include "quant_dot_avx2.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -10,10 +10,10 @@
 //         input j + 16 in its high nibble, and a float16 min (GGUF Q4_1);
 //   Q4_0: the same nibbles with min = -8 * scale (GGUF Q4_0).
 // `Columns` converts each group of codes in registers and multiplies it into
-// up to kTileRows float rows at a time (float32 products and sums);
-// `IntColumns` / `S8IntColumns` multiply nibbles / Q8_0 codes by activations
-// rounded per group to 8 bits (llama.cpp's Q4 x Q8 scheme) or 16 bits, with VNNI
-// integer dot products.
+// up to kTileRows float rows at a time (float32 products and sums). The integer
+// activations (`IntRows`, rounded per group to 8 bits, llama.cpp's Q4 x Q8 scheme,
+// or 16 bits) are made here; the tiles that multiply nibbles / Q8_0 codes by them
+// (`IntColumns` / `S8IntColumns`, VNNI and AMX, block-exact) are in quant_int.h.
 
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_H_
@@ -162,13 +162,14 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // [x_g[0:16], x_g+1[0:16], x_g[16:32], x_g+1[16:32]]. A pair's 32 code bytes become
 // 64 unsigned codes (low nibbles, then high) and one VPDPBUSD sums 4 code x
 // activation products per int32 lane (lanes 0-3 and 8-11: group g, 4-7 and 12-15:
-// g + 1); lanes are scaled by d * dx into float accumulators. The min (Q4_1: m;
-// Q4_0: -8 d) multiplies the sum of each group's rounded x.
+// g + 1; `DotBytes`). quant_int.h reduces the lanes to exact per-group integers;
+// the K-quant tiles (kquant_dot.h) scale the lanes by d * dx (`dx`) instead.
 //
 // Signed one-byte codes (Q8_0) take the same rounded activations in input order
 // (`hi_plain`, `lo_plain`): a pair's 64 code bytes are groups g and g + 1 back to
 // back, so int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies
 // unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
+// The AMX tiles (quant_int.h) read the input-order bytes too, whatever the format.
 struct IntRows {
   bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
   bool nibble_order = true;      // fill hi, lo, dx (the nibble tiles read them)
@@ -179,6 +180,9 @@ struct IntRows {
   std::vector<float> dx_plain;   // [rows, pairs, 16]: dx_g in lanes 0-7, dx_g+1 in 8-15
   std::vector<float> xsum8;      // [rows, groups] sums of x rounded to 8 bits
   std::vector<float> xsum16;     // [rows, groups] sums of x rounded to 16 bits (has_lo)
+  std::vector<float> dx_group;   // [rows, groups] each group's dx (the exact tiles)
+  std::vector<int32_t> xint8;    // [rows, groups] sum of hi (exact)
+  std::vector<int32_t> xint16;   // [rows, groups] 256 * sum of hi + sum of lo (has_lo)
 };
 
 // 16 activations of a group as int8 bytes (saturating; the values are in range).
@@ -207,6 +211,9 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   size(r.lo_plain, r.plain_order && with_lo, rows * groups * kGroup);
   size(r.xsum8, true, rows * groups);
   size(r.xsum16, with_lo, rows * groups);
+  size(r.dx_group, true, rows * groups);
+  size(r.xint8, true, rows * groups);
+  size(r.xint16, with_lo, rows * groups);
 }
 
 // Rows [b0, b1) of x rounded per group into `r` (sized by PrepareRows); each row on
@@ -230,6 +237,8 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
       // (their errors then cancel where W is small, as in llama.cpp's Q8_1 sums).
       const int32_t sum8 = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
       r.xsum8[b * groups + g] = d * static_cast<float>(sum8);
+      r.xint8[b * groups + g] = sum8;
+      r.dx_group[b * groups + g] = d;
       const int64_t p = g / 2, half = g % 2;
       const int64_t pair_at = (b * pairs + p) * 64, plain_at = (b * groups + g) * kGroup;
       if (nibbles) {
@@ -247,6 +256,7 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
         const __m512i rhi = _mm512_max_epi32(lo_min, _mm512_min_epi32(lo_max, _mm512_cvtps_epi32(
             _mm512_mul_ps(_mm512_sub_ps(shi, _mm512_cvtepi32_ps(qhi)), k256))));
         const int32_t sum_lo = _mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi));
+        r.xint16[b * groups + g] = 256 * sum8 + sum_lo;
         r.xsum16[b * groups + g] = d * (static_cast<float>(sum8) +
                                         static_cast<float>(sum_lo) * (1.0f / 256.0f));
         if (nibbles) {
@@ -291,8 +301,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i DotBytes(
   return dot;
 }
 
-// Lane k of a pair's 16 dot lanes takes the scale of group 2j + (k / 4) % 2 for the
-// j-th pair of an 8-pair block: permutexvar indices into its 16 loaded scales.
+// Lane k of a pair's 16 dot lanes (nibble order) takes the scale of group
+// 2j + (k / 4) % 2 for the j-th pair of an 8-pair block: permutexvar indices into its
+// 16 loaded scales (the K-quant tiles, kquant_dot.h).
 alignas(64) inline constexpr int32_t kPairScaleLanes[8][16] = {
     {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1},
     {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
@@ -302,137 +313,6 @@ alignas(64) inline constexpr int32_t kPairScaleLanes[8][16] = {
     {10, 10, 10, 10, 11, 11, 11, 11, 10, 10, 10, 10, 11, 11, 11, 11},
     {12, 12, 12, 12, 13, 13, 13, 13, 12, 12, 12, 12, 13, 13, 13, 13},
     {14, 14, 14, 14, 15, 15, 15, 15, 14, 14, 14, 14, 15, 15, 15, 15}};
-
-// Nibble weights x rows [r0, r0 + kRows) of `r` (kLo: 16-bit activations): output
-// column o.
-template <bool kMin, int kRows, bool kLo>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void IntTile(
-    const IntRows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
-    const uint16_t* m_row, float* out, int64_t out_dim, int64_t o) {
-  const int64_t pairs = groups / 2;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512 acc[kRows];
-  for (int b = 0; b < kRows; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {  // 8 pairs = the 16 scales of one load
-    const int64_t n = std::min<int64_t>(16, groups - 2 * p0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + 2 * p0));
-    for (int64_t p = p0; p < std::min(pairs, p0 + 8); ++p) {
-      const __m512 d = _mm512_permutexvar_ps(_mm512_load_si512(kPairScaleLanes[p - p0]), dv);
-      const __m512i y = _mm512_castsi256_si512(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32)));
-      const __m512i c = _mm512_and_si512(
-          _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
-      for (int b = 0; b < kRows; ++b) {
-        const int64_t row = (r0 + b) * pairs + p;
-        const __m512i dot = DotBytes<kLo>(c, _mm512_loadu_si512(r.hi.data() + row * 64),
-                                          kLo ? r.lo.data() + row * 64 : nullptr, 0);
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx.data() + row * 16));
-        acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
-      }
-    }
-  }
-  const float unit = kLo ? 1.0f / 256.0f : 1.0f;  // the lanes count dx / 256 with lo
-  for (int b = 0; b < kRows; ++b) {
-    __m512 mins = _mm512_setzero_ps();
-    const float* xsum = (kLo ? r.xsum16 : r.xsum8).data() + (r0 + b) * groups;
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const int64_t n = std::min<int64_t>(16, groups - g0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 mv = kMin ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0))
-                             : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0)),
-                                             _mm512_set1_ps(-8.0f));
-      mins = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xsum + g0), mins);
-    }
-    out[(r0 + b) * out_dim + o] =
-        _mm512_reduce_add_ps(_mm512_fmadd_ps(acc[b], _mm512_set1_ps(unit), mins));
-  }
-}
-
-// Lanes 0-7 take group 2j's scale, 8-15 group 2j + 1's (the j-th pair of a block).
-alignas(64) inline constexpr int32_t kPlainScaleLanes[8][16] = {
-    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
-    {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
-    {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
-    {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
-    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
-    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
-
-// Signed one-byte codes (Q8_0) x rows [r0, r0 + kRows) of `r` (kLo: 16-bit
-// activations): output column o.
-template <int kRows, bool kLo>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void S8IntTile(
-    const IntRows& r, int r0, int64_t groups, const uint8_t* q, const uint16_t* s_row,
-    float* out, int64_t out_dim, int64_t o) {
-  const int64_t pairs = groups / 2;
-  __m512 acc[kRows];
-  for (int b = 0; b < kRows; ++b) acc[b] = _mm512_setzero_ps();
-  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
-    const int64_t n = std::min<int64_t>(16, groups - 2 * p0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + 2 * p0));
-    for (int64_t p = p0; p < std::min(pairs, p0 + 8); ++p) {
-      const __m512 d = _mm512_permutexvar_ps(_mm512_load_si512(kPlainScaleLanes[p - p0]), dv);
-      const __m512i w = _mm512_loadu_si512(q + p * 64);
-      const __m512i aw = _mm512_abs_epi8(w);
-      const __mmask64 negative = _mm512_movepi8_mask(w);
-      for (int b = 0; b < kRows; ++b) {
-        const int64_t row = (r0 + b) * pairs + p;
-        const __m512i x = _mm512_loadu_si512(r.hi_plain.data() + row * 64);
-        const __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-        const __m512i dot =
-            DotBytes<kLo>(aw, xs, kLo ? r.lo_plain.data() + row * 64 : nullptr, negative);
-        const __m512 f =
-            _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx_plain.data() + row * 16));
-        acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
-      }
-    }
-  }
-  const float unit = kLo ? 1.0f / 256.0f : 1.0f;
-  for (int b = 0; b < kRows; ++b) out[(r0 + b) * out_dim + o] = _mm512_reduce_add_ps(acc[b]) * unit;
-}
-
-// Output columns [o0, o1) of signed one-byte codes for every row of `r` (`lo`: its
-// 16-bit rounding, else its 8-bit one).
-inline void S8IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
-                         const uint16_t* scale, float* out, int64_t out_dim, int64_t o0,
-                         int64_t o1) {
-  const int64_t groups = in / kGroup;
-  for (int64_t o = o0; o < o1; ++o) {
-    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
-      const uint8_t* q = codes + o * groups * kGroup;
-      XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, rows - r0),
-                              (lo ? S8IntTile<R, true>(r, r0, groups, q, scale + o * groups, out,
-                                                       out_dim, o)
-                                  : S8IntTile<R, false>(r, r0, groups, q, scale + o * groups,
-                                                        out, out_dim, o)));
-    }
-  }
-}
-
-// Output columns [o0, o1) of nibble weights for every row of `r` (QuantizeRows;
-// `lo`: its 16-bit rounding, else its 8-bit one).
-template <Format kFmt>
-void IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
-                const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
-                int64_t o0, int64_t o1) {
-  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
-  const int64_t groups = in / kGroup;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* q = codes + o * groups * 16;
-    const uint16_t* m = offset == nullptr ? nullptr : offset + o * groups;
-    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
-      XLASERVE_WITH_TILE_ROWS(
-          std::min(kTileRows, rows - r0),
-          (lo ? IntTile<HasMin(kFmt), R, true>(r, r0, groups, q, scale + o * groups, m, out,
-                                               out_dim, o)
-              : IntTile<HasMin(kFmt), R, false>(r, r0, groups, q, scale + o * groups, m, out,
-                                                out_dim, o)));
-    }
-  }
-}
 
 }  // namespace xlaserve
 

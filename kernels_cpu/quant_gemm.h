@@ -7,12 +7,13 @@
 // is cut into row blocks x column ranges (`Plan`), the work items of one
 // ParallelFor; an item walks its column range in sub-blocks whose codes stay in
 // L2, and within a sub-block each tile of rows (in L1 or L2) meets every column.
-// Columns go four at a time through the `Wide*` tiles, which load each row's
-// activations once for four columns.
+// Float activations: columns go four at a time through the `Wide*` tiles, which
+// load each row's activations once for four columns. Integer activations: the
+// block-exact tiles of quant_int.h (16 columns a tile; AMX for 16-row tiles).
 //
 // Batch invariance: every tile here computes each (row, column) output with
 // exactly the operations, in the same order, as the one-column tiles of
-// quant_dot.h (`Tile`, `IntTile`, `S8IntTile`), whatever the other rows and
+// quant_dot.h (`Tile`; the integer tiles: quant_int.h's numerics), whatever the other rows and
 // columns of the call, and a row's activations are rounded on their own
 // (`QuantizeRowRange`). So a row's result is bitwise the same alone or among any
 // number of other rows, and the same as the decoder's (decoder.cc).
@@ -26,14 +27,14 @@
 #include <cstdint>
 
 #include "quant_dot.h"
+#include "quant_int.h"
 
 namespace xlaserve {
 
-// Wide tiles' activation rows x output columns, float and integer activations:
+// Wide tiles' activation rows x output columns, float activations:
 // 16 accumulators in registers. (8 x 2, 4 x 3 and, for the integer tiles, 8 x 2
 // measured no faster on an AVX-512 Xeon, in core-seconds at 256 rows.)
 constexpr int kWideRows = 4, kWideCols = 4;
-constexpr int kIntWideRows = 4, kIntWideCols = 4;
 
 // Output columns [o, o + kCols) for activation rows [r0, r0 + kRows): `Tile`'s
 // operations for each (row, column), the rows' activations loaded once per group
@@ -92,123 +93,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void WideTile(
   }
 }
 
-// Nibble weights: `IntTile`'s operations for columns [o, o + kCols) x rows
-// [r0, r0 + kRows) of `r`.
-template <bool kMin, int kRows, bool kLo, int kCols>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void WideIntTile(
-    const IntRows& r, int r0, int64_t groups, const uint8_t* codes, const uint16_t* scale,
-    const uint16_t* offset, float* out, int64_t out_dim, int64_t o) {
-  const int64_t pairs = groups / 2;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512 acc[kCols][kRows];
-  for (int c = 0; c < kCols; ++c) {
-    for (int b = 0; b < kRows; ++b) acc[c][b] = _mm512_setzero_ps();
-  }
-  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
-    const int64_t n = std::min<int64_t>(16, groups - 2 * p0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    __m512 dv[kCols];
-    for (int c = 0; c < kCols; ++c) {
-      dv[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scale + (o + c) * groups + 2 * p0));
-    }
-    for (int64_t p = p0; p < std::min(pairs, p0 + 8); ++p) {
-      const __m512i lanes = _mm512_load_si512(kPairScaleLanes[p - p0]);
-      __m512 d[kCols];
-      __m512i cw[kCols];
-      for (int c = 0; c < kCols; ++c) {
-        d[c] = _mm512_permutexvar_ps(lanes, dv[c]);
-        const __m512i y = _mm512_castsi256_si512(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(codes + (o + c) * groups * 16 + p * 32)));
-        cw[c] = _mm512_and_si512(
-            _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
-      }
-      for (int b = 0; b < kRows; ++b) {
-        const int64_t row = (r0 + b) * pairs + p;
-        const __m512i hi = _mm512_loadu_si512(r.hi.data() + row * 64);
-        const __m512 dx = _mm512_loadu_ps(r.dx.data() + row * 16);
-        for (int c = 0; c < kCols; ++c) {
-          const __m512i dot =
-              DotBytes<kLo>(cw[c], hi, kLo ? r.lo.data() + row * 64 : nullptr, 0);
-          const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx);
-          acc[c][b] = _mm512_fmadd_ps(f, d[c], acc[c][b]);
-        }
-      }
-    }
-  }
-  const float unit = kLo ? 1.0f / 256.0f : 1.0f;
-  for (int c = 0; c < kCols; ++c) {
-    const uint16_t* s_row = scale + (o + c) * groups;
-    const uint16_t* m_row = kMin ? offset + (o + c) * groups : nullptr;
-    for (int b = 0; b < kRows; ++b) {
-      __m512 mins = _mm512_setzero_ps();
-      const float* xsum = (kLo ? r.xsum16 : r.xsum8).data() + (r0 + b) * groups;
-      for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        const int64_t n = std::min<int64_t>(16, groups - g0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-        const __m512 mv =
-            kMin ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m_row + g0))
-                 : _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s_row + g0)),
-                                 _mm512_set1_ps(-8.0f));
-        mins = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mask, xsum + g0), mins);
-      }
-      out[(r0 + b) * out_dim + o + c] =
-          _mm512_reduce_add_ps(_mm512_fmadd_ps(acc[c][b], _mm512_set1_ps(unit), mins));
-    }
-  }
-}
-
-// Signed one-byte codes (Q8_0): `S8IntTile`'s operations for columns [o, o + kCols)
-// x rows [r0, r0 + kRows) of `r`.
-template <int kRows, bool kLo, int kCols>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void WideS8IntTile(
-    const IntRows& r, int r0, int64_t groups, const uint8_t* codes, const uint16_t* scale,
-    float* out, int64_t out_dim, int64_t o) {
-  const int64_t pairs = groups / 2;
-  __m512 acc[kCols][kRows];
-  for (int c = 0; c < kCols; ++c) {
-    for (int b = 0; b < kRows; ++b) acc[c][b] = _mm512_setzero_ps();
-  }
-  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
-    const int64_t n = std::min<int64_t>(16, groups - 2 * p0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    __m512 dv[kCols];
-    for (int c = 0; c < kCols; ++c) {
-      dv[c] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, scale + (o + c) * groups + 2 * p0));
-    }
-    for (int64_t p = p0; p < std::min(pairs, p0 + 8); ++p) {
-      const __m512i lanes = _mm512_load_si512(kPlainScaleLanes[p - p0]);
-      __m512 d[kCols];
-      __m512i aw[kCols];
-      __mmask64 negative[kCols];
-      for (int c = 0; c < kCols; ++c) {
-        d[c] = _mm512_permutexvar_ps(lanes, dv[c]);
-        const __m512i w = _mm512_loadu_si512(codes + (o + c) * groups * kGroup + p * 64);
-        aw[c] = _mm512_abs_epi8(w);
-        negative[c] = _mm512_movepi8_mask(w);
-      }
-      for (int b = 0; b < kRows; ++b) {
-        const int64_t row = (r0 + b) * pairs + p;
-        const __m512i x = _mm512_loadu_si512(r.hi_plain.data() + row * 64);
-        const __m512 dx = _mm512_loadu_ps(r.dx_plain.data() + row * 16);
-        for (int c = 0; c < kCols; ++c) {
-          const __m512i xs = _mm512_mask_sub_epi8(x, negative[c], _mm512_setzero_si512(), x);
-          const __m512i dot = DotBytes<kLo>(aw[c], xs,
-                                            kLo ? r.lo_plain.data() + row * 64 : nullptr,
-                                            negative[c]);
-          const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx);
-          acc[c][b] = _mm512_fmadd_ps(f, d[c], acc[c][b]);
-        }
-      }
-    }
-  }
-  const float unit = kLo ? 1.0f / 256.0f : 1.0f;
-  for (int c = 0; c < kCols; ++c) {
-    for (int b = 0; b < kRows; ++b) {
-      out[(r0 + b) * out_dim + o + c] = _mm512_reduce_add_ps(acc[c][b]) * unit;
-    }
-  }
-}
-
 // How one call is cut: rows in blocks of `row_block`, columns in `col_parts`
 // ranges; work item i is row block i / col_parts, column range i % col_parts.
 struct Plan {
@@ -221,10 +105,11 @@ struct Plan {
 // four per thread where the columns allow (a thread that starts late still finds
 // work, and two threads both work when the rows are few).
 inline Plan PlanBlocks(int64_t rows, int64_t out_dim, int64_t row_bytes, int64_t threads,
-                       int64_t block_bytes = 512 << 10) {
+                       int64_t block_bytes = 512 << 10, int64_t row_multiple = kTileRows,
+                       int64_t max_rows = 64) {
   Plan p;
-  p.row_block = std::clamp<int64_t>(block_bytes / std::max<int64_t>(row_bytes, 1) / kTileRows *
-                                        kTileRows, kTileRows, 64);
+  p.row_block = std::clamp<int64_t>(block_bytes / std::max<int64_t>(row_bytes, 1) /
+                                        row_multiple * row_multiple, row_multiple, max_rows);
   p.row_block = std::min(p.row_block, rows);
   p.row_blocks = (rows + p.row_block - 1) / p.row_block;
   const int64_t want = 4 * threads;
@@ -298,39 +183,14 @@ void BlockColumns(const float* x, const float* xsum, int r_begin, int r_end, int
 }
 
 // Integer activations (`r`, `lo`: its 16-bit rounding): output columns [o0, o1)
-// for rows [r_begin, r_end), nibbles (Q4_1, Q4_0) or signed bytes (S8).
+// for rows [r_begin, r_end), nibbles (Q4_1, Q4_0) or signed bytes (S8): the
+// block-exact tiles of quant_int.h (AMX for 16-row tiles where it runs, VNNI else).
 template <Format kFmt, bool kLo>
 void BlockIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in, const uint8_t* codes,
                      const uint16_t* scale, const uint16_t* offset, float* out,
                      int64_t out_dim, int64_t o0, int64_t o1) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
-  const int64_t groups = in / kGroup;
-  const int64_t group_bytes = GroupBytes(kFmt);
-  constexpr bool kMin = HasMin(kFmt);
-  BlockLoop<kIntWideRows, kIntWideCols>(
-      r_begin, r_end, o0, o1, SubBlockColumns(groups * group_bytes),
-      NarrowOnly(r_begin, r_end, in * (kLo ? 2 : 1) + groups / 2 * 64),
-      [&](int r0, int64_t o) {
-        if constexpr (kFmt == kS8) {
-          WideS8IntTile<kIntWideRows, kLo, kIntWideCols>(r, r0, groups, codes, scale, out,
-                                                         out_dim, o);
-        } else {
-          WideIntTile<kMin, kIntWideRows, kLo, kIntWideCols>(r, r0, groups, codes, scale, offset,
-                                                             out, out_dim, o);
-        }
-      },
-      [&](int r0, int rows, int64_t o) {
-        const uint8_t* q = codes + o * groups * group_bytes;
-        if constexpr (kFmt == kS8) {
-          XLASERVE_WITH_TILE_ROWS(
-              rows, (S8IntTile<R, kLo>(r, r0, groups, q, scale + o * groups, out, out_dim, o)));
-        } else {
-          const uint16_t* m = offset == nullptr ? nullptr : offset + o * groups;
-          XLASERVE_WITH_TILE_ROWS(rows, (IntTile<kMin, R, kLo>(r, r0, groups, q,
-                                                               scale + o * groups, m, out,
-                                                               out_dim, o)));
-        }
-      });
+  ExactIntColumns<kFmt, kLo>(r, r_begin, r_end, in, codes, scale, offset, out, out_dim, o0, o1);
 }
 
 }  // namespace xlaserve

@@ -1,0 +1,457 @@
+// Quantized weights x integer activations, block-exact (AVX-512): the integer
+// tiles behind the matvec custom calls (matvec.cc, quant_gemm.h) and the fused
+// decoder (decoder.cc), for Q8_0 (signed bytes), Q4_0 and Q4_1 (nibbles).
+//
+// Numerics, the same for every row count and every path (VNNI or AMX): for each
+// activation row b, output column o and group g of 32 inputs, the integer dot
+// product of the weight codes with the row's rounded activations (quant_dot.h
+// `QuantizeRowRange`) is exact in int32:
+//   a8:  isum = sum_i w_i * hi_i,
+//   a16: isum = sum_i w_i * (256 * hi_i + lo_i)   (|isum| <= 32 * 128 * 32639 < 2^31),
+// with w = the Q8_0 code, or the Q4_0 nibble - 8, or the Q4_1 nibble. Then one
+// float32 epilogue, sequential over the groups:
+//   acc = fma(float(isum_g), dx_g * d_g, acc)       (g = 0, 1, ...; acc from 0)
+//   mins = fma(m_g, xsum_g, mins)                   (Q4_1 only; xsum: IntRows xsum8/16)
+//   y = acc * unit  (Q4_1: fma(acc, unit, mins)),   unit = 1/256 for a16, 1 for a8,
+// dx_g the row's group scale (IntRows dx_group), d_g and m_g the column's float16
+// scale and min. How the integers are formed does not matter (they are exact), so:
+//  - `ExactIntTile` (VNNI): per pair of groups, one VPDPBUSD per column gives 16
+//    int32 lanes of 4-product sums (quant_dot.h DotBytes layouts); 16 columns' lanes
+//    are reduced in integers (`ReduceBlocks`) to one lane per column and group, and
+//    the epilogue runs on 16 columns at once;
+//  - `AmxTile` (AMX-INT8): the codes of 16 columns are packed once into the TDPBSSD
+//    B-tile layout (`PackColumns`) and every 16-row tile of activations meets them,
+//    one 16 x 16 int32 tile per group (two for a16: hi and lo bytes), stored and
+//    taken through the same epilogue.
+// Each output is thus bitwise the same whatever the other rows of the call, whether
+// AMX runs or not (`AmxEnabled`, XLASERVE_NATIVE_AMX=0 turns it off), and in the
+// decoder as in the matvec.
+
+#ifndef XLASERVE_KERNELS_CPU_QUANT_INT_H_
+#define XLASERVE_KERNELS_CPU_QUANT_INT_H_
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "quant_dot.h"
+
+namespace xlaserve {
+
+// Rows from which a call of the column functions uses AMX tiles (16-row tiles; the
+// rest of the rows take the VNNI tiles).
+constexpr int kAmxRows = 16;
+
+// Whether this CPU has AMX-TILE and AMX-INT8 and Linux lets the process use the
+// tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once.
+inline bool AmxHardware() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// AmxHardware() unless XLASERVE_NATIVE_AMX=0 (read at each call: tests compare both).
+inline bool AmxEnabled() {
+  const char* env = std::getenv("XLASERVE_NATIVE_AMX");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  return AmxHardware();
+}
+
+// Reduces 16 columns' dot lanes (dot[c]: 16 int32 lanes of column c for a pair of
+// groups) to one lane per column: *even = group 2p of columns 0-15, *odd = 2p + 1.
+// kNibble: lanes 0-3 and 8-11 hold group 2p (quant_dot.h nibble order), else lanes
+// 0-7 (input order). Integer adds: exact in any order.
+template <bool kNibble>
+__attribute__((target("avx512f"))) inline void ReduceBlocks(const __m512i* dot, __m512i* even,
+                                                            __m512i* odd) {
+  __m512i s1[8], s2[4];
+  for (int k = 0; k < 8; ++k) {  // per 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s1[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[2 * k], dot[2 * k + 1]),
+                             _mm512_unpackhi_epi32(dot[2 * k], dot[2 * k + 1]));
+  }
+  for (int k = 0; k < 4; ++k) {  // per 128 bits: columns 4k .. 4k + 3
+    s2[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * k], s1[2 * k + 1]),
+                             _mm512_unpackhi_epi64(s1[2 * k], s1[2 * k + 1]));
+  }
+  // 128-bit lanes of s2[k]: nibble order [g, g', g, g'], input order [g, g, g', g'].
+  constexpr int kA = kNibble ? 0x44 : 0x88, kB = kNibble ? 0xEE : 0xDD;
+  const __m512i v = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[0], s2[1], kA),
+                                     _mm512_shuffle_i32x4(s2[0], s2[1], kB));
+  const __m512i w = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2], s2[3], kA),
+                                     _mm512_shuffle_i32x4(s2[2], s2[3], kB));
+  *even = _mm512_shuffle_i32x4(v, w, 0x88);
+  *odd = _mm512_shuffle_i32x4(v, w, 0xDD);
+}
+
+// The float16 values (scales or mins, [O, groups]) of columns [o, o + n), n <= 16, as
+// floats [groups][16] (zero past n): one gather per pair of groups.
+__attribute__((target("avx512f,avx512bw,f16c"))) inline void ColumnValues(
+    const uint16_t* values, int64_t groups, int64_t o, int n, float* dst) {
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(groups)));
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t g = 0; g < groups; g += 2) {
+    const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx,
+                                                  values + o * groups + g, 2);
+    _mm512_storeu_ps(dst + g * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+    _mm512_storeu_ps(dst + (g + 1) * 16,
+                     _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+  }
+}
+
+// The final value of 16 columns from the epilogue's accumulators (module comment).
+template <bool kMin, bool kLo>
+__attribute__((target("avx512f,fma"))) inline __m512 Finish(__m512 acc, __m512 mins) {
+  const __m512 unit = _mm512_set1_ps(kLo ? 1.0f / 256.0f : 1.0f);
+  if constexpr (kMin) return _mm512_fmadd_ps(acc, unit, mins);
+  if constexpr (kLo) return _mm512_mul_ps(acc, unit);
+  return acc;
+}
+
+// Columns [o, o + n) (n <= 16) x rows [r0, r0 + kRows) of `r` with VNNI: the
+// module comment's numerics. dcol / mcol: the columns' scales / mins (ColumnValues).
+template <Format kFmt, int kRows, bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void ExactIntTile(
+    const IntRows& r, int r0, int64_t groups, const uint8_t* codes, int64_t o, int n,
+    const float* dcol, const float* mcol, float* out, int64_t out_dim) {
+  constexpr bool kNibble = kFmt != kS8;
+  constexpr bool kMin = HasMin(kFmt);
+  const int64_t pairs = groups / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const float* dx = r.dx_group.data();
+  const int32_t* xint = (kLo ? r.xint16 : r.xint8).data();
+  const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr;
+  const int8_t* his = kNibble ? r.hi.data() : r.hi_plain.data();
+  const int8_t* los = kLo ? (kNibble ? r.lo.data() : r.lo_plain.data()) : nullptr;
+  __m512 acc[kRows], mins[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i w[16];
+    __mmask64 neg[16];
+    for (int c = 0; c < 16; ++c) {
+      w[c] = _mm512_setzero_si512();
+      neg[c] = 0;
+      if (c >= n) continue;
+      if constexpr (kNibble) {
+        const __m512i y = _mm512_castsi256_si512(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(codes + (o + c) * groups * 16 + p * 32)));
+        w[c] = _mm512_and_si512(
+            _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
+      } else {
+        const __m512i raw = _mm512_loadu_si512(codes + (o + c) * groups * kGroup + p * 64);
+        w[c] = _mm512_abs_epi8(raw);
+        neg[c] = _mm512_movepi8_mask(raw);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(dcol + 2 * p * 16);
+    const __m512 d1 = _mm512_loadu_ps(dcol + (2 * p + 1) * 16);
+    for (int b = 0; b < kRows; ++b) {
+      const int64_t row = (r0 + b) * pairs + p;
+      const __m512i x = _mm512_loadu_si512(his + row * 64);
+      __m512i dot[16];
+      for (int c = 0; c < 16; ++c) {
+        const __m512i xs =
+            kNibble ? x : _mm512_mask_sub_epi8(x, neg[c], _mm512_setzero_si512(), x);
+        dot[c] = DotBytes<kLo>(w[c], xs, kLo ? los + row * 64 : nullptr, neg[c]);
+      }
+      __m512i e, f;
+      ReduceBlocks<kNibble>(dot, &e, &f);
+      const int64_t at = (r0 + b) * groups + 2 * p;
+      if constexpr (kFmt == kQ4_0) {  // sum (n - 8) x = sum n x - 8 sum x
+        e = _mm512_sub_epi32(e, _mm512_set1_epi32(8 * xint[at]));
+        f = _mm512_sub_epi32(f, _mm512_set1_epi32(8 * xint[at + 1]));
+      }
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), _mm512_mul_ps(d0, _mm512_set1_ps(dx[at])),
+                               acc[b]);
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f),
+                               _mm512_mul_ps(d1, _mm512_set1_ps(dx[at + 1])), acc[b]);
+      if constexpr (kMin) {
+        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + 2 * p * 16), _mm512_set1_ps(xsum[at]),
+                                  mins[b]);
+        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + (2 * p + 1) * 16),
+                                  _mm512_set1_ps(xsum[at + 1]), mins[b]);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  for (int b = 0; b < kRows; ++b) {
+    _mm512_mask_storeu_ps(out + (r0 + b) * out_dim + o, mask, Finish<kMin, kLo>(acc[b], mins[b]));
+  }
+}
+
+// ---- AMX-INT8 ----
+//
+// Tiles: tmm0 / tmm1 activations (16 rows x 32 bytes: one group of 16 rows, or for
+// a16 the hi bytes of 8 rows above their lo bytes), tmm2 / tmm7 codes (8 rows x 64
+// bytes: 32 inputs x 16 columns, 4 bytes a column a row), tmm3-tmm6 products (16 x 16
+// int32): `AmxTile` keeps four groups' products in flight.
+// The instructions are written as inline assembly with memory clobbers (so the
+// compiler orders them against the buffers' plain loads and stores).
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void AmxConfigure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t == 2 || t == 7 ? 8 : 16;
+    cfg.colsb[t] = t < 2 ? 32 : 64;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+}
+
+inline void AmxRelease() { asm volatile("tilerelease" ::: "memory"); }
+
+#define XLASERVE_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
+#define XLASERVE_TILE_LOAD(t, base, stride)                                    \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<long>(stride)) \
+               : "memory")
+#define XLASERVE_TILE_STORE(t, base, stride)                                    \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base),                 \
+               "r"(static_cast<long>(stride))                                   \
+               : "memory")
+#define XLASERVE_TILE_DPBSSD(c, a, b) \
+  asm volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::: "memory")
+
+// Packs the codes of columns [o, o + 16) as signed bytes (Q8_0: the codes; Q4_0: the
+// nibbles - 8; Q4_1: the nibbles) into B tiles, b[g][k][4 n + j] = w[o + n][g][4 k + j]
+// (groups x 512 bytes).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void PackColumns(const uint8_t* codes,
+                                                                       int64_t groups,
+                                                                       int64_t o, int8_t* b) {
+  alignas(64) int8_t tmp[16][32];
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(8));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int n = 0; n < 16; ++n) {
+      if constexpr (kFmt == kS8) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp[n]),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                               codes + ((o + n) * groups + g) * kGroup)));
+      } else {
+        const __m128i q =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + ((o + n) * groups + g) * 16));
+        __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+        if constexpr (kFmt == kQ4_0) {
+          lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+          hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+        }
+        _mm_store_si128(reinterpret_cast<__m128i*>(tmp[n]), lo);
+        _mm_store_si128(reinterpret_cast<__m128i*>(tmp[n] + 16), hi);
+      }
+    }
+    for (int k = 0; k < 8; ++k) {
+      _mm512_storeu_si512(b + g * 512 + k * 64, _mm512_i32gather_epi32(idx, tmp[0] + 4 * k, 4));
+    }
+  }
+}
+
+// One group's stored products c (16 tile rows x 16 columns) into the accumulators of
+// kAct activation rows: the epilogue of the module comment (a8: tile row i is row i;
+// a16: tile rows i and 8 + i are row i's hi and lo products). dg: the columns'
+// scales, dx[i]: row i's group scale.
+template <bool kLo>
+__attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogue(
+    const int32_t (*c)[16], const float* dg, const float* dx, __m512* acc) {
+  constexpr int kAct = kLo ? 8 : 16;
+  const __m512 d = _mm512_loadu_ps(dg);
+  for (int i = 0; i < kAct; ++i) {
+    __m512i v = _mm512_load_si512(c[i]);
+    if constexpr (kLo) v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(c[8 + i]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(dx[i])),
+                             acc[i]);
+  }
+}
+
+// Rows [r0, r0 + 16) of `r` (input-order bytes) as A tiles of 16 x 32 bytes, one per
+// group (a8) or two (a16: rows r0..r0+7, then r0+8..r0+15, each 8 hi rows then their
+// 8 lo rows): a[g * 512 (a16: 1024) + h * 512], and the rows' group scales dxt[g][16].
+template <bool kLo>
+inline void PackRows(const IntRows& r, int r0, int64_t groups, int8_t* a, float* dxt) {
+  const int64_t in = groups * kGroup;
+  constexpr int64_t kStep = kLo ? 1024 : 512;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < 16; ++i) {
+      const int64_t at = (r0 + i) * in + g * kGroup;
+      if constexpr (kLo) {
+        int8_t* half = a + g * kStep + (i / 8) * 512 + (i % 8) * kGroup;
+        std::memcpy(half, r.hi_plain.data() + at, kGroup);
+        std::memcpy(half + 8 * kGroup, r.lo_plain.data() + at, kGroup);
+      } else {
+        std::memcpy(a + g * kStep + i * kGroup, r.hi_plain.data() + at, kGroup);
+      }
+      dxt[g * 16 + i] = r.dx_group[(r0 + i) * groups + g];
+    }
+  }
+}
+
+// Columns [o, o + 16) x rows [r0, r0 + kAct) of `r` with AMX (kAct = 16, or 8 for a16):
+// a the rows' A tiles (PackRows, this half's), dxt their scales (PackRows, from this
+// half's first row; stride 16), b the columns' PackColumns, dcol / mcol their
+// ColumnValues. Needs AmxConfigure() on this thread. Tile sets (A, B, C) alternate
+// between groups (tmm0, tmm2, tmm3 and tmm1, tmm7, tmm4), so a group's loads and
+// product do not wait for the previous group's.
+template <Format kFmt, bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile(
+    const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
+    const int8_t* b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
+    int64_t o) {
+  constexpr bool kMin = HasMin(kFmt);
+  constexpr int kAct = kLo ? 8 : 16;
+  constexpr int64_t kStep = kLo ? 1024 : 512;  // PackRows' bytes a group
+  alignas(64) int32_t c[4][16][16];
+  __m512 acc[kAct];
+  for (int i = 0; i < kAct; ++i) acc[i] = _mm512_setzero_ps();
+  // Software pipeline over four product tiles: group g's product goes to tmm3 + g % 4
+  // (A and B tiles alternate, tmm0 / tmm1 and tmm2 / tmm7), is stored a step later
+  // and scaled three steps later (a tile store is not forwarded to vector loads), so
+  // the tile unit always has independent products under way.
+#define XLASERVE_AMX_ISSUE(g, ta, tb, tc)              \
+  do {                                                 \
+    XLASERVE_TILE_ZERO(tc);                            \
+    XLASERVE_TILE_LOAD(ta, a + (g) * kStep, kGroup);   \
+    XLASERVE_TILE_LOAD(tb, b + (g) * 512, 64);         \
+    XLASERVE_TILE_DPBSSD(tc, ta, tb);                  \
+  } while (0)
+  auto issue = [&](int64_t g) {
+    switch (g % 4) {
+      case 0: XLASERVE_AMX_ISSUE(g, 0, 2, 3); break;
+      case 1: XLASERVE_AMX_ISSUE(g, 1, 7, 4); break;
+      case 2: XLASERVE_AMX_ISSUE(g, 0, 2, 5); break;
+      default: XLASERVE_AMX_ISSUE(g, 1, 7, 6); break;
+    }
+  };
+  auto store = [&](int64_t g) {
+    switch (g % 4) {
+      case 0: XLASERVE_TILE_STORE(3, c[0], 64); break;
+      case 1: XLASERVE_TILE_STORE(4, c[1], 64); break;
+      case 2: XLASERVE_TILE_STORE(5, c[2], 64); break;
+      default: XLASERVE_TILE_STORE(6, c[3], 64); break;
+    }
+  };
+#undef XLASERVE_AMX_ISSUE
+  for (int64_t g = 0; g < groups + 3; ++g) {
+    if (g < groups) issue(g);
+    if (g >= 1 && g - 1 < groups) store(g - 1);
+    if (g >= 3) AmxEpilogue<kLo>(c[(g - 3) % 4], dcol + (g - 3) * 16, dxt + (g - 3) * 16, acc);
+  }
+  const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() + r0 * groups : nullptr;
+  for (int i = 0; i < kAct; ++i) {
+    __m512 mins = _mm512_setzero_ps();
+    if constexpr (kMin) {
+      for (int64_t g = 0; g < groups; ++g) {
+        mins = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + g * 16),
+                               _mm512_set1_ps(xsum[i * groups + g]), mins);
+      }
+    }
+    _mm512_storeu_ps(out + (r0 + i) * out_dim + o, Finish<kMin, kLo>(acc[i], mins));
+  }
+}
+
+// Output columns [o0, o1) for rows [r_begin, r_end) of `r` (kLo: its 16-bit
+// rounding), the module comment's numerics: 16-row tiles through AMX where there
+// are at least kAmxRows rows and AmxEnabled() (and r has the input-order bytes),
+// the other rows through the VNNI tiles, 16 columns at a time.
+template <Format kFmt, bool kLo>
+void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
+                     const uint8_t* codes, const uint16_t* scale, const uint16_t* offset,
+                     float* out, int64_t out_dim, int64_t o0, int64_t o1) {
+  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
+  constexpr bool kMin = HasMin(kFmt);
+  const int64_t groups = in / kGroup;
+  thread_local std::vector<float> dcol, mcol;
+  thread_local std::vector<int8_t> packed, rows_packed;
+  thread_local std::vector<float> dx_packed;
+  dcol.resize(groups * 16);
+  if (kMin) mcol.resize(groups * 16);
+  const bool amx = r_end - r_begin >= kAmxRows && r.plain_order && AmxEnabled();
+  const int amx_end = amx ? r_begin + (r_end - r_begin) / 16 * 16 : r_begin;
+  if (amx) {
+    packed.resize(groups * 512);
+    const int64_t tiles = (amx_end - r_begin) / 16;
+    rows_packed.resize(tiles * groups * (kLo ? 1024 : 512));
+    dx_packed.resize(tiles * groups * 16);
+    for (int64_t t = 0; t < tiles; ++t) {
+      PackRows<kLo>(r, static_cast<int>(r_begin + 16 * t), groups,
+                    rows_packed.data() + t * groups * (kLo ? 1024 : 512),
+                    dx_packed.data() + t * groups * 16);
+    }
+    AmxConfigure();
+  }
+  for (int64_t o = o0; o < o1; o += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, o1 - o));
+    ColumnValues(scale, groups, o, n, dcol.data());
+    if (kMin) ColumnValues(offset, groups, o, n, mcol.data());
+    int vnni_begin = r_begin;
+    if (amx && n == 16) {
+      PackColumns<kFmt>(codes, groups, o, packed.data());
+      for (int r0 = r_begin; r0 < amx_end; r0 += 16) {
+        const int64_t t = (r0 - r_begin) / 16;
+        const int8_t* a = rows_packed.data() + t * groups * (kLo ? 1024 : 512);
+        const float* dxt = dx_packed.data() + t * groups * 16;
+        for (int h = 0; h < (kLo ? 2 : 1); ++h) {  // a16: two halves of 8 rows
+          AmxTile<kFmt, kLo>(r, r0 + 8 * h, groups, a + 512 * h, dxt + 8 * h, packed.data(),
+                             dcol.data(), mcol.data(), out, out_dim, o);
+        }
+      }
+      vnni_begin = amx_end;
+    }
+    for (int r0 = vnni_begin; r0 < r_end; r0 += kTileRows) {
+      XLASERVE_WITH_TILE_ROWS(std::min(kTileRows, r_end - r0),
+                              (ExactIntTile<kFmt, R, kLo>(r, r0, groups, codes, o, n,
+                                                          dcol.data(), mcol.data(), out,
+                                                          out_dim)));
+    }
+  }
+  if (amx) AmxRelease();
+}
+
+// Output columns [o0, o1) of signed one-byte codes (Q8_0) for every row of `r` (`lo`:
+// its 16-bit rounding, else its 8-bit one).
+inline void S8IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
+                         const uint16_t* scale, float* out, int64_t out_dim, int64_t o0,
+                         int64_t o1) {
+  if (lo) {
+    ExactIntColumns<kS8, true>(r, 0, rows, in, codes, scale, nullptr, out, out_dim, o0, o1);
+  } else {
+    ExactIntColumns<kS8, false>(r, 0, rows, in, codes, scale, nullptr, out, out_dim, o0, o1);
+  }
+}
+
+// Output columns [o0, o1) of nibble weights (Q4_1, Q4_0) for every row of `r`
+// (QuantizeRows; `lo`: its 16-bit rounding, else its 8-bit one).
+template <Format kFmt>
+void IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
+                const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
+                int64_t o0, int64_t o1) {
+  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
+  if (lo) {
+    ExactIntColumns<kFmt, true>(r, 0, rows, in, codes, scale, offset, out, out_dim, o0, o1);
+  } else {
+    ExactIntColumns<kFmt, false>(r, 0, rows, in, codes, scale, offset, out, out_dim, o0, o1);
+  }
+}
+
+}  // namespace xlaserve
+
+#endif  // XLASERVE_KERNELS_CPU_QUANT_INT_H_

@@ -1,0 +1,152 @@
+"""The block-exact integer-activation tiles (kernels_cpu/quant_int.h) against a numpy
+reference of their numerics, and their batch invariance with and without AMX.
+
+For each row, column and group of 32 inputs the integer dot product of the codes
+(Q8_0 codes, Q4_0 nibbles - 8, Q4_1 nibbles) with the row's rounded activations is
+exact (a16: 256 * hi + lo), then one float32 epilogue runs sequentially over the
+groups: acc = fma(float(isum), dx * d, acc); Q4_1 adds mins = fma(m, xsum, mins);
+y = acc * unit (Q4_1: fma(acc, unit, mins)), unit = 1/256 for a16. The reference
+computes the same operations (fused multiply-adds emulated exactly in float64), so
+the kernel must match it bitwise, for every row count (VNNI tiles below 16 rows, AMX
+tiles from 16 where the CPU has them) and with AMX forced off.
+"""
+
+import ctypes
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import quantizers
+from kernels_cpu import library, matvec
+
+needs_vnni = pytest.mark.skipif(library.isa() != "avx512" or not library.vnni(),
+                                reason="no native kernels, no AVX-512 or no VNNI")
+FORMATS = ["q8_0", "q4_0", "q4_1"]
+
+
+def _fma32(a, b, c):
+  """float32 fma(a, b, c), correctly rounded: a * b is exact in float64, the float64 sum
+  rounds once more, and a sum that lands exactly halfway between two float32s is moved
+  off the tie toward the exact value (the only case where rounding twice differs)."""
+  a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+  p = a * b
+  s = p + c
+  bp = s - c
+  err = (p - bp) + (c - (s - bp))  # s + err == p + c exactly (TwoSum)
+  tie = (s.view(np.int64) & ((1 << 29) - 1)) == (1 << 28)
+  s = np.where(tie & (err != 0), np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+  return s.astype(np.float32)
+
+
+def _rounded_rows(x: np.ndarray, bits: int):
+  """quant_dot.h QuantizeRowRange in float32: hi, lo (int), dx, xsum8, xsum16 per group."""
+  g = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+  dx = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)
+  inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+  scaled = (g * inv[..., None]).astype(np.float32)
+  hi = np.rint(scaled).astype(np.int64)
+  lo = np.zeros_like(hi)
+  if bits == 16:
+    rest = ((scaled - hi.astype(np.float32)) * np.float32(256)).astype(np.float32)
+    lo = np.clip(np.rint(rest), -127, 127).astype(np.int64)
+  sum8, sum_lo = hi.sum(-1).astype(np.float32), lo.sum(-1).astype(np.float32)
+  xsum8 = (dx * sum8).astype(np.float32)
+  xsum16 = (dx * (sum8 + sum_lo * np.float32(1 / 256))).astype(np.float32)
+  return hi, lo, dx, xsum8, xsum16
+
+
+def _signed_codes(fmt: str, q) -> np.ndarray:
+  """[O, groups, 32] integer weights: Q8_0 codes, Q4_0 nibbles - 8, Q4_1 nibbles."""
+  q = np.asarray(q)
+  if fmt == "q8_0":
+    return q.astype(np.int64).reshape(q.shape[0], -1, 32)
+  b = q.astype(np.int64).reshape(q.shape[0], -1, 16)
+  n = np.concatenate([b & 15, b >> 4], -1)
+  return n - 8 if fmt == "q4_0" else n
+
+
+def block_exact_reference(x, fmt, q, scale, offset, bits):
+  """The module docstring's numerics for x [B, I] and a weight's codes, scales, mins."""
+  hi, lo, dx, xsum8, xsum16 = _rounded_rows(x, bits)
+  act = hi * 256 + lo if bits == 16 else hi
+  isum = np.einsum("bgi,ogi->bog", act, _signed_codes(fmt, q))
+  assert np.abs(isum).max() < 2**31  # the int32 bound the kernels rely on
+  isum = isum.astype(np.int32).astype(np.float32)
+  d = np.asarray(scale).astype(np.float32)
+  acc = np.zeros(isum.shape[:2], np.float32)
+  mins = np.zeros_like(acc)
+  m = np.asarray(offset).astype(np.float32) if fmt == "q4_1" else None
+  xsum = xsum16 if bits == 16 else xsum8
+  for g in range(isum.shape[2]):
+    acc = _fma32(isum[:, :, g], (dx[:, None, g] * d[None, :, g]).astype(np.float32), acc)
+    if m is not None:
+      mins = _fma32(np.broadcast_to(m[None, :, g], acc.shape),
+                    np.broadcast_to(xsum[:, None, g], acc.shape), mins)
+  unit = np.float32(1 / 256 if bits == 16 else 1)
+  if m is not None:
+    return _fma32(acc, np.full_like(acc, unit), mins)
+  return (acc * unit).astype(np.float32)
+
+
+def _weight(fmt: str, out_dim: int, in_dim: int):
+  w = (np.random.default_rng(7).standard_normal((in_dim, out_dim)) * 0.05).astype(np.float32)
+  if fmt == "q8_0":
+    qw = jax.tree.map(jnp.asarray, quantizers.quantize_int8(w, 32, asymmetric=False))
+    return dataclasses.replace(qw, q=qw.q.at[0, :4].set(jnp.int8(-128)))  # the unpaired code
+  return jax.tree.map(jnp.asarray, quantizers.quantize_int4(w, 32, asymmetric=fmt == "q4_1"))
+
+
+def _product(x, qw, bits):
+  return np.asarray(matvec.quantized_matvec(jnp.asarray(x), qw.q, qw.scale, qw.offset,
+                                            qw.bits, activation_bits=bits))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # VNNI only; one AMX tile; both
+def test_matches_block_exact_reference_bitwise(fmt, bits, rows, monkeypatch):
+  """Columns not a multiple of 16 (70), groups not a multiple of 4 (18), an all-zero
+  activation group, with AMX (where the CPU has it) and forced off."""
+  qw = _weight(fmt, 70, 576)
+  x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+  x[0, :32] = 0.0
+  want = block_exact_reference(x, fmt, qw.q, qw.scale, qw.offset, bits)
+  assert np.array_equal(_product(x, qw, bits), want)
+  monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
+  assert np.array_equal(_product(x, qw, bits), want)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_row_alone_is_bitwise_the_row_among_300(fmt, bits, monkeypatch):
+  """Batch invariance across the VNNI tiles (1 row), the AMX tiles and the VNNI rest of
+  a 300-row call (several row blocks), and AMX on vs off."""
+  out_dim, in_dim = 1030, 1024
+  qw = _weight(fmt, out_dim, in_dim)
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((300, in_dim)).astype(np.float32) * rng.uniform(0.1, 10.0, (300, 1))
+  together = _product(x, qw, bits)
+  for at in (0, 150, 299):
+    assert np.array_equal(_product(x[at:at + 1], qw, bits)[0], together[at]), at
+  monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
+  assert np.array_equal(_product(x, qw, bits), together)
+
+
+@needs_vnni
+def test_amx_reported_where_the_cpu_has_it(monkeypatch):
+  """The library uses AMX exactly where /proc/cpuinfo lists amx_int8 (Linux grants the
+  tile state to a process that asks), and not when XLASERVE_NATIVE_AMX=0."""
+  lib = ctypes.CDLL(library.library_path())
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = f.read()
+  except OSError:
+    pytest.skip("no /proc/cpuinfo")
+  assert lib.xlaserve_native_amx() == (1 if " amx_int8" in flags else 0)
+  monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
+  assert lib.xlaserve_native_amx() == 0
