@@ -1,5 +1,5 @@
-"""Session-wide test set-up: JAX on CPU with the persistent compilation cache, and torch
-(the tiny models' reference) on one thread."""
+"""Session-wide test set-up: JAX on CPU with the persistent compilation cache, torch
+(the tiny models' reference) on one thread, and the longest modules first under xdist."""
 
 import os
 
@@ -62,3 +62,52 @@ def force_avx2(monkeypatch):
   monkeypatch.delenv("XLASERVE_NATIVE_ISA")
   library.isa.cache_clear()
   jax.clear_caches()
+
+
+# The modules that take longest in the full suite, longest first (`--durations`, summed per
+# module, 2026-12-06). `--dist loadfile` hands each worker whole modules in collection order;
+# pytest-xdist's default `--loadscope-reorder` sorts them by test count, which put these
+# one-to-six-test modules last: the run ended with one worker alone on the batch-invariance
+# module for ~14 minutes while the other idled. Longest first (the classic greedy schedule)
+# lets the short modules fill in around them. docs/testing.md.
+LONGEST_MODULES = (
+    "tests/serving/engine/test_batch_invariance.py",
+    "tests/serving/runner/test_quant_quality.py",
+    "tests/sharding/test_pipeline.py",
+    "tests/serving/entrypoints/test_batch_e2e.py",
+    "tests/serving/entrypoints/test_default_model.py",
+    "tests/serving/runner/test_quant_engine.py",
+    "tests/ops/test_ops_security.py",
+    "tests/serving/runner/test_executable_store.py",
+    "tests/sharding/test_quant_sharded.py",
+    "tests/sharding/test_multihost.py",
+    "tests/serving/entrypoints/test_structured_e2e.py",
+    "tests/ops/test_ops_load.py",
+    "tests/ops/test_ops_notebook.py",
+    "tests/serving/runner/test_kernel_backend.py",
+    "tests/serving/runner/test_native_decode.py",
+    "tests/serving/entrypoints/test_dp_e2e.py",
+    "tests/serving/models/test_gemma_features.py",
+    "tests/ops/test_ops_isolation.py",
+    "tests/serving/entrypoints/test_pd_e2e.py",
+    "tests/serving/entrypoints/test_console_script.py",
+    "tests/serving/engine/test_engine.py",
+    "tests/sharding/test_lora_tp.py",
+    "tests/sharding/test_gpt_oss_parallel.py",
+    "tests/sharding/test_gemma_parallel.py",
+)
+
+
+def pytest_configure(config):
+  """Under pytest-xdist, modules are handed out in collection order
+  (`pytest_collection_modifyitems` below), not re-sorted by test count."""
+  if config.pluginmanager.hasplugin("xdist"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+  """LONGEST_MODULES first, in that order; the others after them as collected (a stable
+  sort: the tests of a module keep their order). Names not collected, as under Bazel (one
+  test file per target), change nothing."""
+  rank = {m: i for i, m in enumerate(LONGEST_MODULES)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
