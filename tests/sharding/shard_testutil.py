@@ -30,6 +30,11 @@ VOCAB = 300  # tests/tiny_models.py
 LOGIT_ATOL = 1e-4  # f32 sharded vs unsharded (observed ~2e-7)
 
 
+def layout_name(layout: dict) -> str:
+  """A parallel layout's short name, e.g. {"tp": 2, "ep": 2} -> "ep2xtp2" (test ids)."""
+  return "x".join(f"{k}{v}" for k, v in sorted(layout.items()))
+
+
 def run_worker(test_file: str, *args: str, devices: int = 8, timeout: float = 240,
                env: dict[str, str] | None = None) -> dict:
   """Runs `python test_file *args` on `devices` CPU devices; returns its last JSON line."""

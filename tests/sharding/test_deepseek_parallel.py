@@ -25,10 +25,6 @@ NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4
 
 
-def _name(layout: dict) -> str:
-  return "x".join(f"{k}{v}" for k, v in sorted(layout.items()))
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
   from tiny_models import save_tiny_model
@@ -48,7 +44,7 @@ def test_layouts_match_transformers(model, result):
 
   refs = [torch_greedy(model[1], p, NEW_TOKENS) for p in PROMPTS]
   for layout in LAYOUTS:
-    got = result[_name(layout)]
+    got = result[stu.layout_name(layout)]
     for i, (ref_tokens, ref_lp) in enumerate(refs):
       assert got["tokens"][i] == ref_tokens, (layout, i)
       ids, lps = zip(*got["first_top"][i], strict=True)
@@ -73,7 +69,7 @@ def _worker(path: str) -> None:
       engine.add_request(f"r{i}", prompt, params, outs[i].append)
     engine.run_until_idle()
     layers = engine.runner.params["layers"]
-    out[_name(layout)] = dict(
+    out[stu.layout_name(layout)] = dict(
         tokens=[sum((o.token_ids for o in outs[i]), []) for i in outs],
         first_top=[[list(t) for t in outs[i][0].logprobs[0].top] for i in outs],
         w_uk_spec=str(layers["w_uk"].sharding.spec),

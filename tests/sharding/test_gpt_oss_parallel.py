@@ -26,10 +26,6 @@ NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4
 
 
-def _name(layout: dict) -> str:
-  return "x".join(f"{k}{v}" for k, v in sorted(layout.items()))
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
   from mxfp4_testutil import save_tiny_mxfp4_model
@@ -53,7 +49,7 @@ def test_layouts_match_transformers(kind, models, result):
 
   refs = [torch_greedy(models[kind][1], p, NEW_TOKENS) for p in PROMPTS]
   for layout in LAYOUTS[kind]:
-    got = result[kind][_name(layout)]
+    got = result[kind][stu.layout_name(layout)]
     for i, (ref_tokens, ref_lp) in enumerate(refs):
       assert got["tokens"][i] == ref_tokens, (layout, i)
       ids, lps = zip(*got["first_top"][i], strict=True)
@@ -81,7 +77,7 @@ def _worker(*specs: str) -> None:
       engine.run_until_idle()
       layers = engine.runner.params["layers"]
       gate = layers["we_gate"].q if is_quantized(layers["we_gate"]) else layers["we_gate"]
-      res[_name(layout)] = dict(
+      res[stu.layout_name(layout)] = dict(
           tokens=[sum((o.token_ids for o in outs[i]), []) for i in outs],
           first_top=[[list(t) for t in outs[i][0].logprobs[0].top] for i in outs],
           experts_spec=str(gate.sharding.spec), bias_spec=str(layers["be_gate"].sharding.spec))

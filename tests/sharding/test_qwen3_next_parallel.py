@@ -25,10 +25,6 @@ NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4
 
 
-def _name(layout: dict) -> str:
-  return "x".join(f"{k}{v}" for k, v in sorted(layout.items()))
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
   from tiny_models import save_tiny_model
@@ -50,7 +46,7 @@ def test_layouts_match_transformers(kind, models, result):
 
   refs = [torch_greedy(models[kind][1], p, NEW_TOKENS) for p in PROMPTS]
   for layout in LAYOUTS[kind]:
-    got = result[kind][_name(layout)]
+    got = result[kind][stu.layout_name(layout)]
     for i, (ref_tokens, ref_lp) in enumerate(refs):
       assert got["tokens"][i] == ref_tokens, (layout, i)
       ids, lps = zip(*got["first_top"][i], strict=True)
@@ -78,7 +74,7 @@ def _worker(*specs: str) -> None:
       engine.run_until_idle()
       layers = engine.runner.params["layers"]
       experts = layers.get("sub_we_gate")
-      res[_name(layout)] = dict(
+      res[stu.layout_name(layout)] = dict(
           tokens=[sum((o.token_ids for o in outs[i]), []) for i in outs],
           first_top=[[list(t) for t in outs[i][0].logprobs[0].top] for i in outs],
           linear_spec=str(layers["lin_qkv"].sharding.spec),
