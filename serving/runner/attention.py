@@ -361,6 +361,19 @@ def native_supported(q_shape: tuple[int, ...], kv: KVCache, prefill: bool = Fals
   return kernels_cpu.paged_attention.supports(q_shape, kv.k, kv.dtype)
 
 
+def packed_row_keys(cu_q_lens, kv_lens, num_rows: int, num_chunks: int):
+  """Packed prefill rows as one-query rows: for each of `num_rows` rows, its chunk c
+  (rows cu_q_lens[c]:cu_q_lens[c+1], the chunk's keys already written) and how many
+  keys it sees, kv_lens[c] - (q_len_c - 1 - j) for its index j in the chunk (causal);
+  padding rows see none -> (chunk [T] int32, keys [T])."""
+  rows = jnp.arange(num_rows, dtype=jnp.int32)
+  chunk = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0,
+                   num_chunks - 1).astype(jnp.int32)
+  q_len = cu_q_lens[chunk + 1] - cu_q_lens[chunk]
+  keys = kv_lens[chunk] - (q_len - 1 - (rows - cu_q_lens[chunk]))
+  return chunk, jnp.where(rows < cu_q_lens[-1], keys, 0)
+
+
 def native_prefill_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *,
                              scale: float, sliding_window=None, soft_cap: float | None = None,
                              sinks: jax.Array | None = None):
@@ -373,13 +386,7 @@ def native_prefill_attention(q, kv: KVCache, block_tables, cu_q_lens, kv_lens, *
   the XLA path's per-block gathers into dot layouts cost ~10 ms per layer for a
   512-token step (docs/performance.md).
   """
-  t = q.shape[0]
-  rows = jnp.arange(t, dtype=jnp.int32)
-  chunk = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0,
-                   block_tables.shape[0] - 1).astype(jnp.int32)
-  q_len = cu_q_lens[chunk + 1] - cu_q_lens[chunk]
-  keys = kv_lens[chunk] - (q_len - 1 - (rows - cu_q_lens[chunk]))
-  keys = jnp.where(rows < cu_q_lens[-1], keys, 0)
+  chunk, keys = packed_row_keys(cu_q_lens, kv_lens, q.shape[0], block_tables.shape[0])
   out, kv = native_multi_query_attention(q[:, None], kv, block_tables[chunk], keys[:, None],
                                          scale=scale, sliding_window=sliding_window,
                                          soft_cap=soft_cap, sinks=sinks)

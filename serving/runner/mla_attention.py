@@ -34,6 +34,7 @@ from serving.runner.attention import (
   _gather_pages,
   _online_softmax_update,
   _softmax_init,
+  packed_row_keys,
 )
 from serving.runner.kv_cache import (
   QUANTIZED_DTYPES,
@@ -111,13 +112,7 @@ def latent_ragged_attention(q: jax.Array, kv: KVCache, block_tables: jax.Array,
   """Prefill chunks' packed rows q [T, N, C] as one-query rows over their chunk's table
   (chunk c owns rows cu_q_lens[c]:cu_q_lens[c+1]; kv_lens: its keys after the chunk)
   -> [T, N, value_dim]; padding rows see no keys."""
-  t = q.shape[0]
-  rows = jnp.arange(t, dtype=jnp.int32)
-  chunk = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0,
-                   block_tables.shape[0] - 1).astype(jnp.int32)
-  q_len = cu_q_lens[chunk + 1] - cu_q_lens[chunk]
-  keys = kv_lens[chunk] - (q_len - 1 - (rows - cu_q_lens[chunk]))
-  keys = jnp.where(rows < cu_q_lens[-1], keys, 0)
+  chunk, keys = packed_row_keys(cu_q_lens, kv_lens, q.shape[0], block_tables.shape[0])
   out = latent_multi_query_attention(q[:, None], kv, block_tables[chunk], keys[:, None],
                                      scale=scale, value_dim=value_dim,
                                      block_tokens=block_tokens)
