@@ -173,11 +173,11 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 struct IntRows {
   bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
   bool nibble_order = true;      // fill hi, lo, dx (the nibble tiles read them)
-  bool plain_order = true;       // fill hi_plain, lo_plain, dx_plain (the Q8_0 tiles)
+  bool plain_order = true;       // fill hi_plain, lo_plain (the exact and AMX tiles)
   std::vector<int8_t> hi, lo;    // [rows, pairs, 64] nibble order
   std::vector<int8_t> hi_plain, lo_plain;  // [rows, groups * 32] input order
   std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
-  std::vector<float> dx_plain;   // [rows, pairs, 16]: dx_g in lanes 0-7, dx_g+1 in 8-15
+  std::vector<float> dx_plain;   // [rows, pairs, 16]: dx_g in lanes 0-7, dx_g+1 in 8-15 (AVX2 only)
   std::vector<float> xsum8;      // [rows, groups] sums of x rounded to 8 bits
   std::vector<float> xsum16;     // [rows, groups] sums of x rounded to 16 bits (has_lo)
   std::vector<float> dx_group;   // [rows, groups] each group's dx (the exact tiles)
@@ -207,7 +207,7 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   size(r.dx, r.nibble_order, rows * pairs * 16);
   size(r.lo, r.nibble_order && with_lo, rows * pairs * 64);
   size(r.hi_plain, r.plain_order, rows * groups * kGroup);
-  size(r.dx_plain, r.plain_order, rows * pairs * 16);
+  size(r.dx_plain, false, 0);  // the AVX2 tiles' lane scales; the exact tiles read dx_group
   size(r.lo_plain, r.plain_order && with_lo, rows * groups * kGroup);
   size(r.xsum8, true, rows * groups);
   size(r.xsum16, with_lo, rows * groups);
@@ -271,10 +271,6 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
       if (nibbles) {
         float* lanes = r.dx.data() + (b * pairs + p) * 16;
         for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
-      }
-      if (plain) {
-        float* plain_lanes = r.dx_plain.data() + (b * pairs + p) * 16;
-        for (int j = 0; j < 8; ++j) plain_lanes[8 * half + j] = d;
       }
     }
   }
