@@ -265,12 +265,14 @@ class DisaggregatedEngine:
     k, v = future.result()
     hashes = t.hashes[start:start + self.chunk_pages]
     dst = self.decode[t.decode]
-    dst.call_soon(lambda: self._import(dst, t, hashes, k, v)).add_done_callback(
+    dst.call_soon(lambda: self._import(dst, t, start, hashes, k, v)).add_done_callback(
         lambda f: self._on_imported(t, f))
 
   @staticmethod
-  def _import(engine: LLMEngine, t: KVTransfer, hashes: list[bytes], k, v) -> None:
-    """On the decode engine's thread: pages for one chunk, written and committed."""
+  def _import(engine: LLMEngine, t: KVTransfer, start: int, hashes: list[bytes], k, v
+              ) -> None:
+    """On the decode engine's thread: pages for one chunk (the prompt's pages from
+    `start` on), written and committed."""
     got = engine.allocator.adopt(hashes)
     if got is None:
       raise RuntimeError(f"decode worker has no {len(hashes)} free KV pages for the transfer")
@@ -282,9 +284,11 @@ class DisaggregatedEngine:
     except BaseException:
       engine.allocator.release(pages)  # fresh pages were never committed: freed
       raise
-    for page, h, f in zip(pages, hashes, fresh, strict=True):
+    ps = engine.allocator.page_size
+    for i, (page, h, f) in enumerate(zip(pages, hashes, fresh, strict=True), start):
       if f:
-        engine.allocator.commit(page, h)
+        parent = t.hashes[i - 1] if i else None
+        engine.allocator.commit(page, h, parent, t.prompt_ids[i * ps:(i + 1) * ps])
     t.dst_pages.extend(pages)
 
   def _on_imported(self, t: KVTransfer, future) -> None:

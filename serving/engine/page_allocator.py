@@ -6,6 +6,10 @@ tokens), so a later request with the same prefix shares it instead of
 recomputing it. Committed pages whose refcount drops to zero stay cached in an
 LRU list and are evicted only when free pages run out.
 
+Whoever mirrors the cache elsewhere (KV events for a router, offload tiers) subscribes a
+`CacheListener`: it is told of every page stored under a hash, every cached page
+evicted (before its page is handed out again) and every clear.
+
 Page 0 is the reserved dummy page (padding writes) and is never handed out.
 Invariants (checked by `check()` in tests): every page other than 0 is in
 exactly one of {free list, LRU evictable, referenced}; refcounts are >= 0.
@@ -31,6 +35,22 @@ def page_hash(parent: bytes | None, tokens: list[int]) -> bytes:
   return h.digest()
 
 
+class CacheListener:
+  """Told of the prefix cache's changes, on the engine's thread, as they happen. The
+  default methods do nothing; subclasses override what they mirror."""
+
+  def stored(self, page: int, h: bytes, parent: bytes | None, tokens: list[int]) -> None:
+    """Page `page` now holds the full page `tokens` whose prefix hash is `h`
+    (`parent`: the previous page's hash, or the chain's root salt)."""
+
+  def evicted(self, page: int, h: bytes) -> None:
+    """Cached page `page` (hash `h`) leaves the cache; its content is still intact now
+    and is overwritten once its new owner's step runs."""
+
+  def cleared(self) -> None:
+    """Every cached page left the cache at once."""
+
+
 @dataclasses.dataclass
 class PrefixStats:
   queries: int = 0  # prompt tokens looked up
@@ -51,6 +71,7 @@ class PageAllocator:
     self._hash_of: dict[int, bytes] = {}
     self._page_of: dict[bytes, int] = {}
     self.stats = PrefixStats()
+    self.listeners: list[CacheListener] = []
 
   @property
   def num_usable(self) -> int:
@@ -91,7 +112,10 @@ class PageAllocator:
         page = self._free.popleft()
       else:
         page, _ = self._evictable.popitem(last=False)  # least recently used
-        del self._page_of[self._hash_of.pop(page)]
+        h = self._hash_of.pop(page)
+        del self._page_of[h]
+        for listener in self.listeners:
+          listener.evicted(page, h)
       self._refs[page] = 1
       out.append(page)
     return out
@@ -154,12 +178,28 @@ class PageAllocator:
     pages = [page if page is not None else next(fresh) for page in cached]
     return pages, [page is None for page in cached]
 
-  def commit(self, page: int, h: bytes) -> None:
-    """Registers a full page under its prefix hash (no-op if that prefix is cached)."""
+  def commit(self, page: int, h: bytes, parent: bytes | None, tokens: list[int]) -> None:
+    """Registers a full page under its prefix hash `h` = page_hash(parent, tokens)
+    (no-op if that prefix is cached)."""
     if not self.enable_prefix_caching or h in self._page_of or page in self._hash_of:
       return
     self._page_of[h] = page
     self._hash_of[page] = h
+    for listener in self.listeners:
+      listener.stored(page, h, parent, tokens)
+
+  def clear_cache(self) -> int:
+    """Forgets every cached prefix (vLLM's reset_prefix_cache): evictable pages become
+    free, held pages stay with their sequences but are no longer found or committed under
+    their hashes. -> how many prefixes were dropped."""
+    dropped = len(self._page_of)
+    self._free.extend(self._evictable)
+    self._evictable.clear()
+    self._page_of.clear()
+    self._hash_of.clear()
+    for listener in self.listeners:
+      listener.cleared()
+    return dropped
 
   def check(self) -> None:
     """Asserts the allocator's invariants (for tests)."""

@@ -289,9 +289,9 @@ class Scheduler:
       parent = seq.page_hashes[-1] if seq.page_hashes else seq.cache_salt
       h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
       seq.page_hashes.append(h)
-      self.allocator.commit(seq.pages[i], h)
+      self.allocator.commit(seq.pages[i], h, parent, tokens[i * ps:(i + 1) * ps])
       if self.window is not None and seq.window_pages[i]:
-        self.window.allocator.commit(seq.window_pages[i], h)
+        self.window.allocator.commit(seq.window_pages[i], h, parent, tokens[i * ps:(i + 1) * ps])
     if self.window is not None:
       self._release_behind_window(seq)
 

@@ -119,8 +119,8 @@ def test_window_match_needs_the_last_window_of_the_prefix():
     parent = page_hash(parent, [i] * PAGE)
     hashes.append(parent)
   pages = w.allocator.allocate(6)
-  for page, h in zip(pages, hashes, strict=True):
-    w.allocator.commit(page, h)
+  for i, (page, h) in enumerate(zip(pages, hashes, strict=True)):
+    w.allocator.commit(page, h, hashes[i - 1] if i else None, [i] * PAGE)
   w.allocator.release(pages)  # cached, unreferenced
   # A query at 24 reads (16, 24]: pages 4 and 5 (first_live(24) = 17 // 4 = 4).
   k, got = w.match(hashes)
