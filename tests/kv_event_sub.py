@@ -34,6 +34,7 @@ class CacheMirror:
   def __init__(self):
     self.blocks: dict[int, set[int]] = collections.defaultdict(set)
     self.lora_of: dict[int, int | None] = {}  # every hash ever stored -> its lora_id
+    self.lora_name_of: dict[int, str | None] = {}  # ... and its lora_name
     self.counts: collections.Counter[str] = collections.Counter()
     self.errors: list[str] = []
     self.last_seq = -1
@@ -63,6 +64,7 @@ class CacheMirror:
             self.errors.append(f"stored {h} twice")
           held.add(h)
           self.lora_of[h] = fields["lora_id"]
+          self.lora_name_of[h] = fields["lora_name"]
       elif tag == "BlockRemoved":
         for h in fields["block_hashes"]:
           if h not in held:

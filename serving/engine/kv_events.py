@@ -33,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 import zmq
@@ -236,9 +237,12 @@ class KVEventRecorder(CacheListener):
   process's replicas / workers."""
 
   def __init__(self, publisher: KVEventPublisher, *, block_size: int,
-               data_parallel_rank: int = 0):
+               data_parallel_rank: int = 0,
+               lora_names: Callable[[int], str | None] | None = None):
+    """`lora_names(lora_id)`: an adapter's name for `lora_name` (None: always nil)."""
     self.publisher, self.block_size = publisher, block_size
     self.data_parallel_rank = data_parallel_rank
+    self.lora_names = lora_names
     self._pending: list[KVEvent] = []
     self._lora_of: dict[bytes, int] = {}  # cached hashes under an adapter -> its id
 
@@ -256,9 +260,10 @@ class KVEventRecorder(CacheListener):
       last.block_hashes.append(h)
       last.token_ids.extend(tokens)
       return
+    name = None if lora is None or self.lora_names is None else self.lora_names(lora)
     self._pending.append(BlockStored(block_hashes=[h], parent_block_hash=None if root else parent,
                                      token_ids=list(tokens), block_size=self.block_size,
-                                     lora_id=lora))
+                                     lora_id=lora, lora_name=name))
 
   def evicted(self, page: int, h: bytes) -> None:
     """A cached page evicted: joins the step's last BlockRemoved if that is the last event."""

@@ -134,6 +134,7 @@ class LLMEngine:
     self.spec_counters = SpecDecodeCounters()
     self._loras: dict[str, LoraAdapter] = {}  # registered adapters by name
     self._lora_ids = itertools.count(1)
+    self._lora_names: dict[int, str] = {}  # every adapter id ever registered -> its name
     self.outputs = OutputProcessor(tokenizer)
     self.grammars = GrammarCompiler(tokenizer, runner.vocab_size) if structured_output else None
     self.num_programs = runner.warm_up()
@@ -221,6 +222,7 @@ class LLMEngine:
       adapter = LoraAdapter(name=name, lora_id=next(self._lora_ids), path=path, rank=rank,
                             weights=weights)
       self._loras[name] = adapter
+      self._lora_names[adapter.lora_id] = name
     log.info("LoRA adapter %r registered (rank %d, %s)", name, rank, path)
     return adapter
 
@@ -255,6 +257,11 @@ class LLMEngine:
   def list_loras(self) -> list[LoraAdapter]:
     with self._lock:
       return list(self._loras.values())
+
+  def lora_name(self, lora_id: int) -> str | None:
+    """The name adapter `lora_id` was registered under (also once unloaded), or None."""
+    with self._lock:
+      return self._lora_names.get(lora_id)
 
   def abort(self, request_id: str) -> None:
     with self._lock:

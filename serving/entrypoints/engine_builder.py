@@ -176,7 +176,8 @@ def attach_kv_events(engine: EngineClient, publisher: KVEventPublisher,
     members = [engine]
   for rank, member in enumerate(members):
     member.attach_kv_events(KVEventRecorder(publisher, block_size=config.cache.page_size,
-                                            data_parallel_rank=rank))
+                                            data_parallel_rank=rank,
+                                            lora_names=member.lora_name))
   publisher.start()
 
 
@@ -336,6 +337,9 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   if config.speculative.speculative_method == "draft":
     raise SetupError("a draft model is not supported with several processes yet; use "
                      "speculative_method='ngram' or 'suffix'")
+  if config.cache.kv_events_endpoint is not None:
+    raise SetupError("KV events are not published with several processes yet "
+                     "(kv_events_endpoint must be unset)")
   check_model(model, config.model.quantization)
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)

@@ -50,13 +50,14 @@ def test_wire_hash_is_the_last_eight_bytes_big_endian():
 
 def test_array_batch_is_vllms_positional_msgspec_shape():
   events = [BlockStored([H1, H2], None, [1, 2, 3, 4], 2, None),
-            BlockStored([H3], H2, [5, 6], 2, 7), BlockRemoved([H1]), AllBlocksCleared()]
+            BlockStored([H3], H2, [5, 6], 2, 7, lora_name="sql"), BlockRemoved([H1]),
+            AllBlocksCleared()]
   got = msgpack.unpackb(encode_batch(12.5, events, 3, "array"))
   # msgspec, array_like=True, tag=True, omit_defaults: [tag, *fields]; the batch
   # [ts, events, data_parallel_rank]
   assert got == [12.5, [
       ["BlockStored", [wire_hash(H1), wire_hash(H2)], None, [1, 2, 3, 4], 2, None, "GPU", None],
-      ["BlockStored", [wire_hash(H3)], wire_hash(H2), [5, 6], 2, 7, "GPU", None],
+      ["BlockStored", [wire_hash(H3)], wire_hash(H2), [5, 6], 2, 7, "GPU", "sql"],
       ["BlockRemoved", [wire_hash(H1)], "GPU"],
       ["AllBlocksCleared"]], 3]
 
@@ -238,7 +239,7 @@ def run(engine: LLMEngine, prompts: list[tuple[str | None, list[int]]]) -> None:
 def test_an_engines_cache_is_rebuilt_from_its_events(endpoints):
   engine = lora_engine(num_pages=20)  # 19 pages: the workload overflows them
   pub = KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1])
-  engine.attach_kv_events(KVEventRecorder(pub, block_size=PAGE))
+  engine.attach_kv_events(KVEventRecorder(pub, block_size=PAGE, lora_names=engine.lora_name))
   pub.start()
   try:
     adapter = engine.load_lora("ad", "/ad")
@@ -266,3 +267,4 @@ def test_an_engines_cache_is_rebuilt_from_its_events(endpoints):
                                                                   system[:PAGE])
   assert mirror.lora_of[wire_hash(root_base)] is None
   assert mirror.lora_of[wire_hash(root_lora)] == adapter.lora_id
+  assert mirror.lora_name_of[wire_hash(root_lora)] == "ad"
