@@ -7,6 +7,9 @@ import openai
 import pytest
 from frontend_fake import EOS, InProcessServer, fake_engine, wait_for
 
+from serving.engine.kv_events import wire_hash
+from serving.engine.page_allocator import page_hash
+
 
 @pytest.fixture(scope="module")
 def srv():
@@ -330,3 +333,27 @@ def test_tokenize_detokenize(client):
   assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
   assert client.post("/tokenize", json={"model": "fake"}).status_code == 400
   assert client.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_prefix_cache_view_and_reset(client):
+  assert client.post("/reset_prefix_cache").status_code == 200
+  assert client.get("/debug/prefix_cache").json() == {
+      "engines": [{"data_parallel_rank": 0, "block_hashes": []}]}
+  prompt = "0123456789abcdefghijklmnopqrstuvwxyzABCD"  # 40 byte tokens: two full pages
+  r = client.post("/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 1})
+  assert r.status_code == 200
+  tokens = list(prompt.encode())
+  first = page_hash(None, tokens[:16])
+  expected = sorted([wire_hash(first), wire_hash(page_hash(first, tokens[16:32]))])
+  assert client.get("/debug/prefix_cache").json()["engines"][0]["block_hashes"] == expected
+  r = client.post("/reset_prefix_cache")
+  assert (r.status_code, r.content) == (200, b"")
+  assert client.get("/debug/prefix_cache").json()["engines"][0]["block_hashes"] == []
+
+
+def test_prefix_cache_routes_need_the_api_key():
+  with InProcessServer(api_key="s3cret") as s:
+    assert httpx.post(f"{s.http}/reset_prefix_cache").status_code == 401
+    assert httpx.get(f"{s.http}/debug/prefix_cache").status_code == 401
+    ok = httpx.get(f"{s.http}/debug/prefix_cache", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
