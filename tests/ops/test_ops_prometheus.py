@@ -43,13 +43,11 @@ DASHBOARD = os.path.join(DEPLOY, "grafana", "xlaserve-dashboard.json")
 K8S = os.path.join(DEPLOY, "k8s")
 
 # The test copy of the rules: every `for:` and range window shortened, and these thresholds
-# (alert -> (shipped, test)) lowered where the test's load on a shared 2-core machine cannot
-# be relied on to cross the shipped one.
+# (alert -> (shipped, test)) lowered where the test's load cannot be relied on to cross the
+# shipped one on every machine (a fast one can serve a first token in under 2 s even behind
+# a full queue).
 TEST_FOR, TEST_WINDOW = "2s", "15s"
-TEST_THRESHOLDS = {
-    "XlaserveTTFTAboveSLO": ("> 2", "> 0.25"),
-    "XlaserveQueueGrowing": ("> 8", "> 2"),
-}
+TEST_THRESHOLDS = {"XlaserveTTFTAboveSLO": ("> 2", "> 0.25")}
 # Target labels as Kubernetes service discovery would attach them (the adapter rules key
 # their per-pod series on namespace and pod).
 TARGET_LABELS = {"namespace": "default", "pod": "xlaserve-0"}
@@ -198,7 +196,7 @@ class Load:
   loop until `stop()`, which cancels those in flight (the server aborts them); counts the
   HTTP status codes of the finished ones."""
 
-  def __init__(self, base_url: str, every_s: float = 0.2, max_tokens: int = 60):
+  def __init__(self, base_url: str, every_s: float, max_tokens: int = 60):
     self.base_url, self.every_s, self.max_tokens = base_url, every_s, max_tokens
     self.codes: dict[int, int] = {}
     self._stop = threading.Event()
@@ -292,16 +290,16 @@ def test_real_prometheus_scrapes_queries_and_alerts(tmp_path):
   prom = load = None
   try:
     prom = Prometheus(tmp_path, f"127.0.0.1:{server.http_port}", rules)
-    load = Load(server.http)
-    deadline, states = time.monotonic() + 240, {}
-    while time.monotonic() < deadline:
-      states = prom.alerts()
-      if all(states.get(n) == "firing" for n in names):
-        break
+    load = Load(server.http, every_s=0.05)
+    # Each alert must fire at some point (the queue alert may resolve again once the queue
+    # stops growing at its limit).
+    deadline, fired = time.monotonic() + 240, set()
+    while fired != names and time.monotonic() < deadline:
+      fired |= {n for n, state in prom.alerts().items() if state == "firing"}
       time.sleep(1)
-    assert all(states.get(n) == "firing" for n in names), (
-        f"alerts {states}, want {sorted(names)} firing; requests {load.codes}\n{prom.output()}")
-    assert load.codes.get(429, 0) > 0 and load.codes.get(200, 0) > 0, load.codes
+    assert fired == names, (
+        f"fired {sorted(fired)}, want {sorted(names)}; requests {load.codes}\n{prom.output()}")
+    assert load.codes.get(429, 0) > 0, load.codes  # past the queue limit
     # Every dashboard panel and every adapter query has data while the load runs.
     for title, expr in grafana_exprs():
       result = prom.query(expr)
