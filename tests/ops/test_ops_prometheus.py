@@ -11,7 +11,8 @@ the copy differing only in short `for:` and range windows and the thresholds in
 `TEST_THRESHOLDS`. Under a load of long prompts arriving faster than the server finishes
 them (the queue grows, KV pages run out, requests past the queue limit are refused with
 429), every alert fires; every Grafana panel expression and every prometheus-adapter query
-(parsed from the shipped files) returns a series.
+(parsed from the shipped files) and every metric docs/api.md tells the inference extension
+to read returns a series.
 
 Without the prometheus package (prometheus and promtool on PATH; `.ci/run` installs it) the
 tests skip and say so.
@@ -41,6 +42,7 @@ RULES = os.path.join(DEPLOY, "prometheus", "xlaserve-rules.yaml")
 RULES_TEST = os.path.join(DEPLOY, "prometheus", "xlaserve-rules.test.yaml")
 DASHBOARD = os.path.join(DEPLOY, "grafana", "xlaserve-dashboard.json")
 K8S = os.path.join(DEPLOY, "k8s")
+API_DOC = os.path.join(REPO, "docs", "api.md")
 
 # The test copy of the rules: every `for:` and range window shortened, and these thresholds
 # (alert -> (shipped, test)) lowered where the test's load cannot be relied on to cross the
@@ -91,8 +93,9 @@ def test_rules_unit_tests_pass():
   assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_rules_read_exported_metrics():
-  """Every metric an alert reads is on /metrics (rendered from stats like a server's)."""
+def test_rules_and_docs_name_exported_metrics():
+  """Every metric an alert reads, and every one docs/api.md has the inference extension
+  read, is on /metrics (rendered from stats like a server's)."""
   from prometheus_client.parser import text_string_to_metric_families
 
   from serving.entrypoints.metrics import Metrics
@@ -106,6 +109,7 @@ def test_rules_read_exported_metrics():
   exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
   read = {m for r in alert_rules(load_rules()) for m in re.findall(r"xlaserve_\w+", r["expr"])}
   assert len(read) == 5 and read <= exported, read - exported
+  assert set(endpoint_picker_metrics().values()) <= exported
 
 
 def rules_test_copy(tmp_path) -> str:
@@ -272,6 +276,15 @@ def adapter_queries() -> list[tuple[str, str, str]]:
   return out
 
 
+def endpoint_picker_metrics() -> dict[str, str]:
+  """EPP flag -> metric name, as docs/api.md tells users to configure the inference
+  extension's endpoint picker."""
+  with open(API_DOC, encoding="utf-8") as f:
+    flags = dict(re.findall(r"^--([a-z-]+-metric)=(xlaserve_\w+)$", f.read(), re.MULTILINE))
+  assert len(flags) == 5, flags
+  return flags
+
+
 def finite(result: list[dict]) -> bool:
   return any(math.isfinite(float(r["value"][1])) for r in result)
 
@@ -304,6 +317,15 @@ def test_real_prometheus_scrapes_queries_and_alerts(tmp_path):
     for title, expr in grafana_exprs():
       result = prom.query(expr)
       assert result and finite(result), (title, expr, result)
+    # The names the inference extension is told to read (docs/api.md) are scraped, LoRA
+    # state in vLLM's labels.
+    for flag, name in endpoint_picker_metrics().items():
+      result = prom.query(name)
+      assert len(result) == 1 and finite(result), (flag, name, result)
+      if flag == "lora-info-metric":
+        # LoRA off: no slots; the adapter lists are empty (Prometheus drops empty labels).
+        assert result[0]["metric"]["max_lora"] == "0", result
+        assert float(result[0]["value"][1]) > time.time() - 600  # the time it was read
     for name, series_query, metrics_query in adapter_queries():
       assert prom.series(series_query), series_query
       result = prom.query(metrics_query)
