@@ -133,7 +133,7 @@ def test_a_corrupted_byte_is_refused_and_deleted(tmp_path, caplog, where):
   path = file_of(store, h_of(1))
   with open(path, "rb") as f:
     data = bytearray(f.read())
-  offset = {"payload": len(data) - 100, "header": 60, "checksum": 20}[where]
+  offset = {"payload": len(data) - 100, "header": 40, "checksum": 17}[where]
   data[offset] ^= 0x10
   with open(path, "wb") as f:
     f.write(data)
