@@ -134,7 +134,7 @@ class DiskStoreStats:
 
   hits: int = 0  # gets served
   misses: int = 0  # gets not served (absent, vanished or refused)
-  refused: int = 0  # files refused and deleted: corrupt, truncated, other identity/format
+  refused: int = 0  # files refused and deleted: corrupt, truncated, unreadable, foreign
   writes: int = 0  # pages written
   evictions: int = 0  # files deleted to make room
   bytes_written: int = 0
