@@ -625,7 +625,9 @@ class LLMEngine:
         prefix_cache_queries_total=a.stats.queries, prefix_cache_hits_total=a.stats.hits,
         prefill_tokens_computed_total=s.prefill_tokens_computed,
         lora_running=self.lora_slots.running_by_adapter() if self.lora_slots else {},
+        lora_waiting=s.waiting_by_adapter(),
         lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
+        max_lora=self.config.lora.max_loras, page_size=a.page_size,
         spec_decode=dataclasses.replace(self.spec_counters,
                                         accepted_per_pos=list(self.spec_counters.accepted_per_pos)))
 
