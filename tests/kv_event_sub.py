@@ -23,7 +23,7 @@ def event_fields(event) -> tuple[str, dict]:
     event = dict(event)
     return event.pop("type"), event
   names = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                           "lora_id", "medium", "lora_name"),
+                           "lora_id", "medium", "lora_name"),  # later fields may be absent
            "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}[event[0]]
   return event[0], dict(zip(names, event[1:], strict=False))
 
@@ -64,7 +64,7 @@ class CacheMirror:
             self.errors.append(f"stored {h} twice")
           held.add(h)
           self.lora_of[h] = fields["lora_id"]
-          self.lora_name_of[h] = fields["lora_name"]
+          self.lora_name_of[h] = fields.get("lora_name")
       elif tag == "BlockRemoved":
         for h in fields["block_hashes"]:
           if h not in held:

@@ -99,12 +99,14 @@ def event_fields(event: KVEvent) -> list[tuple[str, object]]:
 
 
 def encode_event(event: KVEvent, fmt: str) -> list | dict:
-  """One event as msgspec encodes vLLM's tagged structs: "array" -> [tag, *fields]
-  (array_like=True), "map" -> {"type": tag, **fields}."""
+  """One event as msgspec encodes vLLM's tagged structs: "map" -> {"type": tag, **fields}
+  (vLLM today); "array" -> [tag, *fields] (array_like=True) with BlockStored's fields of
+  vLLM 0.11, up to `medium`: array decoders check the field count (llm-d's rejects any
+  other), and consumers that know later fields take missing trailing ones as nil."""
   tag = type(event).__name__
   fields = event_fields(event)
   if fmt == "array":
-    return [tag, *(v for _, v in fields)]
+    return [tag, *(v for name, v in fields if name != "lora_name")]
   return {"type": tag, **dict(fields)}
 
 

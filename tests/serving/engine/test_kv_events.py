@@ -53,11 +53,11 @@ def test_array_batch_is_vllms_positional_msgspec_shape():
             BlockStored([H3], H2, [5, 6], 2, 7, lora_name="sql"), BlockRemoved([H1]),
             AllBlocksCleared()]
   got = msgpack.unpackb(encode_batch(12.5, events, 3, "array"))
-  # msgspec, array_like=True, tag=True, omit_defaults: [tag, *fields]; the batch
-  # [ts, events, data_parallel_rank]
+  # msgspec, array_like=True, tag=True, omit_defaults: [tag, *fields] with vLLM 0.11's
+  # BlockStored fields (no lora_name); the batch [ts, events, data_parallel_rank]
   assert got == [12.5, [
-      ["BlockStored", [wire_hash(H1), wire_hash(H2)], None, [1, 2, 3, 4], 2, None, "GPU", None],
-      ["BlockStored", [wire_hash(H3)], wire_hash(H2), [5, 6], 2, 7, "GPU", "sql"],
+      ["BlockStored", [wire_hash(H1), wire_hash(H2)], None, [1, 2, 3, 4], 2, None, "GPU"],
+      ["BlockStored", [wire_hash(H3)], wire_hash(H2), [5, 6], 2, 7, "GPU"],
       ["BlockRemoved", [wire_hash(H1)], "GPU"],
       ["AllBlocksCleared"]], 3]
 
@@ -130,8 +130,8 @@ def test_recorder_batches_chains_roots_evictions_and_clears(endpoints):
   assert [seq for seq, _ in got] == [0, 1, 2]
   assert [rank for _, (_, _, rank) in got] == [1, 1, 1]
   assert [events for _, (_, events, _) in got] == [
-      [["BlockStored", [wire_hash(a), wire_hash(b)], None, [1, 2, 3, 4], 2, None, "GPU", None],
-       ["BlockStored", [wire_hash(c)], None, [1, 2], 2, 3, "GPU", None]],
+      [["BlockStored", [wire_hash(a), wire_hash(b)], None, [1, 2, 3, 4], 2, None, "GPU"],
+       ["BlockStored", [wire_hash(c)], None, [1, 2], 2, 3, "GPU"]],
       [["BlockRemoved", [wire_hash(a), wire_hash(b)], "GPU"]],
       [["AllBlocksCleared"]]]
 
@@ -153,7 +153,7 @@ def test_recorder_names_the_parent_of_a_continued_chain_and_its_adapter(endpoint
     got = batches(endpoints[1], 2)
   finally:
     pub.close()
-  assert got[1][1][1] == [["BlockStored", [wire_hash(b)], wire_hash(a), [6], 1, 12, "GPU", None]]
+  assert got[1][1][1] == [["BlockStored", [wire_hash(b)], wire_hash(a), [6], 1, 12, "GPU"]]
 
 
 def test_frames_reach_a_subscriber(endpoints):
@@ -238,7 +238,7 @@ def run(engine: LLMEngine, prompts: list[tuple[str | None, list[int]]]) -> None:
 
 def test_an_engines_cache_is_rebuilt_from_its_events(endpoints):
   engine = lora_engine(num_pages=20)  # 19 pages: the workload overflows them
-  pub = KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1])
+  pub = KVEventPublisher(endpoints[0], replay_endpoint=endpoints[1], fmt="map")
   engine.attach_kv_events(KVEventRecorder(pub, block_size=PAGE, lora_names=engine.lora_name))
   pub.start()
   try:
