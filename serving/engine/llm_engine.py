@@ -591,10 +591,11 @@ class LLMEngine:
     self.allocator.listeners.append(recorder)
 
   def _on_engine_thread(self, fn: Callable[[], T]) -> T:
-    """`fn()` on the engine thread between steps when the loop runs in the background,
-    else here (the caller steps the engine); its events are published either way."""
+    """`fn()` on the engine thread between steps when the loop runs in the background
+    (TimeoutError after `step_timeout_s`: a wedged step), else here (the caller steps the
+    engine); its events are published either way."""
     if self.runs_in_background:
-      return self.call_soon(fn).result()
+      return self.call_soon(fn).result(timeout=self.config.scheduler.step_timeout_s)
     try:
       return fn()
     finally:

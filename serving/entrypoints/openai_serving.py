@@ -175,16 +175,18 @@ class OpenAIServing:
     get AllBlocksCleared). Blocks until the engines did it: call it in a worker thread."""
     try:
       return self.engine.engine.reset_prefix_cache()
-    except EngineDeadError as e:
-      raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+    except (EngineDeadError, TimeoutError) as e:
+      raise APIError(503, str(e) or "the engine did not answer in step_timeout_s",
+                     type="server_error", code="engine_unavailable") from None
 
   def prefix_cache(self) -> dict[str, Any]:
     """The prefix hashes each engine caches now, as KV events name them (`wire_hash`):
     what a subscriber to the events rebuilds. Call it in a worker thread."""
     try:
       views = self.engine.engine.prefix_cache_hashes()
-    except EngineDeadError as e:
-      raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+    except (EngineDeadError, TimeoutError) as e:
+      raise APIError(503, str(e) or "the engine did not answer in step_timeout_s",
+                     type="server_error", code="engine_unavailable") from None
     return {"engines": [{"data_parallel_rank": rank, "block_hashes": sorted(map(wire_hash, hs))}
                         for rank, hs in enumerate(views)]}
 

@@ -357,3 +357,14 @@ def test_prefix_cache_routes_need_the_api_key():
     assert httpx.get(f"{s.http}/debug/prefix_cache").status_code == 401
     ok = httpx.get(f"{s.http}/debug/prefix_cache", headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200
+
+
+def test_prefix_cache_routes_on_a_dead_engine_are_503():
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64)
+  with InProcessServer(engine) as s:
+    body = {"model": "fake", "prompt": "\x01 lose the device", "max_tokens": 2}
+    assert httpx.post(f"{s.http}/v1/completions", json=body, timeout=20).status_code >= 500
+    assert wait_for(lambda: engine.health() is not None)
+    for r in (httpx.post(f"{s.http}/reset_prefix_cache", timeout=20),
+              httpx.get(f"{s.http}/debug/prefix_cache", timeout=20)):
+      assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
