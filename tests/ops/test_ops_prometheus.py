@@ -14,7 +14,7 @@ them (the queue grows, KV pages run out, requests past the queue limit are refus
 (parsed from the shipped files) and every metric docs/api.md tells the inference extension
 to read returns a series.
 
-Without the prometheus package (prometheus and promtool on PATH; `.ci/run` installs it) the
+Without the prometheus package (prometheus and promtool on PATH; `.ci/system_deps` installs it) the
 tests skip and say so.
 """
 
@@ -61,8 +61,8 @@ def require_tool(name: str) -> str:
   """The tool's path, or a skip naming the package that provides it."""
   path = shutil.which(name)
   if path is None:
-    pytest.skip(f"{name} is not installed (Debian's `prometheus` package; .ci/run installs it "
-                f"with apt-get where it can)")
+    pytest.skip(f"{name} is not installed (Debian's `prometheus` package; .ci/system_deps "
+                f"installs it with apt-get where it can)")
   return path
 
 
