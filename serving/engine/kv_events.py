@@ -192,7 +192,8 @@ class KVEventPublisher:
     if self._thread is not None:
       self._thread.join(timeout=timeout_s)
       if self._thread.is_alive():
-        log.warning("KV event publisher still busy after %.1f s; closing anyway", timeout_s)
+        log.warning("KV event publisher still busy after %.1f s; its thread is left to "
+                    "finish", timeout_s)
         return
       self._thread = None
     self._close_sockets()
@@ -213,8 +214,11 @@ class KVEventPublisher:
       except queue.Empty:
         continue
       payload = encode_batch(ts, events, rank, self.fmt)
-      seq_bytes = seq.to_bytes(8, "big")
-      self._pub.send_multipart((self._topic, seq_bytes, payload))
+      try:
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+      except zmq.ZMQError:  # the batch is lost (a gap), the stream goes on
+        log.exception("KV event batch %d not sent", seq)
+        continue
       self._replay_buffer.append((seq, payload))
       self.published_batches += 1
 
