@@ -228,6 +228,14 @@ class ReplicatedEngine:
     with self._lock:
       return self._owner.get(request_id)
 
+  # ---- the prefix cache: each replica's own ----
+
+  def reset_prefix_cache(self) -> int:
+    return sum(r.reset_prefix_cache() for r in self.replicas)
+
+  def prefix_cache_hashes(self) -> list[list[bytes]]:
+    return [r.prefix_cache_hashes()[0] for r in self.replicas]
+
   # ---- LoRA adapters: every replica holds the same set ----
 
   def load_lora(self, name: str, path: str):
