@@ -103,8 +103,10 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_int8_kv_kernel_path_matches_xla_path(tiny_llama):
+  # Only the 2-row decode bucket the two prompts use (as above).
   engine = dict(max_num_seqs=2, max_model_len=64, num_pages=16, max_num_batched_tokens=32,
-                dtype="float32", unroll_layers=False, kv_cache_dtype="int8")
+                decode_buckets=(2,), dtype="float32", unroll_layers=False,
+                kv_cache_dtype="int8")
   params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
   prompts = ["hello world", "abc"]
   kernel_llm = LLM(tiny_llama, attention_backend="pallas_interpret", **engine)
