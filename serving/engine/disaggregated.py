@@ -278,6 +278,7 @@ class DisaggregatedEngine:
       raise RuntimeError(f"decode worker has no {len(hashes)} free KV pages for the transfer")
     pages, fresh = got
     try:
+      engine.flush_evictions()  # pages `adopt` evicted go to the host tier before overwritten
       if any(fresh):  # pages it already caches are skipped (slot -> the dummy page)
         engine.runner.import_pages([p if f else 0 for p, f in zip(pages, fresh, strict=True)],
                                    k, v)

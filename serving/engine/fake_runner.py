@@ -30,8 +30,10 @@ tests exercise the same contract a real runner relies on:
     (e.g. from a prefix-cache hit) or a state a failed step left half-updated and
     then resumed raises `FakeKVError`;
   * `export_pages` / `import_pages` copy pool entries between two runners
-    (disaggregated serving), so a page imported into the wrong place, or
-    never imported, fails the same check;
+    (disaggregated serving) or through the tiered prefix cache (`gather_pages`,
+    `kv_page_specs`), so a page imported into the wrong place, or never
+    imported, fails the same check; `import_faults` makes the next that many
+    imports raise (a failed reload);
   * per LoRA slot, the adapter the plan's `lora_loads` put there. KV is
     written as (adapter id, token) — KV computed under an adapter differs
     from the base model's — and a sequence whose slot holds another adapter,
@@ -113,6 +115,7 @@ class FakeRunner:
     self.lora_slots: dict[int, int] = {}  # slot -> lora_id written there
     self.num_steps = 0
     self.closed = False
+    self.import_faults = 0  # the next imports that raise RuntimeError
 
   def warm_up(self) -> int:
     return 0
@@ -188,8 +191,19 @@ class FakeRunner:
           data[0, i, off] = entry
     return data, data.copy()
 
+  def gather_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`export_pages` (the tiered prefix cache's asynchronous gather: here at once)."""
+    return self.export_pages(pages)
+
+  def kv_page_specs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """One page's stored K and V: a slot of `export_pages`' output."""
+    return [((1, self.page_size, 2), np.dtype(np.int64))] * 2
+
   def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
     """Slot i of `export_pages` output into page pages[i]; 0 skips the slot."""
+    if self.import_faults:
+      self.import_faults -= 1
+      raise RuntimeError("injected KV import fault")
     if k.shape[0] != 1 or k.shape[1] < len(pages) or not np.array_equal(k, v):
       raise ValueError(f"KV pages of shape {k.shape} do not fit this pool")
     for i, page in enumerate(pages):

@@ -1,0 +1,145 @@
+"""The tiered prefix cache's host tier (serving/engine/kv_offload.py) over the fake runner.
+
+- `HostPagePool` is LRU: a full pool pushes out the least recently used page
+  (a hit refreshes it) and hands it back for the disk tier; what it returns
+  are copies.
+- A multi-turn workload whose device pool is too small for the conversations
+  gives exactly the tokens it gives with the tier off, while the tier serves
+  prefix hits that the device pool no longer has (fewer prefill tokens
+  computed). The fake runner reads every context back from its pool, so a
+  page reloaded into the wrong place, or not at all, raises.
+- LoRA adapters' pages are found only under their own adapter.
+- A reload that fails costs its request only the recomputation of that
+  prefix: the output is the same, the failure is counted.
+- The host tier refuses what it cannot serve: a sliding-window page group, no
+  prefix cache, a disk tier without a host tier, a host tier too small for a page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from frontend_fake import ByteTokenizer
+
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.engine.fake_runner import FakeRunner
+from serving.engine.kv_offload import HostPagePool
+from serving.types import SamplingParams, WindowGroup
+
+PAGE = 4
+
+
+def page(value: int) -> list[np.ndarray]:
+  return [np.full((1, PAGE, 2), value, np.int64), np.full((1, PAGE, 2), -value, np.int64)]
+
+
+def test_host_pool_is_lru_and_hands_back_what_it_pushes_out():
+  pool = HostPagePool(2, [((1, PAGE, 2), np.int64)] * 2)
+  assert pool.put(b"a", page(1)) is None and pool.put(b"b", page(2)) is None
+  got = pool.get(b"a")  # a is now the most recently used
+  got[0][:] = 99  # a copy: the pool keeps its own
+  assert pool.get(b"a")[0][0, 0, 0] == 1
+  out = pool.put(b"c", page(3))
+  assert out is not None and out[0] == b"b" and out[1][1][0, 0, 0] == -2
+  assert b"b" not in pool and pool.get(b"c")[0][0, 0, 0] == 3 and len(pool) == 2
+  assert pool.put(b"a", page(7)) is None  # held: refreshed, not rewritten
+  assert pool.get(b"a")[0][0, 0, 0] == 1
+  assert pool.nbytes == 2 * pool.page_bytes == 2 * 2 * PAGE * 2 * 8
+  with pytest.raises(ValueError, match="at least one"):
+    HostPagePool(0, [((1,), np.int64)])
+
+
+def make_engine(num_pages: int, host_gb: float = 0.0, runner: FakeRunner | None = None,
+                **kw) -> LLMEngine:
+  config = EngineConfig.of(max_num_seqs=4, max_model_len=256, page_size=PAGE,
+                           num_pages=num_pages, max_num_batched_tokens=32,
+                           compilation_cache=False, kv_offload_host_gb=host_gb,
+                           kv_transfer_pages=3, **kw)
+  runner = runner or FakeRunner(num_pages=num_pages, page_size=PAGE, max_num_seqs=4,
+                                vocab_size=300)
+  return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=config)
+
+
+def conversations(engine: LLMEngine, n: int = 6, turns: int = 4, system: int = 21,
+                  lora: str | None = None) -> list[list[list[int]]]:
+  """`n` interleaved conversations sharing a system prompt; each turn's prompt is the
+  whole history so far plus a new user message. -> each conversation's outputs."""
+  rng = np.random.default_rng(0)
+  sys_prompt = [int(t) for t in rng.integers(1, 250, system)]
+  history = [list(sys_prompt) for _ in range(n)]
+  outputs: list[list[list[int]]] = [[] for _ in range(n)]
+  for turn in range(turns):
+    got: dict[int, list[int]] = {}
+    for c in range(n):
+      history[c] += [int(t) for t in rng.integers(1, 250, 5 + c % 3)]
+      got[c] = []
+      engine.add_request(f"c{c}t{turn}", list(history[c]),
+                         SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                         lambda out, c=c, got=got: got[c].extend(out.token_ids), lora=lora)
+    engine.run_until_idle()
+    for c in range(n):
+      outputs[c].append(got[c])
+      history[c] += got[c]
+  engine.allocator.check()
+  assert all(engine.allocator.refcount(p) == 0 for p in range(1, engine.allocator.num_pages))
+  return outputs
+
+
+def test_host_tier_serves_evicted_prefixes_with_identical_outputs():
+  off = make_engine(num_pages=40)
+  on = make_engine(num_pages=40, host_gb=1e-3)
+  assert conversations(on) == conversations(off)
+  s_off, s_on = off.stats(), on.stats()
+  tier = s_on.kv_offload
+  assert s_off.kv_offload is None
+  assert tier.pages_offloaded > 0 and tier.host.hits > 0 and tier.pages_reloaded > 0
+  assert tier.reload_failures == 0 and tier.host.used_bytes > 0
+  assert tier.host.capacity_bytes == on.offload.host.nbytes
+  assert s_on.prefill_tokens_computed_total < s_off.prefill_tokens_computed_total
+  # Every admitted lookup is counted once: hits are the pages reloaded.
+  assert tier.host.hits == tier.pages_reloaded and tier.host.misses > 0
+
+
+def test_a_full_host_tier_evicts_and_serves_on():
+  small = make_engine(num_pages=40, host_gb=4 * 2 * PAGE * 2 * 8 / 2**30)  # four pages
+  assert small.offload.host.capacity == 4
+  assert conversations(small) == conversations(make_engine(num_pages=40))
+  assert len(small.offload.host) == 4 and small.stats().kv_offload.pages_offloaded > 4
+
+
+def test_lora_pages_are_found_only_under_their_adapter():
+  engine = make_engine(num_pages=40, host_gb=1e-3, max_loras=1)
+  engine.add_lora("a", "/a", 4, None)
+  base = conversations(engine, n=3, turns=2)  # the tier now holds the base model's pages
+  reference = make_engine(num_pages=40, max_loras=1)
+  reference.add_lora("a", "/a", 4, None)
+  # The fake runner's KV records the adapter: a base page reloaded for "a" would raise.
+  adapted = conversations(engine, lora="a")
+  assert adapted == conversations(reference, lora="a") and adapted[:3] != base
+  assert engine.stats().kv_offload.host.hits > 0
+
+
+def test_a_failed_reload_recomputes_that_prefix_for_that_request_only():
+  runner = FakeRunner(num_pages=40, page_size=PAGE, max_num_seqs=4, vocab_size=300)
+  engine = make_engine(num_pages=40, host_gb=1e-3, runner=runner)
+  runner.import_faults = 1  # the first reload's transfer raises
+  assert conversations(engine) == conversations(make_engine(num_pages=40))
+  tier = engine.stats().kv_offload
+  assert runner.import_faults == 0 and tier.reload_failures >= 1
+  assert tier.pages_reloaded > 0  # later reloads went through
+
+
+def test_refusals():
+  with pytest.raises(ValueError, match="needs the prefix cache"):
+    make_engine(num_pages=40, host_gb=1e-3, enable_prefix_caching=False)
+  with pytest.raises(ValueError, match="holds no KV page"):
+    make_engine(num_pages=40, host_gb=1e-12)
+  with pytest.raises(ValueError, match="set kv_offload_host_gb too"):
+    EngineConfig.of(kv_offload_disk_dir="/tmp/x", kv_offload_disk_gb=1.0)
+  with pytest.raises(ValueError, match="go together"):
+    EngineConfig.of(kv_offload_host_gb=1.0, kv_offload_disk_dir="/tmp/x")
+  runner = FakeRunner(num_pages=40, page_size=PAGE, max_num_seqs=4, vocab_size=300,
+                      window_group=WindowGroup(8, 40))
+  with pytest.raises(ValueError, match="sliding-window"):
+    make_engine(num_pages=40, host_gb=1e-3, runner=runner)
