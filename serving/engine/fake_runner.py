@@ -32,8 +32,7 @@ tests exercise the same contract a real runner relies on:
   * `export_pages` / `import_pages` copy pool entries between two runners
     (disaggregated serving) or through the tiered prefix cache (`gather_pages`,
     `kv_page_specs`), so a page imported into the wrong place, or never
-    imported, fails the same check; `import_faults` makes the next that many
-    imports raise (a failed reload);
+    imported, fails the same check;
   * per LoRA slot, the adapter the plan's `lora_loads` put there. KV is
     written as (adapter id, token) — KV computed under an adapter differs
     from the base model's — and a sequence whose slot holds another adapter,
@@ -115,7 +114,6 @@ class FakeRunner:
     self.lora_slots: dict[int, int] = {}  # slot -> lora_id written there
     self.num_steps = 0
     self.closed = False
-    self.import_faults = 0  # the next imports that raise RuntimeError
 
   def warm_up(self) -> int:
     return 0
@@ -201,9 +199,6 @@ class FakeRunner:
 
   def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
     """Slot i of `export_pages` output into page pages[i]; 0 skips the slot."""
-    if self.import_faults:
-      self.import_faults -= 1
-      raise RuntimeError("injected KV import fault")
     if k.shape[0] != 1 or k.shape[1] < len(pages) or not np.array_equal(k, v):
       raise ValueError(f"KV pages of shape {k.shape} do not fit this pool")
     for i, page in enumerate(pages):

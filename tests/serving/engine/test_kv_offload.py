@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from frontend_fake import ByteTokenizer
+from runner_faults import FaultyRunner
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -50,7 +51,7 @@ def test_host_pool_is_lru_and_hands_back_what_it_pushes_out():
     HostPagePool(0, [((1,), np.int64)])
 
 
-def make_engine(num_pages: int, host_gb: float = 0.0, runner: FakeRunner | None = None,
+def make_engine(num_pages: int, host_gb: float = 0.0, runner=None,
                 **kw) -> LLMEngine:
   config = EngineConfig.of(max_num_seqs=4, max_model_len=256, page_size=PAGE,
                            num_pages=num_pages, max_num_batched_tokens=32,
@@ -121,12 +122,12 @@ def test_lora_pages_are_found_only_under_their_adapter():
 
 
 def test_a_failed_reload_recomputes_that_prefix_for_that_request_only():
-  runner = FakeRunner(num_pages=40, page_size=PAGE, max_num_seqs=4, vocab_size=300)
-  engine = make_engine(num_pages=40, host_gb=1e-3, runner=runner)
-  runner.import_faults = 1  # the first reload's transfer raises
+  runner = FaultyRunner(FakeRunner(num_pages=40, page_size=PAGE, max_num_seqs=4,
+                                   vocab_size=300), fail_imports=frozenset({0}))
+  engine = make_engine(num_pages=40, host_gb=1e-3, runner=runner)  # the first reload fails
   assert conversations(engine) == conversations(make_engine(num_pages=40))
   tier = engine.stats().kv_offload
-  assert runner.import_faults == 0 and tier.reload_failures >= 1
+  assert runner.num_imports > 1 and tier.reload_failures >= 1
   assert tier.pages_reloaded > 0  # later reloads went through
 
 
