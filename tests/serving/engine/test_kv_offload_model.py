@@ -78,7 +78,7 @@ def test_default_model_host_tier_outputs_match_tier_off(default_tokenizer):
   from checkpoints import presets
 
   path = presets.resolve_preset(DEFAULT_MODEL)
-  base = {**DEFAULT_MODEL_TEST_CONFIG, "num_pages": 48, "page_size": 16, "max_num_seqs": 4}
+  base = {**DEFAULT_MODEL_TEST_CONFIG, "num_pages": 40, "page_size": 8, "max_num_seqs": 4}
   vocab = default_tokenizer.vocab_size
   off = build_engine(path, EngineConfig.of(**base))
   want = chat(off, vocab, system=100, user=10)
