@@ -40,6 +40,7 @@ start-up): a hybrid model's sliding-window page group, prefix caching off
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import copy
 import dataclasses
 import logging
@@ -64,7 +65,10 @@ PageSpec = tuple[tuple[int, ...], Any]  # one stored array of a page: (shape, dt
 
 
 class PageStore(Protocol):
-  """The disk tier as the host tier uses it (serving/engine/kv_disk_store.py)."""
+  """The disk tier as the host tier uses it: `DiskPageStore` (serving/engine/kv_disk_store.py;
+  `stats` a `DiskStoreStats`)."""
+
+  capacity_bytes: int
 
   def put(self, h: bytes, arrays: list[np.ndarray]) -> bool:
     """Stores one page; False when the tier is disabled or the write failed."""
@@ -75,6 +79,14 @@ class PageStore(Protocol):
     ...
 
   def __contains__(self, h: bytes) -> bool:
+    ...
+
+  @property
+  def stats(self) -> Any:
+    ...
+
+  def close(self) -> None:
+    """Releases the directory (the files stay)."""
     ...
 
 
@@ -164,12 +176,22 @@ class KVOffload(CacheListener):
     self._queued: list[tuple[int, bytes]] = []  # (device page, hash) evicted, not gathered
     self._copies: list[_Copy] = []
     self._step = 0
+    # Pages the host tier pushes out are written to disk off the engine thread, in order.
+    self._writer = (concurrent.futures.ThreadPoolExecutor(1, "kv-disk-writer")
+                    if disk is not None else None)
     self.stats = KVOffloadStats(host=KVTierStats(capacity_bytes=host.nbytes),
                                 disk=KVTierStats() if disk is not None else None)
 
   def snapshot(self) -> KVOffloadStats:
-    """A copy of the counters (metrics read it from another thread)."""
-    return copy.deepcopy(self.stats)
+    """A copy of the counters (metrics read it from another thread); the disk tier's
+    writes, occupancy and state come from its store."""
+    out = copy.deepcopy(self.stats)
+    if self.disk is not None:
+      d = self.disk.stats
+      out.disk.pages_stored, out.disk.bytes_stored = d.writes, d.bytes_written
+      out.disk.used_bytes, out.disk.disabled = d.bytes_used, d.disabled
+      out.disk.capacity_bytes = self.disk.capacity_bytes
+    return out
 
   # ---- the prefix cache's events ----
 
@@ -243,11 +265,9 @@ class KVOffload(CacheListener):
     self.stats.host.used_bytes = len(self.host) * self.host.page_bytes
 
   def _store_disk(self, h: bytes, arrays: list[np.ndarray]) -> None:
-    if h in self.disk:
-      return
-    if self.disk.put(h, arrays):
-      self.stats.disk.pages_stored += 1
-      self.stats.disk.bytes_stored += sum(a.nbytes for a in arrays)
+    """Queues a page for the disk tier (its writer thread; `arrays` are the caller's to
+    give away)."""
+    self._writer.submit(self.disk.put, h, arrays)
 
   # ---- admission ----
 
@@ -317,18 +337,29 @@ class KVOffload(CacheListener):
   # ---- shutdown ----
 
   def spill_to_disk(self) -> int:
-    """Writes every host page (and those still in flight) to the disk tier, e.g. at
-    shutdown, so that a restarted server finds them; returns the pages written."""
+    """Writes every host page (and those still in flight) to the disk tier and waits for
+    the writes, e.g. at shutdown, so that a restarted server finds them; returns the
+    pages newly written."""
     if self.disk is None:
       return 0
     self.flush_evictions()
     for c in self._copies:
       self._land(c)
     self._copies = []
-    before = self.stats.disk.pages_stored
+    self._writer.shutdown(wait=True)
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, "kv-disk-writer")
+    before = self.disk.stats.writes
     for h, arrays in self.host.items():
-      self._store_disk(h, arrays)
-    return self.stats.disk.pages_stored - before
+      if h not in self.disk:
+        self.disk.put(h, arrays)
+    return self.disk.stats.writes - before
+
+  def close(self) -> None:
+    """Waits for the disk writes in flight and releases the disk tier's directory (its
+    files stay for the next server)."""
+    if self.disk is not None:
+      self._writer.shutdown(wait=True)
+      self.disk.close()
 
 
 def _is_ready(a: Any) -> bool:

@@ -101,11 +101,13 @@ class LLMEngine:
 
   def __init__(self, *, runner: Runner, tokenizer: Any, config: EngineConfig,
                model_name: str = "", lora_loader: LoraLoader | None = None,
-               structured_output: bool = True):
+               structured_output: bool = True, kv_disk: PageStore | None = None):
     """`lora_loader(path) -> (rank, weights)` reads and validates an adapter for this
     runner (serving/entrypoints/engine_builder.py); needed by `load_lora`.
     `structured_output=False` refuses requests with `structured_outputs` (a runner
-    that cannot sample after `execute`, e.g. multi-process lock-step)."""
+    that cannot sample after `execute`, e.g. multi-process lock-step). `kv_disk`: the
+    tiered prefix cache's disk tier (serving/engine/kv_disk_store.py), with
+    `kv_offload_disk_dir`."""
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
     self.lora_loader = lora_loader
@@ -126,7 +128,10 @@ class LLMEngine:
       if group.num_pages - 1 < need:
         raise ValueError(f"the sliding-window page group has {group.num_pages - 1} pages; one "
                          f"sequence can need {need} (window {group.window}, chunks of {chunk})")
-    self.offload = _make_offload(runner, config) if config.cache.kv_offload_host_gb else None
+    if (kv_disk is not None) != (config.cache.kv_offload_disk_dir is not None):
+      raise ValueError("kv_disk (the disk tier's store) goes with kv_offload_disk_dir")
+    self.offload = (_make_offload(runner, config, kv_disk) if config.cache.kv_offload_host_gb
+                    else None)
     if self.offload is not None:
       self.allocator.listeners.append(self.offload)
     self.lora_slots = LoraSlots(config.lora.max_loras) if config.lora.max_loras else None
@@ -587,10 +592,12 @@ class LLMEngine:
       self._thread.join(timeout=timeout_s)
       stopped = not self._thread.is_alive()
       self._thread = None
-    if self.offload is not None and stopped and self.dead is None:
-      written = self.offload.spill_to_disk()  # a restart warms its prefix cache from them
-      if written:
-        log.info("KV offload: %d host-tier pages written to the disk tier", written)
+    if self.offload is not None:
+      if stopped and self.dead is None:
+        written = self.offload.spill_to_disk()  # a restart warms its prefix cache from them
+        if written:
+          log.info("KV offload: %d host-tier pages written to the disk tier", written)
+      self.offload.close()
     self.runner.close()
 
   def stats(self) -> EngineStats:

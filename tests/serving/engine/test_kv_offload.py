@@ -11,11 +11,20 @@
 - LoRA adapters' pages are found only under their own adapter.
 - A reload that fails costs its request only the recomputation of that
   prefix: the output is the same, the failure is counted.
+- The disk tier: a host tier of a few pages pushes the rest out to disk, and a
+  later turn reloads them from there through the host tier (outputs identical).
+  A restarted engine on the same directory serves a conversation's next turn
+  from disk (disk hits counted, outputs identical); a corrupted file and a file
+  written for another model are refused (deleted, counted) and those requests
+  recompute, with the same outputs.
 - The host tier refuses what it cannot serve: a sliding-window page group, no
   prefix cache, a disk tier without a host tier, a host tier too small for a page.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -25,6 +34,7 @@ from runner_faults import FaultyRunner
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.engine.fake_runner import FakeRunner
+from serving.engine.kv_disk_store import DiskPageStore
 from serving.engine.kv_offload import HostPagePool
 from serving.types import SamplingParams, WindowGroup
 
@@ -51,26 +61,38 @@ def test_host_pool_is_lru_and_hands_back_what_it_pushes_out():
     HostPagePool(0, [((1,), np.int64)])
 
 
-def make_engine(num_pages: int, host_gb: float = 0.0, runner=None,
-                **kw) -> LLMEngine:
+PAGE_BYTES = 2 * PAGE * 2 * 8  # the fake runner's page: K and V [1, PAGE, 2] int64
+IDENTITY = {"model": "fake", "page_size": str(PAGE), "layout": "k,v [1, 4, 2] int64"}
+
+
+def make_engine(num_pages: int, host_gb: float = 0.0, runner=None, disk_dir=None,
+                identity=IDENTITY, **kw) -> LLMEngine:
+  disk = dict(kv_offload_disk_dir=str(disk_dir), kv_offload_disk_gb=0.01) if disk_dir else {}
   config = EngineConfig.of(max_num_seqs=4, max_model_len=256, page_size=PAGE,
                            num_pages=num_pages, max_num_batched_tokens=32,
                            compilation_cache=False, kv_offload_host_gb=host_gb,
-                           kv_transfer_pages=3, **kw)
+                           kv_transfer_pages=3, **disk, **kw)
   runner = runner or FakeRunner(num_pages=num_pages, page_size=PAGE, max_num_seqs=4,
                                 vocab_size=300)
-  return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=config)
+  store = DiskPageStore(str(disk_dir), 2**24, identity) if disk_dir else None
+  return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=config, kv_disk=store)
 
 
 def conversations(engine: LLMEngine, n: int = 6, turns: int = 4, system: int = 21,
-                  lora: str | None = None) -> list[list[list[int]]]:
+                  lora: str | None = None, first: int = 0) -> list[list[list[int]]]:
   """`n` interleaved conversations sharing a system prompt; each turn's prompt is the
-  whole history so far plus a new user message. -> each conversation's outputs."""
+  whole history so far plus a new user message. -> each conversation's outputs. With
+  `first`, the turns before it are taken as answered by `conversations(..., turns=first)`
+  (the fake runner's answers depend only on the prompt) and are not sent."""
   rng = np.random.default_rng(0)
   sys_prompt = [int(t) for t in rng.integers(1, 250, system)]
   history = [list(sys_prompt) for _ in range(n)]
   outputs: list[list[list[int]]] = [[] for _ in range(n)]
-  for turn in range(turns):
+  for _ in range(first):  # replays the history of the turns not sent
+    for c in range(n):
+      history[c] += [int(t) for t in rng.integers(1, 250, 5 + c % 3)]
+      history[c] += [history[c][i % len(history[c])] for i in range(6)]
+  for turn in range(first, turns):
     got: dict[int, list[int]] = {}
     for c in range(n):
       history[c] += [int(t) for t in rng.integers(1, 250, 5 + c % 3)]
@@ -129,6 +151,56 @@ def test_a_failed_reload_recomputes_that_prefix_for_that_request_only():
   tier = engine.stats().kv_offload
   assert runner.num_imports > 1 and tier.reload_failures >= 1
   assert tier.pages_reloaded > 0  # later reloads went through
+
+
+def test_disk_tier_takes_what_the_host_tier_pushes_out(tmp_path):
+  engine = make_engine(num_pages=40, host_gb=4 * PAGE_BYTES / 2**30, disk_dir=tmp_path)
+  assert conversations(engine) == conversations(make_engine(num_pages=40))
+  engine.shutdown()
+  tier = engine.stats().kv_offload
+  assert tier.disk.pages_stored > 0 and tier.disk.hits > 0 and tier.disk.used_bytes > 0
+  assert tier.disk.misses > 0 and not tier.disk.disabled
+
+
+def test_a_restart_serves_the_next_turn_from_disk(tmp_path):
+  reference = conversations(make_engine(num_pages=40))
+  first = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path)
+  assert conversations(first, turns=3) == [c[:3] for c in reference]
+  first.shutdown()  # the host tier is written to disk
+  restarted = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path)
+  assert len(restarted.offload.disk.hashes()) > 0  # what the restart found
+  assert conversations(restarted, first=3) == [c[3:] for c in reference]
+  tier = restarted.stats().kv_offload
+  assert tier.disk.hits > 0 and tier.pages_reloaded >= tier.disk.hits
+
+
+def test_corrupt_and_foreign_files_are_refused(tmp_path):
+  reference = conversations(make_engine(num_pages=40))
+  first = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path)
+  conversations(first, turns=3)
+  first.shutdown()
+  store_dir = first.offload.disk.path
+  names = sorted(f for f in os.listdir(store_dir) if f.endswith(".kvp"))
+  assert len(names) >= 2
+  for name in names[1:]:  # a flipped byte in the payload of every other file
+    with open(os.path.join(store_dir, name), "r+b") as f:
+      f.seek(-9, os.SEEK_END)
+      byte = f.read(1)
+      f.seek(-9, os.SEEK_END)
+      f.write(bytes([byte[0] ^ 0xFF]))
+  # The same page written by a server of another model, copied over a file of ours.
+  other = DiskPageStore(str(tmp_path / "other"), 2**24, {**IDENTITY, "model": "other"})
+  h = bytes.fromhex(names[0].removesuffix(".kvp"))
+  assert other.put(h, [np.zeros((1, PAGE, 2), np.int64)] * 2)
+  other.close()
+  shutil.copy(os.path.join(other.path, names[0]), os.path.join(store_dir, names[0]))
+  restarted = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path)
+  assert h not in restarted.offload.disk  # refused when the restart indexed the directory
+  assert conversations(restarted, first=3) == [c[3:] for c in reference]
+  disk = restarted.offload.disk.stats
+  tier = restarted.stats().kv_offload
+  assert disk.refused >= 2 and tier.disk.hits == 0  # every page read was refused
+  assert names[0] not in os.listdir(store_dir)
 
 
 def test_refusals():

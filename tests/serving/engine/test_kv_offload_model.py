@@ -5,6 +5,8 @@
   off, for float32, bfloat16 and int8 KV (pages moved as stored, codes and
   scales), while the tier serves prefix hits (pages reloaded, fewer prefill
   tokens computed); nothing compiles after warm-up.
+- A restarted engine with the disk tier serves a conversation's next turn from
+  the files its predecessor left (disk hits), with the same output.
 - The same on the default model (SmolLM2-135M, slow).
 """
 
@@ -34,9 +36,12 @@ def tiny_dir(tmp_path_factory):
 
 
 def chat(engine: LLMEngine, vocab: int, n: int = 6, turns: int = 5, system: int = 40,
-         user: int = 10, max_tokens: int = 5) -> list[list[int]]:
+         user: int = 10, max_tokens: int = 5, replay: list[list[int]] = ()
+         ) -> list[list[int]]:
   """`n` interleaved conversations over one shared system prompt; each turn sends the
-  whole history plus a new user message. -> every turn's output, in order."""
+  whole history plus a new user message. -> every turn's output, in order. `replay`:
+  the outputs of the first turns (as an earlier call returned them), taken as answered
+  and not sent."""
   rng = np.random.default_rng(1)
   shared = [int(t) for t in rng.integers(3, vocab, system)]
   history = [list(shared) for _ in range(n)]
@@ -45,6 +50,9 @@ def chat(engine: LLMEngine, vocab: int, n: int = 6, turns: int = 5, system: int 
     got: dict[int, list[int]] = {c: [] for c in range(n)}
     for c in range(n):
       history[c] += [int(t) for t in rng.integers(3, vocab, user + c % 3)]
+      if turn * n + c < len(replay):
+        got[c] = list(replay[turn * n + c])
+        continue
       engine.add_request(f"c{c}t{turn}", list(history[c]),
                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                          lambda out, c=c, got=got: got[c].extend(out.token_ids))
@@ -53,7 +61,7 @@ def chat(engine: LLMEngine, vocab: int, n: int = 6, turns: int = 5, system: int 
       outs.append(got[c])
       history[c] += got[c]
   engine.allocator.check()
-  return outs
+  return outs[len(replay):]
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
@@ -69,6 +77,20 @@ def test_host_tier_outputs_match_tier_off(tiny_dir, kv_dtype):
   assert tier.pages_offloaded > 0 and tier.pages_reloaded > 0 and tier.reload_failures == 0
   assert (on.stats().prefill_tokens_computed_total
           < off.stats().prefill_tokens_computed_total)
+
+
+def test_restart_serves_the_next_turn_from_disk(tiny_dir, tmp_path):
+  want = chat(build_engine(tiny_dir, EngineConfig.of(**ENGINE)), VOCAB)
+  tiers = dict(kv_offload_host_gb=0.01, kv_offload_disk_dir=str(tmp_path),
+               kv_offload_disk_gb=0.1)
+  first = build_engine(tiny_dir, EngineConfig.of(**ENGINE, **tiers))
+  assert chat(first, VOCAB, turns=4) == want[:24]
+  first.shutdown()  # the host tier goes to disk
+  restarted = build_engine(tiny_dir, EngineConfig.of(**ENGINE, **tiers))
+  assert chat(restarted, VOCAB, replay=want[:24]) == want[24:]
+  tier = restarted.stats().kv_offload
+  assert tier.disk.hits > 0 and tier.pages_reloaded > 0
+  restarted.shutdown()
 
 
 @pytest.mark.slow
