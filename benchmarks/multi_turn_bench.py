@@ -25,7 +25,8 @@ Each config is one in-process engine on the same loaded model (built, warmed
 up, then measured); with `--repeats` > 1 the order alternates. Reported per
 config: TTFT p50 / p95 (from submitting a turn to its first token), the total
 time, prompt tokens computed by prefill, the device prefix cache's token hit
-rate and each tier's page hit rate. Medians over repeats.
+rate, each tier's page hit rate (pages found / pages asked of it) and the share of
+all prompt tokens each tier served. Medians over repeats.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def measure(engine, args, vocab: int) -> dict:
       if t is not None:
         row[f"{name}_hit_rate"] = t.hits / max(t.hits + t.misses, 1)
         row[f"{name}_hits"] = t.hits
+        row[f"{name}_token_share"] = t.hits * args.page_size / max(queries, 1)
     row.update(pages_offloaded=tiers.pages_offloaded, pages_reloaded=tiers.pages_reloaded,
                offload_ms_per_chunk=1e3 * tiers.offload_seconds / max(tiers.offload_chunks, 1),
                reload_ms_per_step=1e3 * tiers.reload_seconds / max(tiers.reload_steps, 1))
@@ -206,14 +208,14 @@ def report(args, size: dict, results: dict[str, list[dict]]) -> None:
   first = next(iter(results.values()))[0]["outputs"]
   same = all(row["outputs"] == first for rows in results.values() for row in rows)
   keys = ("ttft_p50", "ttft_p95", "total_s", "prefill_tokens", "device_hit_rate",
-          "host_hit_rate", "disk_hit_rate", "pages_offloaded", "pages_reloaded",
-          "offload_ms_per_chunk", "reload_ms_per_step")
+          "host_hit_rate", "disk_hit_rate", "host_token_share", "disk_token_share",
+          "pages_offloaded", "pages_reloaded", "offload_ms_per_chunk", "reload_ms_per_step")
   summary = {c: {k: statistics.median(row[k] for row in rows) for k in keys if k in rows[0]}
              for c, rows in results.items()}
   print(f"\noutputs identical across configs: {same}")
-  print(f"{'config':8}" + "".join(f"{k:>16}" for k in keys[:7]))
+  print(f"{'config':8}" + "".join(f"{k:>17}" for k in keys[:9]))
   for c, s in summary.items():
-    print(f"{c:8}" + "".join(f"{s[k]:16.3f}" if k in s else f"{'-':>16}" for k in keys[:7]))
+    print(f"{c:8}" + "".join(f"{s[k]:17.3f}" if k in s else f"{'-':>17}" for k in keys[:9]))
   if "off" in summary and "host" in summary:
     print(f"TTFT p50 off / host: {summary['off']['ttft_p50'] / summary['host']['ttft_p50']:.2f}x")
   if args.json:
