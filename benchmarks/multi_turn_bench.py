@@ -146,7 +146,7 @@ def run_chats(engine, args, vocab: int) -> dict:
 
 
 def measure(engine, args, vocab: int) -> dict:
-  before = engine.stats()
+  before, load = engine.stats(), os.getloadavg()[0]
   run = run_chats(engine, args, vocab)
   after = engine.stats()
   queries = after.prefix_cache_queries_total - before.prefix_cache_queries_total
@@ -155,7 +155,8 @@ def measure(engine, args, vocab: int) -> dict:
              ttft_p95=float(np.percentile(run["ttft"], 95)), total_s=run["total_s"],
              prefill_tokens=(after.prefill_tokens_computed_total
                              - before.prefill_tokens_computed_total),
-             device_hit_rate=hits / max(queries, 1), outputs=run["outputs"])
+             device_hit_rate=hits / max(queries, 1), outputs=run["outputs"],
+             load_avg=(load + os.getloadavg()[0]) / 2)  # the machine's 1-min load: noise
   tiers = after.kv_offload
   if tiers is not None:
     for name in ("host", "disk"):
@@ -209,7 +210,8 @@ def report(args, size: dict, results: dict[str, list[dict]]) -> None:
   same = all(row["outputs"] == first for rows in results.values() for row in rows)
   keys = ("ttft_p50", "ttft_p95", "total_s", "prefill_tokens", "device_hit_rate",
           "host_hit_rate", "disk_hit_rate", "host_token_share", "disk_token_share",
-          "pages_offloaded", "pages_reloaded", "offload_ms_per_chunk", "reload_ms_per_step")
+          "pages_offloaded", "pages_reloaded", "offload_ms_per_chunk", "reload_ms_per_step",
+          "load_avg")
   summary = {c: {k: statistics.median(row[k] for row in rows) for k in keys if k in rows[0]}
              for c, rows in results.items()}
   print(f"\noutputs identical across configs: {same}")
