@@ -203,6 +203,20 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
   assert names[0] not in os.listdir(store_dir)
 
 
+def test_replicas_merge_their_tiers_counters():
+  from serving.engine.replicas import merge_stats
+
+  engines = [make_engine(num_pages=40, host_gb=1e-3) for _ in range(2)]
+  conversations(engines[0])
+  conversations(engines[1], n=3)
+  parts = [e.stats() for e in engines]
+  merged = merge_stats(parts).kv_offload
+  assert merged.host.hits == sum(p.kv_offload.host.hits for p in parts) > 0
+  assert merged.pages_reloaded == sum(p.kv_offload.pages_reloaded for p in parts)
+  assert merged.disk is None and merge_stats([make_engine(num_pages=40).stats()] * 2
+                                             ).kv_offload is None
+
+
 def test_refusals():
   with pytest.raises(ValueError, match="needs the prefix cache"):
     make_engine(num_pages=40, host_gb=1e-3, enable_prefix_caching=False)
