@@ -34,7 +34,7 @@ def test_host_tier_at_tp2_matches_tier_off(result, kv_dtype):
   assert got["kv_spec"] != "PartitionSpec()"  # the pool really is sharded
 
 
-def _chat(engine, rounds: int = 4, n: int = 4) -> list[list[int]]:
+def _chat(engine, rounds: int = 5, n: int = 4) -> list[list[int]]:
   """`n` interleaved conversations over a shared prefix, each turn resending the history."""
   import numpy as np
 
@@ -47,7 +47,7 @@ def _chat(engine, rounds: int = 4, n: int = 4) -> list[list[int]]:
   for turn in range(rounds):
     got = {c: [] for c in range(n)}
     for c in range(n):
-      history[c] += [int(t) for t in rng.integers(3, stu.VOCAB, 5)]
+      history[c] += [int(t) for t in rng.integers(3, stu.VOCAB, 6)]
       engine.add_request(f"c{c}t{turn}", list(history[c]), params,
                          lambda out, c=c, got=got: got[c].extend(out.token_ids))
     engine.run_until_idle()
@@ -70,7 +70,8 @@ def _worker(root: str) -> None:
   for kv_dtype in ("float32", "int8"):
     row = {}
     for tiers, gb in (("off", 0.0), ("on", 0.01)):
-      config = stu.engine_config(tp=2, max_num_seqs=2, num_pages=20, kv_transfer_pages=4,
+      config = stu.engine_config(tp=2, max_num_seqs=2, max_model_len=128, num_pages=20,
+                                 kv_transfer_pages=4,
                                  kv_cache_dtype=kv_dtype, kv_offload_host_gb=gb)
       engine = build_engine(root, config)
       row[tiers] = _chat(engine)
