@@ -26,7 +26,8 @@ up, then measured); with `--repeats` > 1 the order alternates. Reported per
 config: TTFT p50 / p95 (from submitting a turn to its first token), the total
 time, prompt tokens computed by prefill, the device prefix cache's token hit
 rate, each tier's page hit rate (pages found / pages asked of it) and the share of
-all prompt tokens each tier served. Medians over repeats.
+all prompt tokens each tier served. Medians over repeats. A run record goes to
+benchmarks/results/ (`--no-record` skips it).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from serving.config import EngineConfig, expected_platform, merge_engine_options
 from serving.entrypoints.engine_builder import build_engine, load_model  # noqa: E402
 from serving.runner.kv_cache import kv_bytes_per_token  # noqa: E402
 from serving.runner.weights import resolve_dtypes  # noqa: E402
+from serving.tools import run_record  # noqa: E402
 from serving.types import SamplingParams  # noqa: E402
 
 
@@ -74,6 +76,7 @@ def parse_args() -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None)
+  run_record.add_flags(p)
   return p.parse_args()
 
 
@@ -223,6 +226,8 @@ def report(args, size: dict, results: dict[str, list[dict]]) -> None:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(args=vars(args), size=size, identical=same, summary=summary), f, indent=1)
+  run_record.record_args("multi_turn_bench", args,
+                         dict(size=size, outputs_identical=same, summary=summary), skip=("json",))
 
 
 if __name__ == "__main__":
