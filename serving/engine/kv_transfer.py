@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from serving.engine.page_allocator import page_hash
 
@@ -87,15 +88,11 @@ class KVPageFormat:
 
 
 def page_format(engine: Any) -> KVPageFormat:
-  """The page format of an `LLMEngine` over a `ModelRunner`."""
-  runner = engine.runner
-  cfg, kv = runner.model_cfg, runner.state.kv
-  layers = kv.k.shape[0] // kv.num_pages
+  """The page format of an `LLMEngine` (its runner's `kv_page_spec`)."""
+  shape, dtype, model = engine.runner.kv_page_spec()
   chunk = engine.config.parallel.kv_transfer_pages
-  model = (f"{engine.model_name}|layers={cfg.num_layers}|hidden={cfg.hidden_size}"
-           f"|kv={cfg.num_kv_heads}x{cfg.head_dim}|vocab={cfg.vocab_size}")
-  return KVPageFormat(model, kv.page_size, str(kv.k.dtype),
-                      (layers, chunk, *kv.k.shape[1:]))
+  return KVPageFormat(f"{engine.model_name} {model}", engine.allocator.page_size, dtype,
+                      (shape[0], chunk, *shape[1:]))
 
 
 def prompt_hashes(prompt_ids: list[int], page_size: int) -> list[bytes]:
@@ -204,7 +201,9 @@ class KVSender:
       done = len(offer.exported) * per >= len(offer.pages)
     k, v = self.engine.call_soon(lambda: self.engine.runner.export_pages(pages)).result()
     uuid = secrets.randbits(62)
-    self.server.await_pull(uuid, (_single_device(k), _single_device(v)),
+    shape, dtype = self.format.chunk_shape, self.format.kv_dtype
+    k, v = (_offerable(a, shape, dtype) for a in (k, v))
+    self.server.await_pull(uuid, (k, v),
                            timeout=_deadline(self.timeout_s))
     with self._lock:
       self.chunks_total += 1
@@ -241,8 +240,13 @@ class KVSender:
       return len(self._offers)
 
 
-def _single_device(a: jax.Array) -> jax.Array:
-  """`a` on one device (a mesh's pool exports replicated or sharded arrays)."""
+def _offerable(a: Any, shape: tuple[int, ...], dtype: str) -> jax.Array:
+  """An exported chunk as the fixed-shape array on one device that a pull expects: a
+  host array (a fake runner's) padded and placed, a mesh's array gathered."""
+  if not isinstance(a, jax.Array):
+    pad = [(0, 0)] * a.ndim
+    pad[1] = (0, shape[1] - a.shape[1])
+    return jnp.asarray(np.pad(a, pad), dtype)
   if len(a.devices()) == 1:
     return a
   return jax.device_put(a, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
