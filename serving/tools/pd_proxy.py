@@ -165,7 +165,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 def make_server(proxy: PDProxy, host: str, port: int) -> http.server.ThreadingHTTPServer:
   """The proxy's HTTP server (call `serve_forever`; port 0 picks a free one)."""
   handler = type("PDProxyHandler", (_Handler,), {"proxy": proxy})
-  server = http.server.ThreadingHTTPServer((host, port), handler)
+  server_cls = type("PDProxyServer", (http.server.ThreadingHTTPServer,),
+                    {"request_queue_size": 1024})  # socketserver's default backlog is 5
+  server = server_cls((host, port), handler)
   server.daemon_threads = True
   return server
 
