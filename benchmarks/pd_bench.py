@@ -51,10 +51,15 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _server(logdir: str, name: str, *flags: str) -> tuple[subprocess.Popen, str]:
+def _server(logdir: str, name: str, procs: list, *flags: str) -> str:
+  """Starts one server and waits for it (one at a time: servers starting together race on
+  the shared compilation cache) -> its URL."""
   port = _free_port()
-  proc = bench_serve.launch_server([*ENGINE, *flags], port, os.path.join(logdir, f"{name}.log"))
-  return proc, f"http://127.0.0.1:{port}"
+  procs.append(bench_serve.launch_server([*ENGINE, *flags], port,
+                                         os.path.join(logdir, f"{name}.log")))
+  url = f"http://127.0.0.1:{port}"
+  bench_serve.wait_ready(url)
+  return url
 
 
 def _proxy(prefill: str, decode: list[str]) -> tuple[subprocess.Popen, str]:
@@ -79,17 +84,15 @@ def _stats(url: str) -> dict:
 def run(args: argparse.Namespace) -> dict:
   """Starts the setups, runs the alternating rounds -> the figures."""
   logdir = tempfile.mkdtemp(prefix="pd_bench_")
+  print(f"server logs: {logdir}", flush=True)
   procs: list[subprocess.Popen] = []
   try:
-    one, one_url = _server(logdir, "one")
-    inproc, inproc_url = _server(logdir, "inproc", "--prefill_workers=1",
-                                 f"--decode_workers={args.inproc_decode}")
-    prefill, prefill_url = _server(logdir, "prefill", "--kv_role=prefill")
-    decodes = [_server(logdir, f"decode{i}", "--kv_role=decode") for i in range(2)]
-    procs += [one, inproc, prefill, *(p for p, _ in decodes)]
-    for url in (one_url, inproc_url, prefill_url, *(u for _, u in decodes)):
-      bench_serve.wait_ready(url)
-    proxy, proxy_url = _proxy(prefill_url, [u for _, u in decodes])
+    one_url = _server(logdir, "one", procs)
+    inproc_url = _server(logdir, "inproc", procs, "--prefill_workers=1",
+                         f"--decode_workers={args.inproc_decode}")
+    prefill_url = _server(logdir, "prefill", procs, "--kv_role=prefill")
+    decode_urls = [_server(logdir, f"decode{i}", procs, "--kv_role=decode") for i in range(2)]
+    proxy, proxy_url = _proxy(prefill_url, decode_urls)
     procs.append(proxy)
     bench_serve.wait_ready(proxy_url, path="/health")
     setups = {"one": one_url, "inproc": inproc_url, "pd": proxy_url}
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     for url in setups.values():  # first requests: connections, handshakes
       asyncio.run(bench_serve.run_level(bench_serve.Target(url, "m"), warm, 4,
                                         args.concurrency))
-    before = [_stats(u) for _, u in decodes]
+    before = [_stats(u) for u in decode_urls]
     for r in range(args.rounds):
       prompts = _prompts(args.requests, args.prompt_words, seed=r)
       order = list(setups) if r % 2 == 0 else list(reversed(setups))
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
             args.concurrency))
         records[name] += recs
         elapsed[name] += secs
-    after = [_stats(u) for _, u in decodes]
+    after = [_stats(u) for u in decode_urls]
     result = {name: bench_serve.summarize(records[name], elapsed[name]) for name in setups}
     result["transfer"] = _transfer(before, after)
     return result

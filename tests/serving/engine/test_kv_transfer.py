@@ -10,6 +10,7 @@ channel is replaced by direct calls to the sender (`side_channel`). Checked:
   what one engine outputs;
 - an offer nobody pulls is released after the timeout (a fake clock);
 - exports refuse other tokens' hashes, unknown chunks and chunks pulled twice;
+- a pull step that does not finish in the timeout fails the transfer;
 - a handshake with another page format, or an unreachable prefill server,
   raises `KVTransferError` with nothing held on the decode side, and the
   connector then hands back no pages (the request is prefilled there).
@@ -32,6 +33,7 @@ from serving.engine.kv_transfer import (
   KVSender,
   KVTransferError,
   RemotePrefill,
+  _bounded,
   prompt_hashes,
   start_transfer_server,
 )
@@ -198,3 +200,13 @@ def test_page_format_round_trip(engines):
     type(fmt).from_json({"model": "m"})
   with pytest.raises(ValueError, match="must be positive"):
     KVSender(engines(), None, 0.0)
+
+
+def test_a_step_past_the_timeout_fails_the_transfer():
+  # A jax pull of an array the other side never offers does not end by its own timeout:
+  # every pull runs under `_bounded`.
+  with pytest.raises(KVTransferError, match="did not finish in 0.05 s"):
+    _bounded(lambda: threading.Event().wait(2), 0.05)
+  with pytest.raises(KVTransferError, match="pull failed: boom"):
+    _bounded(lambda: (_ for _ in ()).throw(RuntimeError("boom")), 1.0)
+  assert _bounded(lambda: 7, 1.0) == 7
