@@ -35,6 +35,8 @@ QUANTIZATIONS = (None, "auto", "int8", "int4", "fp8", "gguf")
 CPU_ACTIVATION_BITS = (32, 16, 8)  # CpuKernelOptions.cpu_activation_bits
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
+KV_EVENTS_FORMATS = ("array", "map")  # serving/engine/kv_events.py EVENT_FORMATS
+KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -162,9 +164,16 @@ class CacheOptions:
   kv_cache_dtype: str = "auto"
   enable_prefix_caching: bool = True
   attention_block_tokens: int = 128  # keys per step of the XLA attention loop
+  # KV-cache events (docs/kv_events.md): a ZMQ PUB endpoint (None: off), the topic frame,
+  # an optional replay ROUTER endpoint, and the events' msgpack shape.
+  kv_events_endpoint: str | None = None
+  kv_events_topic: str = ""
+  kv_events_replay_endpoint: str | None = None
+  kv_events_format: str = "array"
 
   def __post_init__(self):
     _check_at_least(self, ("page_size",), 1)
+    self._check_kv_events()
     if self.num_pages is not None and self.num_pages < 2:
       raise ValueError(f"num_pages={self.num_pages} must be at least 2 (one is reserved)")
     if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
@@ -174,6 +183,15 @@ class CacheOptions:
     if self.attention_block_tokens % self.page_size:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")
+
+  def _check_kv_events(self) -> None:
+    _check_choice("kv_events_format", self.kv_events_format, KV_EVENTS_FORMATS)
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+      value = getattr(self, name)
+      if value is not None and not value.startswith(KV_EVENTS_SCHEMES):
+        raise ValueError(f"{name}={value!r} must start with one of {KV_EVENTS_SCHEMES}")
+    if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+      raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -340,6 +340,14 @@ class DisaggregatedEngine:
   def check_structured_outputs(self, params: SamplingParams) -> None:
     self.decode[0].check_structured_outputs(params)
 
+  # ---- the prefix cache: each worker's own ----
+
+  def reset_prefix_cache(self) -> int:
+    return sum(e.reset_prefix_cache() for e in self.engines)
+
+  def prefix_cache_hashes(self) -> list[list[bytes]]:
+    return [e.prefix_cache_hashes()[0] for e in self.engines]
+
   # ---- LoRA adapters: served by the decode engines (prefilled there too) ----
 
   def load_lora(self, name: str, path: str):

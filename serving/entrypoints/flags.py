@@ -61,6 +61,16 @@ flags.DEFINE_integer("pp", None, "Pipeline parallel stages (layers split into co
 flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
 flags.DEFINE_list("decode_buckets", None, "Decode batch buckets (default: powers of two).")
 flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
+flags.DEFINE_string("kv_events_endpoint", None, "Publish KV-cache events (vLLM's BlockStored / "
+                    "BlockRemoved / AllBlocksCleared, docs/kv_events.md) on this ZMQ PUB "
+                    "endpoint: tcp://*:5557 binds, tcp://HOST:5557 connects to a subscriber.")
+flags.DEFINE_string("kv_events_topic", None, "KV events: the topic frame (llm-d reads "
+                    "kv@<pod>@<model>).")
+flags.DEFINE_string("kv_events_replay_endpoint", None, "KV events: a ZMQ ROUTER endpoint "
+                    "that replays recent batches from a sequence number (bound).")
+flags.DEFINE_enum("kv_events_format", None, config_lib.KV_EVENTS_FORMATS, "KV events: "
+                  "positional arrays (vLLM <= 0.2x, read by every consumer) or tagged maps "
+                  "(vLLM after PR 42892).")
 flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
 flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
 flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none (default: a "
@@ -101,6 +111,8 @@ ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "quantized_dense_copy", "cpu_activation_bits", "tp", "ep", "dp", "pp",
                 "prefill_workers", "decode_workers", "kv_transfer_pages", "kv_role",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
+                "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint",
+                "kv_events_format",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",
                 "speculative_model", "prompt_lookup_min", "prompt_lookup_max",

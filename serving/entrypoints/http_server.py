@@ -2,8 +2,9 @@
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
 (`stream: true` -> server-sent events ending in `data: [DONE]`), GET /health
-(503 while draining), GET /metrics (Prometheus text), and vLLM's POST /tokenize
-and /detokenize. Every error is an OpenAI-style body
+(503 while draining), GET /metrics (Prometheus text), vLLM's POST /tokenize,
+/detokenize and /reset_prefix_cache, and GET /debug/prefix_cache (the cached prefix
+hashes as KV events name them, docs/kv_events.md). Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`.
 
 A request's life: the body is read under a size limit and a time limit,
@@ -117,6 +118,17 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
     authorize(request)
     req = await parse(request, UnloadLoraAdapterRequest)
     return PlainTextResponse(await asyncio.to_thread(serving.unload_lora_adapter, req))
+
+  @app.post("/reset_prefix_cache")
+  async def reset_prefix_cache(request: Request) -> Response:
+    authorize(request)
+    await asyncio.to_thread(serving.reset_prefix_cache)
+    return Response(status_code=200)
+
+  @app.get("/debug/prefix_cache")
+  async def prefix_cache(request: Request) -> Response:
+    authorize(request)
+    return JSONResponse(await asyncio.to_thread(serving.prefix_cache))
 
   @app.post("/tokenize")
   async def tokenize(request: Request) -> Response:

@@ -25,6 +25,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from serving.engine.client import EngineDeadError
+from serving.engine.kv_events import wire_hash
 from serving.entrypoints import tool_calls
 from serving.entrypoints.async_engine import (
   AsyncEngine,
@@ -171,6 +173,28 @@ class OpenAIServing:
       raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.",
                      param="lora_name", code="model_not_found") from None
     return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+
+  # The prefix cache (docs/kv_events.md) -----------------------------------------
+
+  def reset_prefix_cache(self) -> int:
+    """vLLM's /reset_prefix_cache: every engine forgets its cached prefixes (subscribers
+    get AllBlocksCleared). Blocks until the engines did it: call it in a worker thread."""
+    try:
+      return self.engine.engine.reset_prefix_cache()
+    except (EngineDeadError, TimeoutError) as e:
+      raise APIError(503, str(e) or "the engine did not answer in step_timeout_s",
+                     type="server_error", code="engine_unavailable") from None
+
+  def prefix_cache(self) -> dict[str, Any]:
+    """The prefix hashes each engine caches now, as KV events name them (`wire_hash`):
+    what a subscriber to the events rebuilds. Call it in a worker thread."""
+    try:
+      views = self.engine.engine.prefix_cache_hashes()
+    except (EngineDeadError, TimeoutError) as e:
+      raise APIError(503, str(e) or "the engine did not answer in step_timeout_s",
+                     type="server_error", code="engine_unavailable") from None
+    return {"engines": [{"data_parallel_rank": rank, "block_hashes": sorted(map(wire_hash, hs))}
+                        for rank, hs in enumerate(views)]}
 
   def prepare_completion(self, req: CompletionRequest) -> Job:
     lora = self.check_model(req.model)

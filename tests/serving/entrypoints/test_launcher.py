@@ -82,6 +82,10 @@ OPTION_SAMPLES = {
     "speculative_model": ("draft-model", {"speculative_method": "draft"}),
     "prompt_lookup_min": (3, {}), "prompt_lookup_max": (7, {}), "speculative_max_batch": (2, {}),
     "num_decode_steps": (4, {}), "decode_steps_max_batch": (2, {}),
+    "kv_events_endpoint": ("tcp://*:5557", {}),
+    "kv_events_topic": ("kv@pod@m", {"kv_events_endpoint": "tcp://*:5557"}),
+    "kv_events_replay_endpoint": ("tcp://*:5558", {"kv_events_endpoint": "tcp://*:5557"}),
+    "kv_events_format": ("map", {"kv_events_endpoint": "tcp://*:5557"}),
 }
 
 
