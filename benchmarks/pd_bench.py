@@ -13,8 +13,11 @@ Each round sends the same fresh set of distinct prompts (streamed, greedy,
 `ignore_eos`) to each setup in turn, alternating, at a fixed concurrency;
 TTFT / ITL p50 / p99 and output tok/s are over every round's requests
 (serving/tools/bench_serve.py's client). The decode servers' transfer counters
-give the effective pull bandwidth (bytes pulled / seconds in `KVReceiver.pull`,
-handshake and HTTP round trips included) and the pull time per request.
+give the effective pull bandwidth (bytes pulled / seconds in `KVReceiver.pull`:
+handshake, HTTP round trips and the waits for each engine's step between its
+own steps included), the wire bandwidth (bytes / seconds inside
+`TransferConnection.pull` alone) and the pull time per request. Bytes count
+whole fixed-shape chunks (`--kv_transfer_pages` slots, padding included).
 """
 
 from __future__ import annotations
@@ -131,8 +134,10 @@ def _transfer(before: list[dict], after: list[dict]) -> dict:
     return sum(a[key] - b[key] for a, b in zip(after, before, strict=True))
 
   pulls, secs, nbytes = delta("pulls_total"), delta("pull_seconds_total"), delta("bytes_total")
+  wire = delta("wire_seconds_total")
   return {"pulls": pulls, "failures": delta("pull_failures_total"), "pages": delta("pages_total"),
           "bytes": nbytes, "mb_per_s": nbytes / secs / 1e6 if secs else 0.0,
+          "wire_mb_per_s": nbytes / wire / 1e6 if wire else 0.0,
           "ms_per_pull": 1e3 * secs / pulls if pulls else 0.0}
 
 
@@ -147,6 +152,7 @@ def _table(result: dict) -> str:
   t = result["transfer"]
   rows.append(f"\ntransfer: {t['pulls']:.0f} pulls, {t['pages']:.0f} pages, "
               f"{t['bytes'] / 1e6:.1f} MB, {t['mb_per_s']:.1f} MB/s effective, "
+              f"{t['wire_mb_per_s']:.0f} MB/s on the wire (jax pulls alone), "
               f"{t['ms_per_pull']:.1f} ms per pull, {t['failures']:.0f} failures")
   return "\n".join(rows)
 

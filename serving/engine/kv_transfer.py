@@ -280,7 +280,8 @@ class KVReceiver:
     self._peers: dict[tuple[str, int], tuple[str, Any]] = {}  # -> (engine id, connection)
     self._lock = threading.Lock()
     self.pulls_total = self.failures_total = self.pages_total = self.bytes_total = 0
-    self.pull_seconds_total = 0.0
+    self.pull_seconds_total = 0.0  # in `pull`: handshake, HTTP, waits for both engines, wire
+    self.wire_seconds_total = 0.0  # in `TransferConnection.pull` alone
 
   def pull(self, remote: RemotePrefill, prompt_ids: list[int]) -> list[int]:
     """Pulls the offered pages into this engine's pool (a blocking call: worker thread)
@@ -349,9 +350,11 @@ class KVReceiver:
     uuid = reply.get("uuid")
     if not isinstance(uuid, int):
       raise KVTransferError(f"bad pull reply: {reply!r}")
+    start = time.perf_counter()
     k, v = _bounded(lambda: jax.block_until_ready(conn.pull(uuid, self._spec)), self.timeout_s)
     with self._lock:
       self.bytes_total += k.nbytes + v.nbytes
+      self.wire_seconds_total += time.perf_counter() - start
     return self.engine.call_soon(
         lambda: import_chunk(self.engine, hashes, prompt_ids, chunk * per, k, v)
     ).result(self.timeout_s)

@@ -156,7 +156,8 @@ class KVConnector:
       r = self.receiver
       out.update(pulls_total=r.pulls_total, pull_failures_total=r.failures_total,
                  pages_total=r.pages_total, bytes_total=r.bytes_total,
-                 pull_seconds_total=r.pull_seconds_total)
+                 pull_seconds_total=r.pull_seconds_total,
+                 wire_seconds_total=r.wire_seconds_total)
     return out
 
   async def expire_loop(self) -> None:
