@@ -21,6 +21,7 @@ a request's pages move like this:
      (`import_chunk`) on its engine thread. Nothing compiles after warm-up.
   4. **Decode**: the decode server's prefix cache holds the prompt's full
      pages; it submits the request, which computes only the last partial page.
+     The pull's references are dropped at the request's first output.
 
 Failure: an offer nobody finishes is released by `KVSender.expire` after
 `timeout_s`; a decode server that cannot pull (prefill server gone, mismatch,
@@ -286,7 +287,7 @@ class KVReceiver:
   def pull(self, remote: RemotePrefill, prompt_ids: list[int]) -> list[int]:
     """Pulls the offered pages into this engine's pool (a blocking call: worker thread)
     -> the pages written, each holding one reference for the caller (release them once
-    the request is submitted). KVTransferError: nothing is held then; the chunks already
+    the request that uses them holds them). KVTransferError: nothing is held then; the chunks already
     written stay cached."""
     hashes = prompt_hashes(prompt_ids, self.format.page_size)[:remote.num_pages]
     held: list[int] = []

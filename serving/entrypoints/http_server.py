@@ -251,7 +251,7 @@ async def _respond(request: Request, serving: OpenAIServing, job: Any,
       await asyncio.to_thread(serving.pull_kv, job)
     return await _respond_to(request, serving, job, req)
   finally:
-    serving.release_kv(job)  # submitted, failed or cancelled: the transfer's hold ends
+    serving.release_kv(job)  # cancelled or failed before it was submitted
 
 
 async def _respond_to(request: Request, serving: OpenAIServing, job: Any,

@@ -34,6 +34,7 @@ import logging
 import secrets
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -114,8 +115,16 @@ class KVConnector:
       return []
 
   def release(self, pages: list[int]) -> None:
+    """Drops the references `pull` handed over (any thread)."""
     if pages:
       self.receiver.release(pages)
+
+  def release_at_first_output(self, pages: list[int]) -> Callable[[], None]:
+    """A hook dropping `pull`'s references on the engine thread, given to the request
+    that uses the pages (`AsyncEngine.submit`'s on_first_output): by its first output it
+    holds them itself, and until then no other request can evict them."""
+    allocator = self.engine.allocator
+    return lambda: allocator.release(pages)
 
   # ---- the prefill side's side channel ----
 

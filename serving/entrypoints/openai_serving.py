@@ -266,7 +266,8 @@ class OpenAIServing:
       job.kv_pages = self.kv.pull(job.kv_params, job.choices[0].prompt_ids)
 
   def release_kv(self, job: Job) -> None:
-    """Drops the job's hold on pulled pages (its request was submitted, or never will be)."""
+    """Drops the job's hold on pulled pages if `submit` has not taken them over (a job
+    that is never submitted)."""
     pages, job.kv_pages = job.kv_pages, []
     if pages:
       self.kv.release(pages)
@@ -405,10 +406,13 @@ class OpenAIServing:
       raise APIError(400, f"the request asks for {len(job.choices)} completions but the server "
                      f"holds at most {capacity} requests at once", param="n")
     streams: list[RequestStream] = []
+    held, job.kv_pages = job.kv_pages, []  # pulled pages: held until the request's first output
     try:
       for c in job.choices:
+        hook = self.kv.release_at_first_output(held) if held else None
         streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}",
-                                          lora=job.lora))
+                                          lora=job.lora, on_first_output=hook))
+        held = []  # the request releases them
     except (ServerBusyError, ServerDrainingError, EngineUnavailableError, ValueError) as e:
       for s in streams:
         s.abort()
@@ -417,8 +421,9 @@ class OpenAIServing:
       for s in streams:
         s.abort()
       raise
-    finally:  # the request holds its pages (or has failed): the transfer's hold ends
-      self.release_kv(job)
+    finally:
+      if held:  # never admitted
+        self.kv.release(held)
     return streams
 
   async def merge(self, job: Job, streams: list[RequestStream]

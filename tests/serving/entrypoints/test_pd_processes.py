@@ -3,7 +3,8 @@ and the reference proxy (serving/tools/pd_proxy.py), all on loopback.
 
 A tiny Llama on every server. Checked over real HTTP:
 - 32 concurrent greedy completions through the proxy, half streamed, return
-  what one in-process engine returns; both decode servers pulled pages; once
+  what one in-process engine returns; both decode servers pulled pages and
+  computed none of the pulled tokens (queued requests keep theirs); once
   idle, no KV page is in use on any server and no offer is pending;
 - a decode leg whose kv_transfer_params name no live offer still succeeds
   (the decode server prefills it);
@@ -149,8 +150,14 @@ def test_proxy_output_matches_one_server(cluster, expected):
   prefill, decode, proxy = cluster
   got = asyncio.run(_all(proxy.http, PROMPTS))
   assert got == [expected[p] for p in PROMPTS]
-  assert all(_stats(d.http)["pulls_total"] > 0 for d in decode)
-  assert sum(_stats(d.http)["pull_failures_total"] for d in decode) == 0
+  stats = [_stats(d.http) for d in decode]
+  assert all(s["pulls_total"] > 0 for s in stats)
+  assert sum(s["pull_failures_total"] for s in stats) == 0
+  # Every pulled page was used: the decode servers computed none of those tokens.
+  pulled = sum(s["pages_total"] for s in stats) * ENGINE["page_size"]
+  prompt = sum(metric_value(d.http, "xlaserve_prompt_tokens_total") for d in decode)
+  computed = sum(metric_value(d.http, "xlaserve_prefill_tokens_computed_total") for d in decode)
+  assert pulled > prompt / 2 and computed <= prompt - pulled
   for srv in (prefill, *decode):
     assert wait_until(lambda srv=srv: _idle(srv.http), 20), srv.output()
   assert _stats(prefill.http)["pending_offers"] == 0
