@@ -287,8 +287,8 @@ class KVReceiver:
   def pull(self, remote: RemotePrefill, prompt_ids: list[int]) -> list[int]:
     """Pulls the offered pages into this engine's pool (a blocking call: worker thread)
     -> the pages written, each holding one reference for the caller (release them once
-    the request that uses them holds them). KVTransferError: nothing is held then; the chunks already
-    written stay cached."""
+    the request that uses them holds them). KVTransferError: nothing is held then; the
+    chunks already written stay cached."""
     hashes = prompt_hashes(prompt_ids, self.format.page_size)[:remote.num_pages]
     held: list[int] = []
     start = time.perf_counter()
