@@ -264,6 +264,9 @@ class SchedulerOptions:
     return self.decode_buckets_up_to(self.decode_steps_max_batch)
 
 
+KV_ROLES = ("both", "prefill", "decode")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelOptions:
   """Devices and engines: mesh axis sizes, disaggregated prefill / decode workers."""
@@ -277,9 +280,17 @@ class ParallelOptions:
   prefill_workers: int = 0
   decode_workers: int = 0
   kv_transfer_pages: int = 8  # pages per transfer chunk
+  # Cross-process prefill / decode (serving/engine/kv_transfer.py): this server offers its
+  # prompts' KV pages ("prefill"), pulls them from a prefill server ("decode"), or neither.
+  kv_role: str = "both"
 
   def __post_init__(self):
     _check_at_least(self, ("tp", "ep", "dp", "pp"), 1)
+    if self.kv_role not in KV_ROLES:
+      raise ValueError(f"kv_role={self.kv_role!r} must be one of {KV_ROLES}")
+    if self.kv_role != "both" and (self.prefill_workers or self.dp > 1):
+      raise ValueError(f"kv_role={self.kv_role!r} serves one engine: it cannot be combined "
+                       "with dp replicas or in-process prefill_workers / decode_workers")
     for name in ("prefill_workers", "decode_workers"):
       if not 0 <= getattr(self, name) <= 64:
         raise ValueError(f"{name}={getattr(self, name)} must be in [0, 64]")

@@ -188,6 +188,10 @@ class FakeRunner:
           data[0, i, off] = entry
     return data, data.copy()
 
+  def kv_page_spec(self) -> tuple[tuple[int, ...], str, str]:
+    """One exported page: [1 layer, page_size, 2] entries, sent as int32."""
+    return (1, self.page_size, 2), "int32", f"fake vocab={self.vocab_size}"
+
   def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
     """Slot i of `export_pages` output into page pages[i]; 0 skips the slot."""
     if k.shape[0] != 1 or k.shape[1] < len(pages) or not np.array_equal(k, v):

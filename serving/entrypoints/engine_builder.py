@@ -97,6 +97,9 @@ def check_setup(model: str | LoadedModel, config: EngineConfig) -> None:
   check_model(model, config.model.quantization)
   if config.speculative.speculative_method == "draft":
     check_model(config.speculative.speculative_model, config.model.quantization)
+  if config.parallel.kv_role != "both" and jax.process_count() > 1:
+    raise SetupError(f"kv_role={config.parallel.kv_role!r} serves from one process: with "
+                     "several processes per server, use kv_role 'both'")
   if config.parallel.disaggregated or config.parallel.dp > 1:
     if jax.process_count() > 1:
       raise SetupError("dp replicas and prefill / decode workers run in one process; with "
@@ -134,7 +137,8 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
     elif config.parallel.dp > 1:
       engine = build_replicas(loaded, config, name, draft, wrap_runner)
     else:
-      runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft))
+      runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft),
+                           kv_transfer=config.parallel.kv_role != "both")
       engine = _engine(loaded, config, name, runner, wrap_runner)
   except BaseException:
     if publisher is not None:

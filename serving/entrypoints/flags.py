@@ -102,11 +102,14 @@ flags.DEFINE_integer("prefill_workers", None, "Disaggregated serving: engines th
 flags.DEFINE_integer("decode_workers", None, "Disaggregated serving: engines that decode "
                      "after the prefill's KV pages reach them; needs --prefill_workers.")
 flags.DEFINE_integer("kv_transfer_pages", None, "KV pages per transfer chunk (disaggregated).")
+flags.DEFINE_enum("kv_role", None, config_lib.KV_ROLES, "Prefill / decode across servers: "
+                  "`prefill` offers its prompts' KV pages to decode servers, `decode` pulls "
+                  "them (vLLM's kv_transfer_params), `both` (default) neither.")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "quantized_dense_copy", "cpu_activation_bits", "tp", "ep", "dp", "pp",
-                "prefill_workers", "decode_workers", "kv_transfer_pages",
+                "prefill_workers", "decode_workers", "kv_transfer_pages", "kv_role",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint",
                 "kv_events_format",
@@ -136,6 +139,9 @@ flags.DEFINE_float("header_timeout_s", 10.0, "HTTP: a connection whose request h
                    "longer is closed.")
 flags.DEFINE_integer("max_connections", 1024, "Open HTTP connections / concurrent gRPC calls "
                      "served; beyond them new requests get 503 / RESOURCE_EXHAUSTED.")
+flags.DEFINE_float("kv_transfer_timeout_s", 30.0, "--kv_role=prefill|decode: KV pages pinned "
+                   "for a decode server are released after this; a transfer step waiting "
+                   "longer fails (the decode server then prefills the request itself).")
 # Per-request limits (serve and batch; serving/entrypoints/limits.py). Beyond one: 400.
 _LIMITS = RequestLimits()
 flags.DEFINE_integer("max_prompts_per_request", _LIMITS.max_prompts,
@@ -238,7 +244,8 @@ def serve_config_from_flags() -> Any:
         max_body_bytes=FLAGS.max_body_bytes, body_timeout_s=FLAGS.body_timeout_s,
         header_timeout_s=FLAGS.header_timeout_s,
         max_connections=FLAGS.max_connections, drain_timeout_s=FLAGS.drain_timeout_s,
-        allow_runtime_lora=FLAGS.allow_runtime_lora, limits=limits_from_flags())
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
+        kv_transfer_timeout_s=FLAGS.kv_transfer_timeout_s, limits=limits_from_flags())
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 

@@ -385,6 +385,14 @@ class ModelRunner:
     with self._device_errors():
       return jax.block_until_ready(self._read_pages(self.state.kv, padded))
 
+  def kv_page_spec(self) -> tuple[tuple[int, ...], str, str]:
+    """What one page of `export_pages` output is, for a transfer's handshake: its shape
+    [L, page_size, K, H'], its stored dtype, and the model it belongs to."""
+    cfg, kv = self.model_cfg, self.state.kv
+    model = (f"layers={cfg.num_layers} hidden={cfg.hidden_size} kv={cfg.num_kv_heads}x"
+             f"{cfg.head_dim} vocab={cfg.vocab_size} kv_cache={self.kv_dtype_name}")
+    return (kv.k.shape[0] // kv.num_pages, *kv.k.shape[1:]), str(kv.k.dtype), model
+
   def import_pages(self, pages: list[int], k: jax.Array | np.ndarray,
                    v: jax.Array | np.ndarray) -> None:
     """Writes slot i of `export_pages` output (another runner's, same model and layout)
