@@ -35,6 +35,8 @@ QUANTIZATIONS = (None, "auto", "int8", "int4", "fp8", "gguf")
 CPU_ACTIVATION_BITS = (32, 16, 8)  # CpuKernelOptions.cpu_activation_bits
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
+KV_EVENTS_FORMATS = ("array", "map")  # serving/engine/kv_events.py EVENT_FORMATS
+KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -168,18 +170,17 @@ class CacheOptions:
   kv_offload_host_gb: float = 0.0
   kv_offload_disk_dir: str | None = None
   kv_offload_disk_gb: float = 0.0
+  # KV-cache events (docs/kv_events.md): a ZMQ PUB endpoint (None: off), the topic frame,
+  # an optional replay ROUTER endpoint, and the events' msgpack shape.
+  kv_events_endpoint: str | None = None
+  kv_events_topic: str = ""
+  kv_events_replay_endpoint: str | None = None
+  kv_events_format: str = "array"
 
   def __post_init__(self):
     _check_at_least(self, ("page_size",), 1)
-    if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb < 0:
-      raise ValueError(f"kv_offload_host_gb={self.kv_offload_host_gb} and kv_offload_disk_gb="
-                       f"{self.kv_offload_disk_gb} must be >= 0")
-    if (self.kv_offload_disk_dir is not None) != (self.kv_offload_disk_gb > 0):
-      raise ValueError(f"kv_offload_disk_dir={self.kv_offload_disk_dir!r} and "
-                       f"kv_offload_disk_gb={self.kv_offload_disk_gb} go together")
-    if self.kv_offload_disk_dir is not None and self.kv_offload_host_gb == 0:
-      raise ValueError("the disk tier (kv_offload_disk_dir) is reloaded through the host "
-                       "tier: set kv_offload_host_gb too")
+    self._check_kv_events()
+    self._check_offload()
     if self.num_pages is not None and self.num_pages < 2:
       raise ValueError(f"num_pages={self.num_pages} must be at least 2 (one is reserved)")
     if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
@@ -190,9 +191,29 @@ class CacheOptions:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")
 
+  def _check_offload(self) -> None:
+    if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb < 0:
+      raise ValueError(f"kv_offload_host_gb={self.kv_offload_host_gb} and kv_offload_disk_gb="
+                       f"{self.kv_offload_disk_gb} must be >= 0")
+    if (self.kv_offload_disk_dir is not None) != (self.kv_offload_disk_gb > 0):
+      raise ValueError(f"kv_offload_disk_dir={self.kv_offload_disk_dir!r} and "
+                       f"kv_offload_disk_gb={self.kv_offload_disk_gb} go together")
+    if self.kv_offload_disk_dir is not None and self.kv_offload_host_gb == 0:
+      raise ValueError("the disk tier (kv_offload_disk_dir) is reloaded through the host "
+                       "tier: set kv_offload_host_gb too")
+
   def host_tier_pages(self, page_bytes: int) -> int:
     """KV pages of `page_bytes` (every layer's K and V) the host tier holds."""
     return int(self.kv_offload_host_gb * 2**30 // page_bytes)
+
+  def _check_kv_events(self) -> None:
+    _check_choice("kv_events_format", self.kv_events_format, KV_EVENTS_FORMATS)
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+      value = getattr(self, name)
+      if value is not None and not value.startswith(KV_EVENTS_SCHEMES):
+        raise ValueError(f"{name}={value!r} must start with one of {KV_EVENTS_SCHEMES}")
+    if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+      raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +286,9 @@ class SchedulerOptions:
     return self.decode_buckets_up_to(self.decode_steps_max_batch)
 
 
+KV_ROLES = ("both", "prefill", "decode")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelOptions:
   """Devices and engines: mesh axis sizes, disaggregated prefill / decode workers."""
@@ -278,9 +302,17 @@ class ParallelOptions:
   prefill_workers: int = 0
   decode_workers: int = 0
   kv_transfer_pages: int = 8  # pages per transfer chunk
+  # Cross-process prefill / decode (serving/engine/kv_transfer.py): this server offers its
+  # prompts' KV pages ("prefill"), pulls them from a prefill server ("decode"), or neither.
+  kv_role: str = "both"
 
   def __post_init__(self):
     _check_at_least(self, ("tp", "ep", "dp", "pp"), 1)
+    if self.kv_role not in KV_ROLES:
+      raise ValueError(f"kv_role={self.kv_role!r} must be one of {KV_ROLES}")
+    if self.kv_role != "both" and (self.prefill_workers or self.dp > 1):
+      raise ValueError(f"kv_role={self.kv_role!r} serves one engine: it cannot be combined "
+                       "with dp replicas or in-process prefill_workers / decode_workers")
     for name in ("prefill_workers", "decode_workers"):
       if not 0 <= getattr(self, name) <= 64:
         raise ValueError(f"{name}={getattr(self, name)} must be in [0, 64]")

@@ -580,6 +580,9 @@ class EngineStats:
   prefix_cache_hits_total: int
   prefill_tokens_computed_total: int
   lora_running: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> running
+  lora_waiting: dict[str, int] = dataclasses.field(default_factory=dict)  # adapter -> waiting
   lora_swaps_total: int = 0  # adapters written into a runner slot
+  max_lora: int = 0  # adapters a batch can hold (runner LoRA slots; 0: LoRA off)
+  page_size: int = 0  # tokens per KV page (the prefix cache's block size)
   spec_decode: SpecDecodeCounters = dataclasses.field(default_factory=SpecDecodeCounters)
   kv_offload: KVOffloadStats | None = None  # the tiered prefix cache, when on

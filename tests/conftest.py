@@ -65,27 +65,28 @@ def force_avx2(monkeypatch):
 
 
 # The modules that take longest in the full suite, longest first (`--durations`, summed per
-# module, 2026-12-06). `--dist loadfile` hands each worker whole modules in collection order;
-# pytest-xdist's default `--loadscope-reorder` sorts them by test count, which put these
-# one-to-six-test modules last: the run ended with one worker alone on the batch-invariance
-# module for ~14 minutes while the other idled. Longest first (the classic greedy schedule)
-# lets the short modules fill in around them. docs/testing.md.
+# module, 2026-12-06; the batch-invariance, executable-store and kernel-backend modules then
+# moved down by their measured CPU saving). `--dist loadfile` hands each worker whole modules
+# in collection order; pytest-xdist's default `--loadscope-reorder` sorts them by test count,
+# which put these one-to-six-test modules last: the run ended with one worker alone on the
+# batch-invariance module for ~14 minutes while the other idled. Longest first (the classic
+# greedy schedule) lets the short modules fill in around them. docs/testing.md.
 LONGEST_MODULES = (
-    "tests/serving/engine/test_batch_invariance.py",
     "tests/serving/runner/test_quant_quality.py",
+    "tests/serving/engine/test_batch_invariance.py",
     "tests/sharding/test_pipeline.py",
     "tests/serving/entrypoints/test_batch_e2e.py",
     "tests/serving/entrypoints/test_default_model.py",
     "tests/serving/runner/test_quant_engine.py",
     "tests/ops/test_ops_security.py",
-    "tests/serving/runner/test_executable_store.py",
     "tests/sharding/test_quant_sharded.py",
+    "tests/serving/runner/test_executable_store.py",
     "tests/sharding/test_multihost.py",
     "tests/serving/entrypoints/test_structured_e2e.py",
     "tests/ops/test_ops_load.py",
     "tests/ops/test_ops_notebook.py",
-    "tests/serving/runner/test_kernel_backend.py",
     "tests/serving/runner/test_native_decode.py",
+    "tests/serving/runner/test_kernel_backend.py",
     "tests/serving/entrypoints/test_dp_e2e.py",
     "tests/serving/models/test_gemma_features.py",
     "tests/ops/test_ops_isolation.py",

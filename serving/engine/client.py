@@ -146,6 +146,19 @@ class EngineClient(Protocol):
     engine that moves no KV between engines."""
     ...
 
+  # ---- the prefix cache (any thread) ----
+
+  def reset_prefix_cache(self) -> int:
+    """Forgets every cached prefix on every member engine (vLLM's
+    `/reset_prefix_cache`; pages held by running requests stay theirs). -> prefixes
+    dropped."""
+    ...
+
+  def prefix_cache_hashes(self) -> list[list[bytes]]:
+    """The prefix hashes each member engine caches now, in `replica_stats` order (the
+    view a KV event subscriber rebuilds, docs/kv_events.md)."""
+    ...
+
   # ---- LoRA adapters (any thread) ----
 
   def load_lora(self, name: str, path: str) -> LoraAdapter:

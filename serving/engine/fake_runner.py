@@ -197,6 +197,10 @@ class FakeRunner:
     """One page's stored K and V: a slot of `export_pages`' output."""
     return [((1, self.page_size, 2), np.dtype(np.int64))] * 2
 
+  def kv_page_spec(self) -> tuple[tuple[int, ...], str, str]:
+    """One exported page: [1 layer, page_size, 2] entries, sent as int32."""
+    return (1, self.page_size, 2), "int32", f"fake vocab={self.vocab_size}"
+
   def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
     """Slot i of `export_pages` output into page pages[i]; 0 skips the slot."""
     if k.shape[0] != 1 or k.shape[1] < len(pages) or not np.array_equal(k, v):

@@ -48,12 +48,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
+from serving.engine.kv_events import KVEventRecorder
 from serving.engine.kv_offload import HostPagePool, KVOffload, PageStore
 from serving.engine.lora_slots import LoraSlots
 from serving.engine.output_processor import OutputProcessor
@@ -63,18 +64,19 @@ from serving.engine.scheduler import Scheduler
 from serving.spec_decode import SpecBackoff, make_proposer
 from serving.structured_output import GrammarCompiler, fill_draft_masks, fill_masks
 from serving.types import (
-    EngineStats,
-    LoraAdapter,
-    RequestOutput,
-    SamplingParams,
-    Sequence,
-    SpecDecodeCounters,
-    StepPlan,
+  EngineStats,
+  LoraAdapter,
+  RequestOutput,
+  SamplingParams,
+  Sequence,
+  SpecDecodeCounters,
+  StepPlan,
 )
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 LoraLoader = Callable[[str], tuple[int, Any]]
+T = TypeVar("T")
 
 
 def release_free_heap() -> None:
@@ -119,6 +121,7 @@ class LLMEngine:
       config = self.config = config.replace(enable_prefix_caching=False)
     self.allocator = PageAllocator(runner.num_pages, config.cache.page_size,
                                    config.cache.enable_prefix_caching)
+    self.kv_events: KVEventRecorder | None = None
     group = runner.window_group  # a hybrid model's sliding-window layers: their own pages
     self.window = None if group is None else WindowPages(
         group.num_pages, config.cache.page_size, group.window, config.cache.enable_prefix_caching)
@@ -145,6 +148,7 @@ class LLMEngine:
     self.spec_counters = SpecDecodeCounters()
     self._loras: dict[str, LoraAdapter] = {}  # registered adapters by name
     self._lora_ids = itertools.count(1)
+    self._lora_names: dict[int, str] = {}  # every adapter id ever registered -> its name
     self.outputs = OutputProcessor(tokenizer)
     self.grammars = GrammarCompiler(tokenizer, runner.vocab_size) if structured_output else None
     self.num_programs = runner.warm_up()
@@ -232,6 +236,7 @@ class LLMEngine:
       adapter = LoraAdapter(name=name, lora_id=next(self._lora_ids), path=path, rank=rank,
                             weights=weights)
       self._loras[name] = adapter
+      self._lora_names[adapter.lora_id] = name
     log.info("LoRA adapter %r registered (rank %d, %s)", name, rank, path)
     return adapter
 
@@ -266,6 +271,11 @@ class LLMEngine:
   def list_loras(self) -> list[LoraAdapter]:
     with self._lock:
       return list(self._loras.values())
+
+  def lora_name(self, lora_id: int) -> str | None:
+    """The name adapter `lora_id` was registered under (also once unloaded), or None."""
+    with self._lock:
+      return self._lora_names.get(lora_id)
 
   def abort(self, request_id: str) -> None:
     with self._lock:
@@ -332,6 +342,8 @@ class LLMEngine:
       self._step()
     finally:
       self._step_started = None
+      if self.kv_events is not None:
+        self.kv_events.flush()
 
   def _step(self) -> None:
     self._drain_inbox()
@@ -599,6 +611,43 @@ class LLMEngine:
           log.info("KV offload: %d host-tier pages written to the disk tier", written)
       self.offload.close()
     self.runner.close()
+    if self.kv_events is not None:
+      self.kv_events.publisher.close()
+
+  # ---- the prefix cache, from other threads ----
+
+  def attach_kv_events(self, recorder: KVEventRecorder) -> None:
+    """Publishes the prefix cache's changes through `recorder` from now on, one batch per
+    step (serving/engine/kv_events.py); `shutdown` closes its publisher. Before `start`.
+    The full-attention pages only: the prefix a router matches."""
+    self.kv_events = recorder
+    self.allocator.listeners.append(recorder)
+
+  def _on_engine_thread(self, fn: Callable[[], T]) -> T:
+    """`fn()` on the engine thread between steps when the loop runs in the background
+    (TimeoutError after `step_timeout_s`: a wedged step), else here (the caller steps the
+    engine); its events are published either way."""
+    if self.runs_in_background:
+      return self.call_soon(fn).result(timeout=self.config.scheduler.step_timeout_s)
+    try:
+      return fn()
+    finally:
+      if self.kv_events is not None:
+        self.kv_events.flush()
+
+  def reset_prefix_cache(self) -> int:
+    """Forgets every cached prefix (vLLM's reset_prefix_cache; held pages stay with their
+    requests), publishing AllBlocksCleared. -> how many prefixes were dropped."""
+    def clear() -> int:
+      if self.window is not None:
+        self.window.allocator.clear_cache()
+      return self.allocator.clear_cache()
+    return self._on_engine_thread(clear)
+
+  def prefix_cache_hashes(self) -> list[list[bytes]]:
+    """The prefix hashes the cache holds now, one list (this engine's): what a KV event
+    subscriber rebuilds (docs/kv_events.md)."""
+    return [self._on_engine_thread(self.allocator.cached_hashes)]
 
   def stats(self) -> EngineStats:
     s, a = self.scheduler, self.allocator
@@ -610,7 +659,9 @@ class LLMEngine:
         prefix_cache_queries_total=a.stats.queries, prefix_cache_hits_total=a.stats.hits,
         prefill_tokens_computed_total=s.prefill_tokens_computed,
         lora_running=self.lora_slots.running_by_adapter() if self.lora_slots else {},
+        lora_waiting=s.waiting_by_adapter(),
         lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
+        max_lora=self.config.lora.max_loras, page_size=a.page_size,
         spec_decode=dataclasses.replace(self.spec_counters,
                                         accepted_per_pos=list(self.spec_counters.accepted_per_pos)),
         kv_offload=self.offload.snapshot() if self.offload is not None else None)

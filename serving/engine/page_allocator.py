@@ -188,6 +188,10 @@ class PageAllocator:
     for listener in self.listeners:
       listener.stored(page, h, parent, tokens)
 
+  def cached_hashes(self) -> list[bytes]:
+    """The prefix hashes cached now (held or evictable pages), in no particular order."""
+    return list(self._page_of)
+
   def clear_cache(self) -> int:
     """Forgets every cached prefix (vLLM's reset_prefix_cache): evictable pages become
     free, held pages stay with their sequences but are no longer found or committed under

@@ -119,14 +119,22 @@ class ReplicaRouter:
       blocks.popitem(last=False)
 
 
+# EngineStats fields merge_stats does not add up: usage (over all pages), per-adapter counts
+# and spec decode counters (merged), and per-engine settings (the largest).
+_NOT_SUMMED = ("kv_cache_usage", "lora_running", "lora_waiting", "spec_decode", "max_lora",
+               "page_size", "kv_offload")
+
+
 def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
   """One engine's view of several replicas' stats: counts summed, usage over all pages."""
   total = sum(s.num_pages_total for s in parts)
   free = sum(s.num_pages_free for s in parts)
   lora: collections.Counter[str] = collections.Counter()
+  lora_waiting: collections.Counter[str] = collections.Counter()
   spec = SpecDecodeCounters()
   for s in parts:
     lora.update(s.lora_running)
+    lora_waiting.update(s.lora_waiting)
     spec.num_drafts += s.spec_decode.num_drafts
     spec.num_draft_tokens += s.spec_decode.num_draft_tokens
     spec.num_accepted_tokens += s.spec_decode.num_accepted_tokens
@@ -136,9 +144,11 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
       spec.accepted_per_pos[i] += n
   summed = {f.name: sum(getattr(s, f.name) for s in parts)
             for f in dataclasses.fields(EngineStats)
-            if f.name not in ("kv_cache_usage", "lora_running", "spec_decode", "kv_offload")}
+            if f.name not in _NOT_SUMMED}
   return EngineStats(**summed, kv_cache_usage=(1.0 - free / total) if total else 0.0,
-                     lora_running=dict(lora), spec_decode=spec,
+                     lora_running=dict(lora), lora_waiting=dict(lora_waiting), spec_decode=spec,
+                     max_lora=max((s.max_lora for s in parts), default=0),
+                     page_size=max((s.page_size for s in parts), default=0),
                      kv_offload=_merge_offload([s.kv_offload for s in parts]))
 
 
@@ -248,6 +258,14 @@ class ReplicatedEngine:
     """The replica serving an unfinished request (None once finished or unknown)."""
     with self._lock:
       return self._owner.get(request_id)
+
+  # ---- the prefix cache: each replica's own ----
+
+  def reset_prefix_cache(self) -> int:
+    return sum(r.reset_prefix_cache() for r in self.replicas)
+
+  def prefix_cache_hashes(self) -> list[list[bytes]]:
+    return [r.prefix_cache_hashes()[0] for r in self.replicas]
 
   # ---- LoRA adapters: every replica holds the same set ----
 

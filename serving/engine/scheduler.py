@@ -109,6 +109,11 @@ class Scheduler:
   def add(self, seq: Sequence) -> None:
     self.waiting.append(seq)
 
+  def waiting_by_adapter(self) -> dict[str, int]:
+    """LoRA adapter name -> waiting requests under it (adapters with waiting requests only).
+    Safe from another thread: `list()` copies the queue in one step."""
+    return dict(collections.Counter(s.lora.name for s in list(self.waiting) if s.lora is not None))
+
   def schedule(self, speculate: bool = False) -> StepPlan:
     """The next step's plan (host state only; see module doc). `speculate`: propose
     drafts for the decode rows (the engine's back-off decides)."""

@@ -65,6 +65,8 @@ HELP = {
             ("max_queued_requests", "Requests that may wait beyond --max_num_seqs "
                                     "(then 429)."),
             ("drain_timeout_s", "On SIGTERM, how long requests in flight may take."),
+            ("kv_events_endpoint", "Publish KV-cache events for prefix-aware routers "
+                                   "(ZMQ, vLLM's format; docs/kv_events.md)."),
         )), GENERAL),
         examples=(
             "xlaserve serve --model=smollm2-135m-instruct --config=cpu-small",

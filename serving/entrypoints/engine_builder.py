@@ -17,6 +17,10 @@ The one place that wires the layers together for the entry points (`LLM`,
   4. LoRA adapters given as `lora_modules` are read, validated against the
      model (checkpoints/lora.py) and registered; the engine keeps the reader
      (`lora_loader`) for adapters loaded at run time.
+  5. With `kv_events_endpoint`, the KV event publisher's sockets are set up
+     first (a busy endpoint is a `BindError` before anything loads) and every
+     member engine publishes through it under its own `data_parallel_rank`
+     (serving/engine/kv_events.py).
 With several processes (`jax.distributed`), `start_multihost` does the same
 in lock-step: process 0 gets the engine, the others follow its steps.
 
@@ -36,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import zmq
 
 import checkpoints
 import sharding
@@ -46,8 +51,9 @@ from serving.config import EngineConfig
 from serving.engine import EngineClient, LLMEngine, Runner
 from serving.engine.disaggregated import HYBRID_REFUSAL, DisaggregatedEngine
 from serving.engine.kv_disk_store import DiskPageStore, disk_identity
+from serving.engine.kv_events import KVEventPublisher, KVEventRecorder
 from serving.engine.replicas import ReplicatedEngine
-from serving.entrypoints.startup import SetupError
+from serving.entrypoints.startup import BindError, SetupError
 from serving.models.model_config import ModelConfig
 from serving.runner import multihost
 from serving.runner.kv_cache import kv_layout
@@ -93,6 +99,9 @@ def check_setup(model: str | LoadedModel, config: EngineConfig) -> None:
   check_model(model, config.model.quantization)
   if config.speculative.speculative_method == "draft":
     check_model(config.speculative.speculative_model, config.model.quantization)
+  if config.parallel.kv_role != "both" and jax.process_count() > 1:
+    raise SetupError(f"kv_role={config.parallel.kv_role!r} serves from one process: with "
+                     "several processes per server, use kv_role 'both'")
   if config.parallel.disaggregated or config.parallel.dp > 1:
     if jax.process_count() > 1:
       raise SetupError("dp replicas and prefill / decode workers run in one process; with "
@@ -120,18 +129,62 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
   cannot be served raises `SetupError` before anything loads (`check_setup`).
   """
   check_setup(model, config)
-  loaded = load_model(model, config)
-  draft = load_draft(loaded, config)
-  name = _model_name(model, loaded)
-  if config.parallel.disaggregated:
-    engine = build_disaggregated(loaded, config, name, wrap_runner)  # no draft (check_setup)
-  elif config.parallel.dp > 1:
-    engine = build_replicas(loaded, config, name, draft, wrap_runner)
-  else:
-    runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft))
-    engine = _engine(loaded, config, name, runner, wrap_runner)
+  publisher = kv_event_publisher(config)
+  try:
+    loaded = load_model(model, config)
+    draft = load_draft(loaded, config)
+    name = _model_name(model, loaded)
+    if config.parallel.disaggregated:
+      engine = build_disaggregated(loaded, config, name, wrap_runner)  # no draft (check_setup)
+    elif config.parallel.dp > 1:
+      engine = build_replicas(loaded, config, name, draft, wrap_runner)
+    else:
+      runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft),
+                           kv_transfer=config.parallel.kv_role != "both")
+      engine = _engine(loaded, config, name, runner, wrap_runner)
+  except BaseException:
+    if publisher is not None:
+      publisher.close()
+    raise
+  if publisher is not None:
+    attach_kv_events(engine, publisher, config)
   register_loras(engine, lora_modules)
   return engine
+
+
+def kv_event_publisher(config: EngineConfig) -> KVEventPublisher | None:
+  """The KV event publisher `config` asks for, its sockets set up (not yet sending), or
+  None; BindError when an endpoint cannot be bound."""
+  cache = config.cache
+  if cache.kv_events_endpoint is None:
+    return None
+  try:
+    return KVEventPublisher(cache.kv_events_endpoint, topic=cache.kv_events_topic,
+                            replay_endpoint=cache.kv_events_replay_endpoint,
+                            fmt=cache.kv_events_format)
+  except zmq.ZMQError as e:
+    endpoints = ", ".join(f"{k}={v}" for k, v in (
+        ("--kv_events_endpoint", cache.kv_events_endpoint),
+        ("--kv_events_replay_endpoint", cache.kv_events_replay_endpoint)) if v)
+    raise BindError(f"{endpoints}: cannot set up the KV event sockets: {e}") from None
+
+
+def attach_kv_events(engine: EngineClient, publisher: KVEventPublisher,
+                     config: EngineConfig) -> None:
+  """Every member engine records its prefix cache's events for `publisher`, under its
+  index among the members (`replica_stats` order) as `data_parallel_rank`; then the
+  publisher starts sending."""
+  if isinstance(engine, ReplicatedEngine):
+    members = list(engine.replicas)
+  elif isinstance(engine, DisaggregatedEngine):
+    members = engine.engines
+  else:
+    members = [engine]
+  for rank, member in enumerate(members):
+    member.attach_kv_events(KVEventRecorder(publisher, block_size=config.cache.page_size,
+                                            data_parallel_rank=rank,
+                                            lora_names=member.lora_name))
+  publisher.start()
 
 
 def _engine(loaded: LoadedModel, config: EngineConfig, model_name: str, runner: ModelRunner,
@@ -313,6 +366,9 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   if config.speculative.speculative_method == "draft":
     raise SetupError("a draft model is not supported with several processes yet; use "
                      "speculative_method='ngram' or 'suffix'")
+  if config.cache.kv_events_endpoint is not None:
+    raise SetupError("KV events are not published with several processes yet "
+                     "(kv_events_endpoint must be unset)")
   check_model(model, config.model.quantization)
   loaded = load_model(model, config)
   config = multihost.agree_config(loaded.config, config)

@@ -61,6 +61,16 @@ flags.DEFINE_integer("pp", None, "Pipeline parallel stages (layers split into co
 flags.DEFINE_list("prefill_buckets", None, "Prefill token buckets (default: powers of two).")
 flags.DEFINE_list("decode_buckets", None, "Decode batch buckets (default: powers of two).")
 flags.DEFINE_integer("attention_block_tokens", None, "Keys per step of the XLA attention loop.")
+flags.DEFINE_string("kv_events_endpoint", None, "Publish KV-cache events (vLLM's BlockStored / "
+                    "BlockRemoved / AllBlocksCleared, docs/kv_events.md) on this ZMQ PUB "
+                    "endpoint: tcp://*:5557 binds, tcp://HOST:5557 connects to a subscriber.")
+flags.DEFINE_string("kv_events_topic", None, "KV events: the topic frame (llm-d reads "
+                    "kv@<pod>@<model>).")
+flags.DEFINE_string("kv_events_replay_endpoint", None, "KV events: a ZMQ ROUTER endpoint "
+                    "that replays recent batches from a sequence number (bound).")
+flags.DEFINE_enum("kv_events_format", None, config_lib.KV_EVENTS_FORMATS, "KV events: "
+                  "positional arrays (vLLM <= 0.2x, read by every consumer) or tagged maps "
+                  "(vLLM after PR 42892).")
 flags.DEFINE_bool("compilation_cache", None, "Persist compiled programs on disk.")
 flags.DEFINE_string("compilation_cache_dir", None, "Where the compilation cache lives.")
 flags.DEFINE_integer("seed", None, "Engine seed for requests that bring none (default: a "
@@ -97,12 +107,17 @@ flags.DEFINE_float("kv_offload_host_gb", None, "Tiered prefix cache: GiB of host
 flags.DEFINE_string("kv_offload_disk_dir", None, "Tiered prefix cache: a directory that keeps "
                     "pages evicted from the host tier (needs --kv_offload_disk_gb).")
 flags.DEFINE_float("kv_offload_disk_gb", None, "Tiered prefix cache: GiB the disk tier may use.")
+flags.DEFINE_enum("kv_role", None, config_lib.KV_ROLES, "Prefill / decode across servers: "
+                  "`prefill` offers its prompts' KV pages to decode servers, `decode` pulls "
+                  "them (vLLM's kv_transfer_params), `both` (default) neither.")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "quantized_dense_copy", "cpu_activation_bits", "tp", "ep", "dp", "pp",
-                "prefill_workers", "decode_workers", "kv_transfer_pages",
+                "prefill_workers", "decode_workers", "kv_transfer_pages", "kv_role",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
+                "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint",
+                "kv_events_format",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",
                 "speculative_model", "prompt_lookup_min", "prompt_lookup_max",
@@ -130,6 +145,9 @@ flags.DEFINE_float("header_timeout_s", 10.0, "HTTP: a connection whose request h
                    "longer is closed.")
 flags.DEFINE_integer("max_connections", 1024, "Open HTTP connections / concurrent gRPC calls "
                      "served; beyond them new requests get 503 / RESOURCE_EXHAUSTED.")
+flags.DEFINE_float("kv_transfer_timeout_s", 30.0, "--kv_role=prefill|decode: KV pages pinned "
+                   "for a decode server are released after this; a transfer step waiting "
+                   "longer fails (the decode server then prefills the request itself).")
 # Per-request limits (serve and batch; serving/entrypoints/limits.py). Beyond one: 400.
 _LIMITS = RequestLimits()
 flags.DEFINE_integer("max_prompts_per_request", _LIMITS.max_prompts,
@@ -232,7 +250,8 @@ def serve_config_from_flags() -> Any:
         max_body_bytes=FLAGS.max_body_bytes, body_timeout_s=FLAGS.body_timeout_s,
         header_timeout_s=FLAGS.header_timeout_s,
         max_connections=FLAGS.max_connections, drain_timeout_s=FLAGS.drain_timeout_s,
-        allow_runtime_lora=FLAGS.allow_runtime_lora, limits=limits_from_flags())
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
+        kv_transfer_timeout_s=FLAGS.kv_transfer_timeout_s, limits=limits_from_flags())
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 

@@ -2,8 +2,9 @@
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
 (`stream: true` -> server-sent events ending in `data: [DONE]`), GET /health
-(503 while draining), GET /metrics (Prometheus text), and vLLM's POST /tokenize
-and /detokenize. Every error is an OpenAI-style body
+(503 while draining), GET /metrics (Prometheus text), vLLM's POST /tokenize,
+/detokenize and /reset_prefix_cache, and GET /debug/prefix_cache (the cached prefix
+hashes as KV events name them, docs/kv_events.md). Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`.
 
 A request's life: the body is read under a size limit and a time limit,
@@ -36,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from serving.entrypoints.kv_connector import add_kv_routes
 from serving.entrypoints.metrics import Metrics
 from serving.entrypoints.openai_protocol import (
   APIError,
@@ -69,6 +71,8 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
   _install_error_handlers(app)
   _add_ops_routes(app, serving, metrics)
   authorize = _authorizer(api_key)
+  if serving.kv is not None:
+    add_kv_routes(app, serving.kv, authorize)
 
   @app.get("/openapi.json", include_in_schema=False)
   async def openapi(request: Request) -> Response:
@@ -114,6 +118,17 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
     authorize(request)
     req = await parse(request, UnloadLoraAdapterRequest)
     return PlainTextResponse(await asyncio.to_thread(serving.unload_lora_adapter, req))
+
+  @app.post("/reset_prefix_cache")
+  async def reset_prefix_cache(request: Request) -> Response:
+    authorize(request)
+    await asyncio.to_thread(serving.reset_prefix_cache)
+    return Response(status_code=200)
+
+  @app.get("/debug/prefix_cache")
+  async def prefix_cache(request: Request) -> Response:
+    authorize(request)
+    return JSONResponse(await asyncio.to_thread(serving.prefix_cache))
 
   @app.post("/tokenize")
   async def tokenize(request: Request) -> Response:
@@ -231,6 +246,16 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytearray:
 
 async def _respond(request: Request, serving: OpenAIServing, job: Any,
                    req: CompletionRequest | ChatCompletionRequest) -> Response:
+  try:
+    if serving.kv is not None:  # a decode leg: its prefilled pages first
+      await asyncio.to_thread(serving.pull_kv, job)
+    return await _respond_to(request, serving, job, req)
+  finally:
+    serving.release_kv(job)  # cancelled or failed before it was submitted
+
+
+async def _respond_to(request: Request, serving: OpenAIServing, job: Any,
+                      req: CompletionRequest | ChatCompletionRequest) -> Response:
   if not req.stream:
     body = await _until_disconnect(request, serving.run(job))
     return JSONResponse(body)

@@ -9,7 +9,11 @@ Two sources, one per-server `CollectorRegistry` (no global state):
      stale and costs nothing between scrapes. An engine made of several
      (dp replicas, prefill / decode workers) gets one series per member,
      labelled `replica` and `role` (`EngineClient.replica_stats()`), and a
-     disaggregated one its KV transfer counters (`transfer_stats()`).
+     disaggregated one its KV transfer counters (`transfer_stats()`). The Gateway API
+     Inference Extension's model server protocol is served by the same names:
+     `num_requests_waiting` (queued requests), `num_requests_running`,
+     `kv_cache_usage_perc` (0..1), vLLM's `lora_requests_info` and `cache_config_info`
+     (docs/api.md says how to point the endpoint picker at them).
   2. Per-request latencies (time to first token, inter-token latency, time per
      output token, end-to-end) and `request_success_total{finish_reason}` are
      observed by the async front end (`serving.entrypoints.async_engine`) through a
@@ -42,6 +46,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # Why the async front end refuses a request before the engine (request_rejected_total).
 REJECT_REASONS = ("unavailable", "draining", "queue_full")
 
+# lora_requests_info's labels after the series labels (vLLM's names, which the inference
+# extension's endpoint picker reads).
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
 # (metric name without prefix, EngineStats field, help) read at scrape time.
 _GAUGES = (
     ("num_requests_running", "num_running", "Requests in the decode batch."),
@@ -71,8 +79,9 @@ class EngineStatsCollector(Collector):
 
   def __init__(self, stats_fn: Callable[[], Any], labels: dict[str, str],
                replica_stats_fn: Callable[[], list[Any]] | None = None,
-               replica_roles: list[str] | None = None):
+               replica_roles: list[str] | None = None, clock: Callable[[], float] = time.time):
     self._stats_fn = stats_fn
+    self._clock = clock  # lora_requests_info's value
     self._labels = labels
     self._replica_stats_fn = replica_stats_fn
     self._roles = replica_roles
@@ -104,9 +113,45 @@ class EngineStatsCollector(Collector):
       for adapter, count in sorted(stats.lora_running.items()):
         family.add_metric([*row, adapter], float(count))
     yield family
+    yield _lora_info_family(rows, names, self._clock())
+    yield _cache_config_family(rows, names)
     yield from _spec_decode_families([(row, stats.spec_decode) for row, stats in rows], names)
     yield from _offload_families([(row, stats.kv_offload) for row, stats in rows
                                   if stats.kv_offload is not None], names)
+
+
+def _adapter_list(counts: dict[str, int]) -> str:
+  return ",".join(sorted(counts))
+
+
+def _lora_info_family(rows: list[tuple[list[str], Any]], names: list[str],
+                      now: float) -> GaugeMetricFamily:
+  """vLLM's `lora_requests_info` (the inference extension's LoRA metric): per engine, one
+  series whose labels are the state and whose value is when it was read (Unix seconds; the
+  endpoint picker keeps the newest). Exported with LoRA off too (`max_lora` "0")."""
+  family = GaugeMetricFamily(
+      PREFIX + "lora_requests_info",
+      "LoRA state, in its labels: max_lora (adapters a batch can hold), running_lora_adapters "
+      "and waiting_lora_adapters (comma-separated adapters of running / waiting requests); "
+      "value: Unix time the state was read.",
+      labels=[*names, *LORA_INFO_LABELS])
+  for row, stats in rows:
+    family.add_metric([*row, str(stats.max_lora), _adapter_list(stats.lora_running),
+                       _adapter_list(stats.lora_waiting)], now)
+  return family
+
+
+def _cache_config_family(rows: list[tuple[list[str], Any]],
+                         names: list[str]) -> GaugeMetricFamily:
+  """vLLM's `cache_config_info` (value 1): the KV page size and page count, the inference
+  extension's optional BlockSize and NumGPUBlocks."""
+  family = GaugeMetricFamily(PREFIX + "cache_config_info",
+                             "KV cache configuration, in its labels: block_size (tokens per "
+                             "page) and num_gpu_blocks (pages in the pool); value 1.",
+                             labels=[*names, "block_size", "num_gpu_blocks"])
+  for row, stats in rows:
+    family.add_metric([*row, str(stats.page_size), str(stats.num_pages_total)], 1.0)
+  return family
 
 
 # (metric name without prefix, SpecDecodeCounters field, help): vLLM's spec_decode names.

@@ -408,6 +408,14 @@ class ModelRunner:
     layers = kv.k.shape[0] // kv.num_pages
     return [((layers, *a.shape[1:]), np.dtype(a.dtype)) for a in (kv.k, kv.v)]
 
+  def kv_page_spec(self) -> tuple[tuple[int, ...], str, str]:
+    """What one page of `export_pages` output is, for a transfer's handshake: its shape
+    [L, page_size, K, H'], its stored dtype, and the model it belongs to."""
+    cfg, kv = self.model_cfg, self.state.kv
+    model = (f"layers={cfg.num_layers} hidden={cfg.hidden_size} kv={cfg.num_kv_heads}x"
+             f"{cfg.head_dim} vocab={cfg.vocab_size} kv_cache={self.kv_dtype_name}")
+    return (kv.k.shape[0] // kv.num_pages, *kv.k.shape[1:]), str(kv.k.dtype), model
+
   def import_pages(self, pages: list[int], k: jax.Array | np.ndarray,
                    v: jax.Array | np.ndarray) -> None:
     """Writes slot i of `export_pages` output (another runner's, same model and layout)

@@ -77,3 +77,14 @@ def test_default_buckets_are_powers_of_two():
 def test_bad_buckets_are_refused():
   with pytest.raises(ValueError, match="at least 1"):
     EngineConfig.of(decode_buckets=(0, 4))
+
+
+def test_kv_events_options_are_checked():
+  cache = EngineConfig.of(kv_events_endpoint="tcp://*:5557", kv_events_topic="kv@pod@m").cache
+  assert (cache.kv_events_endpoint, cache.kv_events_format) == ("tcp://*:5557", "array")
+  with pytest.raises(ValueError, match="kv_events_endpoint='http://x:1' must start with"):
+    EngineConfig.of(kv_events_endpoint="http://x:1")
+  with pytest.raises(ValueError, match="kv_events_format='json'"):
+    EngineConfig.of(kv_events_endpoint="tcp://*:5557", kv_events_format="json")
+  with pytest.raises(ValueError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
+    EngineConfig.of(kv_events_replay_endpoint="tcp://*:5558")

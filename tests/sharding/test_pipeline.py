@@ -6,9 +6,14 @@ One worker subprocess runs
   (4 decode rows: cut into pp microbatches), reporting logits, greedy
   tokens, the layer and KV shardings and the collectives of the compiled HLO;
 - the default model (SmolLM2-135M, 30 layers, float32 weights) at pp = 2
-  through the `LLM` API on 4 prompts at once, against one device (the tiny
-  models cover the other layouts and the padding; each layout of the real
-  model is another 30-layer compile).
+  through the `LLM` API on 4 prompts at once (the tiny models cover the other
+  layouts and the padding; each layout of the real model is another 30-layer
+  compile).
+
+The default model's one-device tokens come from the session's `default_llm`
+(tests/conftest.py: the same weights and engine options but for 8 slots and
+their decode buckets; 4 rows take the same 64-token prefill and 4-row decode
+and multi-step buckets either way), which other modules build anyway.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import pytest
 import shard_testutil as stu
 
 LAYOUTS = {"1": {}, "pp2": {"pp": 2}, "pp4": {"pp": 4}, "pp2tp2": {"pp": 2, "tp": 2}}
-DEFAULT_MODEL_LAYOUTS = ("1", "pp2")
+DEFAULT_MODEL_PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,",
+                         "Once upon a time"]
+DEFAULT_MODEL_TOKENS = 12
 FAMILIES = ("llama", "qwen3_moe")
 PROMPTS = [*stu.PROMPTS, [5, 6, 7, 8, 9, 10, 11], [40, 41]]  # 4 rows: a full decode bucket
 
@@ -34,7 +41,7 @@ def result(tmp_path_factory):
     path = str(tmp_path_factory.mktemp(family))
     save_tiny_model(family, path)
     paths.append(path)
-  return stu.run_worker(__file__, *paths, timeout=480)
+  return stu.run_worker(__file__, *paths, timeout=900)
 
 
 @pytest.mark.slow
@@ -82,12 +89,17 @@ def test_hlo_passes_activations_not_weights(result, family):
         assert sum(hlo["counts"].values()) == 0
 
 
+def _greedy():
+  from serving import SamplingParams
+
+  return SamplingParams(max_tokens=DEFAULT_MODEL_TOKENS, temperature=0.0, ignore_eos=True)
+
+
 @pytest.mark.slow
-def test_default_model_matches_one_device(result):
-  base = result["default"]["1"]
-  assert all(len(t) == 12 for t in base)
-  for name in DEFAULT_MODEL_LAYOUTS[1:]:
-    assert result["default"][name] == base, name
+def test_default_model_matches_one_device(result, default_llm):
+  base = [list(o.token_ids) for o in default_llm.generate(DEFAULT_MODEL_PROMPTS, _greedy())]
+  assert all(len(t) == DEFAULT_MODEL_TOKENS for t in base)
+  assert result["default_pp2"] == base
 
 
 @pytest.mark.slow
@@ -142,27 +154,21 @@ def _worker(*paths: str) -> None:
   from server_procs import DEFAULT_MODEL, DEFAULT_MODEL_TEST_CONFIG
 
   import checkpoints
-  from serving import LLM, SamplingParams
+  from serving import LLM
 
   out = {}
   for family, path in zip(FAMILIES, paths, strict=True):
     loaded = checkpoints.load_checkpoint(path)
     out[family] = {name: _runner_report(loaded, layout) for name, layout in LAYOUTS.items()}
     out[family]["weight_shapes"] = sorted(stu.weight_shapes(loaded.params))
-  prompts = ["The capital of France is", "def fib(n):", "1, 2, 3, 4,", "Once upon a time"]
-  greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
   config = {**DEFAULT_MODEL_TEST_CONFIG, "max_num_seqs": 4, "prefill_buckets": (64,),
             "decode_buckets": (4,), "compilation_cache": False}
-  out["default"] = {}
-  for name in DEFAULT_MODEL_LAYOUTS:
-    llm = LLM(DEFAULT_MODEL, **config, **LAYOUTS[name])
-    out["default"][name] = [o.token_ids for o in llm.generate(prompts, greedy)]
-    if name == "pp2":
-      runner = llm.engine.runner
-      out["default_programs"] = [f.num_programs() for f in (runner._prefill, runner._decode,
-                                                            runner._sample)]
-    llm.engine.shutdown()
-    del llm
+  llm = LLM(DEFAULT_MODEL, **config, **LAYOUTS["pp2"])
+  out["default_pp2"] = [o.token_ids for o in llm.generate(DEFAULT_MODEL_PROMPTS, _greedy())]
+  runner = llm.engine.runner
+  out["default_programs"] = [f.num_programs() for f in (runner._prefill, runner._decode,
+                                                        runner._sample)]
+  llm.engine.shutdown()
   stu.emit(out)
 
 

@@ -9,6 +9,18 @@ them), and at tp=2. All three must agree token for token, 12/12: the results
 of one row may differ between these runs only by float summation order, and
 on these prompts that never flips a greedy choice.
 
+The tp=2 engine compiles only the programs its run calls. A sharded runner
+has no native kernels and no executable store: every bucket is another
+unrolled 30-layer XLA compile (its warm-up was most of this test's time). The
+12 prompts at once, recorded on the default buckets: every prefill step fills
+the 512-token bucket, decode batches hold 12, 2 or 1 rows, no step runs
+multi-step decoding (12 rows are over `decode_steps_max_batch`, and the last
+rows have fewer than 4 tokens left) and prefill samples 32 rows. `TP2` keeps
+exactly those buckets (16 slots: the 12 fit, and prefill samples 16 rows), so
+the run plans the same steps and each row takes the same path. Warm-up over
+every bucket is tested elsewhere (tests/serving/engine/test_engine.py, and on
+a mesh tests/sharding/test_tp_parity.py).
+
 Runs in a worker with two CPU devices (tests/sharding/shard_testutil.py).
 """
 
@@ -27,6 +39,9 @@ pytestmark = pytest.mark.slow  # three engines of the default model in a worker
 MAX_TOKENS = 32
 # The default engine options, with a smaller KV pool than a server sizes for itself.
 ENGINE = dict(num_pages=512, compilation_cache=False)
+# The tp=2 engine: the default options with only the buckets its run uses (module doc).
+TP2 = dict(tp=2, max_num_seqs=16, prefill_buckets=(512,), decode_buckets=(1, 4, 16),
+           num_decode_steps=1)
 TOPICS = ("the history of the printing press", "how a bicycle gear works",
           "why the sky is blue", "the rules of chess for beginners", "a recipe for bread",
           "how vaccines train the immune system", "the water cycle", "what a compiler does",
@@ -75,7 +90,7 @@ def _worker() -> None:
   out = tokens(llm.generate(mixed, params))
   batched = [out[mixed.index(p)] for p in held]
   llm.engine.shutdown()
-  tp2 = tokens(LLM(tp=2, **ENGINE).generate(held, params))
+  tp2 = tokens(LLM(**TP2, **ENGINE).generate(held, params))
   print(stu.json.dumps({"alone": alone, "batched": batched, "tp2": tp2}))
 
 

@@ -81,8 +81,11 @@ def test_request_waits_for_a_slot_while_others_pass():
   running = {s.request_id for s in engine.scheduler.running}
   assert running == {"first", "base", "same"}  # "b" has no slot: the others pass it
   assert [s.request_id for s in engine.scheduler.waiting] == ["blocked"]
+  stats = engine.stats()  # what lora_requests_info reports
+  assert (stats.lora_running, stats.lora_waiting, stats.max_lora) == ({"a": 2}, {"b": 1}, 1)
   engine.run_until_idle()
   assert engine.stats().lora_swaps_total == 2
+  assert (engine.stats().lora_running, engine.stats().lora_waiting) == ({}, {})
 
 
 def test_prefix_cache_is_never_shared_across_adapters():

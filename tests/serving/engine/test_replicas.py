@@ -89,6 +89,9 @@ def test_merge_stats_sums_and_weights_usage_by_pages():
   m = merge_stats([a, b])
   assert m.num_pages_total == a.num_pages_total + b.num_pages_total == 48
   assert m.num_pages_free == 48 and m.kv_cache_usage == 0.0
+  assert (m.page_size, m.max_lora) == (PAGE, 0)  # per-engine settings, not summed
+  a.lora_waiting, b.lora_waiting, b.max_lora = {"x": 1}, {"x": 2, "y": 1}, 2
+  assert (merge_stats([a, b]).lora_waiting, merge_stats([a, b]).max_lora) == ({"x": 3, "y": 1}, 2)
 
 
 # ---- ReplicatedEngine over fake engines ----

@@ -7,6 +7,9 @@ import openai
 import pytest
 from frontend_fake import EOS, InProcessServer, fake_engine, wait_for
 
+from serving.engine.kv_events import wire_hash
+from serving.engine.page_allocator import page_hash
+
 
 @pytest.fixture(scope="module")
 def srv():
@@ -330,3 +333,38 @@ def test_tokenize_detokenize(client):
   assert client.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
   assert client.post("/tokenize", json={"model": "fake"}).status_code == 400
   assert client.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_prefix_cache_view_and_reset(client):
+  assert client.post("/reset_prefix_cache").status_code == 200
+  assert client.get("/debug/prefix_cache").json() == {
+      "engines": [{"data_parallel_rank": 0, "block_hashes": []}]}
+  prompt = "0123456789abcdefghijklmnopqrstuvwxyzABCD"  # 40 byte tokens: two full pages
+  r = client.post("/v1/completions", json={"model": "fake", "prompt": prompt, "max_tokens": 1})
+  assert r.status_code == 200
+  tokens = list(prompt.encode())
+  first = page_hash(None, tokens[:16])
+  expected = sorted([wire_hash(first), wire_hash(page_hash(first, tokens[16:32]))])
+  assert client.get("/debug/prefix_cache").json()["engines"][0]["block_hashes"] == expected
+  r = client.post("/reset_prefix_cache")
+  assert (r.status_code, r.content) == (200, b"")
+  assert client.get("/debug/prefix_cache").json()["engines"][0]["block_hashes"] == []
+
+
+def test_prefix_cache_routes_need_the_api_key():
+  with InProcessServer(api_key="s3cret") as s:
+    assert httpx.post(f"{s.http}/reset_prefix_cache").status_code == 401
+    assert httpx.get(f"{s.http}/debug/prefix_cache").status_code == 401
+    ok = httpx.get(f"{s.http}/debug/prefix_cache", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+
+
+def test_prefix_cache_routes_on_a_dead_engine_are_503():
+  engine = fake_engine(max_num_seqs=4, max_model_len=256, num_pages=64)
+  with InProcessServer(engine) as s:
+    body = {"model": "fake", "prompt": "\x01 lose the device", "max_tokens": 2}
+    assert httpx.post(f"{s.http}/v1/completions", json=body, timeout=20).status_code >= 500
+    assert wait_for(lambda: engine.health() is not None)
+    for r in (httpx.post(f"{s.http}/reset_prefix_cache", timeout=20),
+              httpx.get(f"{s.http}/debug/prefix_cache", timeout=20)):
+      assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"

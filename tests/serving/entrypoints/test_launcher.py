@@ -72,7 +72,8 @@ OPTION_SAMPLES = {
     "quantization": ("int8", {}), "quantized_dense_copy": (True, {}),
     "cpu_activation_bits": (8, {}), "tp": (2, {}), "ep": (2, {}), "dp": (2, {}), "pp": (2, {}),
     "prefill_workers": (2, {"decode_workers": 1}), "decode_workers": (3, {"prefill_workers": 1}),
-    "kv_transfer_pages": (4, {}), "prefill_buckets": ((64, 256), {"max_num_batched_tokens": 256}),
+    "kv_transfer_pages": (4, {}), "kv_role": ("decode", {}),
+    "prefill_buckets": ((64, 256), {"max_num_batched_tokens": 256}),
     "decode_buckets": ((1, 3), {"max_num_seqs": 3}), "attention_block_tokens": (256, {}),
     "unroll_layers": (True, {}), "compilation_cache": (False, {}),
     "compilation_cache_dir": ("/tmp/xlaserve-test-cache", {}), "seed": (1234, {}),
@@ -81,6 +82,10 @@ OPTION_SAMPLES = {
     "speculative_model": ("draft-model", {"speculative_method": "draft"}),
     "prompt_lookup_min": (3, {}), "prompt_lookup_max": (7, {}), "speculative_max_batch": (2, {}),
     "num_decode_steps": (4, {}), "decode_steps_max_batch": (2, {}),
+    "kv_events_endpoint": ("tcp://*:5557", {}),
+    "kv_events_topic": ("kv@pod@m", {"kv_events_endpoint": "tcp://*:5557"}),
+    "kv_events_replay_endpoint": ("tcp://*:5558", {"kv_events_endpoint": "tcp://*:5557"}),
+    "kv_events_format": ("map", {"kv_events_endpoint": "tcp://*:5557"}),
 }
 
 

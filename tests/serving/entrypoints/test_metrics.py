@@ -4,6 +4,7 @@ import httpx
 import pytest
 from frontend_fake import InProcessServer, fake_engine
 from frontend_procs import metric_value
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.entrypoints import metrics as metrics_lib
@@ -134,3 +135,36 @@ def test_counters_match_a_known_load():
     assert metric_value(url, "xlaserve_inter_token_latency_seconds_count") == 1 + 2 + 3 + 2
     assert metric_value(url, "xlaserve_num_requests_running") == 0
     assert metric_value(url, "xlaserve_kv_cache_usage_perc") == 0
+
+
+def test_inference_extension_metrics():
+  """The model server protocol's metrics (docs/api.md): queued and running requests and KV
+  usage as gauges, vLLM's lora_requests_info (state in labels, value the read time) and
+  cache_config_info (block size, pool pages)."""
+  stats = EngineStats(num_running=2, num_waiting=3, kv_cache_usage=0.5, num_pages_total=96,
+                      num_pages_free=48, num_preemptions_total=0, prompt_tokens_total=0,
+                      generation_tokens_total=0, prefix_cache_queries_total=0,
+                      prefix_cache_hits_total=0, prefill_tokens_computed_total=0,
+                      lora_running={"sql": 1, "poem": 1}, lora_waiting={"chat": 2},
+                      max_lora=4, page_size=16)
+  registry = CollectorRegistry()
+  registry.register(metrics_lib.EngineStatsCollector(lambda: stats, {"model_name": "m"},
+                                                     clock=lambda: 1234.5))
+  families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+  for name in ("xlaserve_num_requests_waiting", "xlaserve_num_requests_running",
+               "xlaserve_kv_cache_usage_perc", "xlaserve_lora_requests_info",
+               "xlaserve_cache_config_info"):
+    assert families[name].type == "gauge", name
+  (info,) = families["xlaserve_lora_requests_info"].samples
+  assert info.labels == {"model_name": "m", "max_lora": "4", "running_lora_adapters": "poem,sql",
+                         "waiting_lora_adapters": "chat"}
+  assert info.value == 1234.5
+  (cache,) = families["xlaserve_cache_config_info"].samples
+  assert (cache.labels["block_size"], cache.labels["num_gpu_blocks"], cache.value) == (
+      "16", "96", 1.0)
+  stats.lora_running, stats.lora_waiting, stats.max_lora = {}, {}, 0  # LoRA off: still there
+  text = Metrics(lambda: stats, model_name="m").render()[0].decode()
+  (info,) = [s for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "xlaserve_lora_requests_info"]
+  assert (info.labels["max_lora"], info.labels["running_lora_adapters"]) == ("0", "")
+  assert info.value > 1e9  # Unix time

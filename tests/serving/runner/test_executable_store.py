@@ -77,17 +77,30 @@ def _worker(model_dir: str, cache_dir: str, engines: str = "2") -> None:
   print(json.dumps(out), flush=True)
 
 
-def test_second_engine_loads_every_step_and_matches(tmp_path):
-  from tiny_models import save_tiny_model
-
-  model_dir = str(tmp_path / "model")
-  save_tiny_model("llama", model_dir)
+def _run_worker(model_dir: str, cache_dir: str, engines: int, devices: int) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
          "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
-  proc = subprocess.run([sys.executable, __file__, model_dir, str(tmp_path / "cache")], env=env,
+  proc = subprocess.run([sys.executable, __file__, model_dir, cache_dir, str(engines)], env=env,
                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  res = json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def one_device_store(tmp_path_factory):
+  """A tiny Llama and a store two one-device engines used in a row (a worker process):
+  (model dir, cache dir, the worker's report)."""
+  from tiny_models import save_tiny_model
+
+  tmp = tmp_path_factory.mktemp("store")
+  model_dir, cache = str(tmp / "model"), str(tmp / "cache")
+  save_tiny_model("llama", model_dir)
+  return model_dir, cache, _run_worker(model_dir, cache, 2, devices=1)
+
+
+def test_second_engine_loads_every_step_and_matches(one_device_store):
+  res = one_device_store[2]
   first, second = res["first"], res["second"]
   assert first["compiled"] > 0 and first["loaded"] == 0
   assert res["stored"] == first["compiled"]
@@ -100,27 +113,15 @@ def test_second_engine_loads_every_step_and_matches(tmp_path):
   assert second["programs"] == first["programs"]
 
 
-def _run_worker(model_dir: str, cache_dir: str, engines: int, devices: int) -> dict:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-         "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
-  proc = subprocess.run([sys.executable, __file__, model_dir, cache_dir, str(engines)], env=env,
-                        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
-def test_processes_with_other_device_counts_share_a_store(tmp_path):
+def test_processes_with_other_device_counts_share_a_store(one_device_store):
   """A process that sees 8 devices (serving on one) next to a one-device process with the
   same options: each gets executables for its own device set, and a warm restart of the
   8-device process loads its own and serves the same tokens (it once crashed there:
-  "Expected args to execute_sharded_on_local_devices to have 8 shards")."""
-  from tiny_models import save_tiny_model
-
-  model_dir, cache = str(tmp_path / "model"), str(tmp_path / "cache")
-  save_tiny_model("llama", model_dir)
-  one = _run_worker(model_dir, cache, 1, devices=1)["first"]
+  "Expected args to execute_sharded_on_local_devices to have 8 shards"). The one-device
+  process is the module's first worker (its store holds what its first engine compiled)."""
+  model_dir, cache, res = one_device_store
+  one = res["first"]
   eight = _run_worker(model_dir, cache, 1, devices=8)["first"]
   warm = _run_worker(model_dir, cache, 1, devices=8)["first"]
   assert one["compiled"] > 0 and eight["compiled"] > 0 and eight["loaded"] == 0

@@ -22,9 +22,11 @@ PROMPTS = ["The capital of France is", "def add(a, b):"]
 @pytest.mark.slow
 def test_kernel_path_matches_xla_path(default_llm):
   params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+  # Only the 2-row decode bucket the two prompts use (and its multi-step call): each
+  # program runs the kernels in interpret mode, slow to compile; the 1-row ones never ran.
   kernel_llm = LLM("smollm2-135m-instruct", max_num_seqs=2, max_model_len=128, num_pages=24,
-                   max_num_batched_tokens=32, unroll_layers=False, dtype="float32",
-                   weight_dtype="float32", quantization=None,
+                   max_num_batched_tokens=32, decode_buckets=(2,), unroll_layers=False,
+                   dtype="float32", weight_dtype="float32", quantization=None,
                    attention_backend="pallas_interpret")
   assert kernel_llm.engine.runner.backend == "pallas_interpret"
   kernel_out = [o.token_ids for o in kernel_llm.generate(PROMPTS, params)]
@@ -101,8 +103,10 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_int8_kv_kernel_path_matches_xla_path(tiny_llama):
+  # Only the 2-row decode bucket the two prompts use (as above).
   engine = dict(max_num_seqs=2, max_model_len=64, num_pages=16, max_num_batched_tokens=32,
-                dtype="float32", unroll_layers=False, kv_cache_dtype="int8")
+                decode_buckets=(2,), dtype="float32", unroll_layers=False,
+                kv_cache_dtype="int8")
   params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
   prompts = ["hello world", "abc"]
   kernel_llm = LLM(tiny_llama, attention_backend="pallas_interpret", **engine)

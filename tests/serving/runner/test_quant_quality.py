@@ -41,11 +41,13 @@ def tokens(smollm):
   return qt.sample_tokens(smollm.tokenizer)
 
 
-def _evaluate(name, params, smollm, tokens, **kw):
-  """Logits and params byte counts of one format (cached for the module)."""
+def _evaluate(name, make_params, smollm, tokens, **kw):
+  """Logits and params byte counts of one format (cached for the module); `make_params()`
+  gives its params, called only on the first evaluation (quantizing takes seconds)."""
   if name not in _RESULTS:
     cfg = qt.eval_config(**kw)
-    runner = ModelRunner.from_params(params, smollm.config, cfg, num_pages=cfg.cache.num_pages)
+    runner = ModelRunner.from_params(make_params(), smollm.config, cfg,
+                                     num_pages=cfg.cache.num_pages)
     nbytes = {"total": quant.params_nbytes(runner.params),
               "layers": quant.params_nbytes(runner.params["layers"])}
     _RESULTS[name] = (qt.teacher_forced_logits(runner, tokens), nbytes)
@@ -54,7 +56,7 @@ def _evaluate(name, params, smollm, tokens, **kw):
 
 @pytest.fixture(scope="module")
 def reference(smollm, tokens):
-  return _evaluate("float32", smollm.params, smollm, tokens)
+  return _evaluate("float32", lambda: smollm.params, smollm, tokens)
 
 
 # name, engine options, params transform, max mean KL, min greedy agreement.
@@ -78,7 +80,7 @@ def _int4_g64(smollm, how):
 @pytest.mark.parametrize("name,kw,how,max_kl,min_agree", CASES, ids=[c[0] for c in CASES])
 def test_quality_vs_float32(name, kw, how, max_kl, min_agree, smollm, tokens, reference):
   # The runner keeps already-quantized leaves; the others quantize at load.
-  params = smollm.params if how is None else _int4_g64(smollm, how)
+  params = (lambda: smollm.params) if how is None else (lambda: _int4_g64(smollm, how))
   logits, _ = _evaluate(name, params, smollm, tokens, **kw)
   stats = qt.compare(reference[0], logits)
   print(f"{name}: {stats}")
@@ -91,7 +93,8 @@ def test_gguf_blocks_served_as_is(smollm, tokens, reference):
   layer = loaded.params["layers"]["wq"]
   assert (layer.kind, layer.group_size, layer.offset is not None) == ("int4", 32, True)
   assert (loaded.params["embed"].kind, loaded.params["embed"].group_size) == ("int8", 32)
-  logits, nbytes = _evaluate("gguf-int4", loaded.params, smollm, tokens, quantization="int4")
+  logits, nbytes = _evaluate("gguf-int4", lambda: loaded.params, smollm, tokens,
+                            quantization="int4")
   assert nbytes["total"] < 0.2 * reference[1]["total"]
   stats = qt.compare(reference[0], logits)
   print(f"gguf-int4: {stats}")
@@ -102,9 +105,10 @@ def test_weight_bytes(smollm, tokens, reference):
   """int8 is ~1/2 of bf16 plus a float16 scale and min per 32; int4 layers ~1/4 plus
   group scales and mins."""
   bf16 = {k: v // 2 for k, v in reference[1].items()}  # every float32 leaf at 2 bytes
-  int8 = _evaluate("int8", quantizers.quantize_params(smollm.params, "int8"), smollm, tokens,
-                   quantization="int8")[1]
-  int4 = _evaluate("int4-g64-rtn", _int4_g64(smollm, "rtn"), smollm, tokens,
+  # Both were evaluated by test_quality_vs_float32 when it ran first: nothing quantized again.
+  int8 = _evaluate("int8", lambda: quantizers.quantize_params(smollm.params, "int8"), smollm,
+                   tokens, quantization="int8")[1]
+  int4 = _evaluate("int4-g64-rtn", lambda: _int4_g64(smollm, "rtn"), smollm, tokens,
                    quantization="int4")[1]
   # 1 byte a weight + a float16 scale and min per 32 weights = 0.5625 of 2 bytes.
   assert 0.55 < int8["total"] / bf16["total"] < 0.57
