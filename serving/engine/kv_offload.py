@@ -44,6 +44,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Protocol
 
@@ -179,6 +180,9 @@ class KVOffload(CacheListener):
     # Pages the host tier pushes out are written to disk off the engine thread, in order.
     self._writer = (concurrent.futures.ThreadPoolExecutor(1, "kv-disk-writer")
                     if disk is not None else None)
+    # Pages handed to the writer and not yet written: the disk tier's, found here meanwhile.
+    self._writing: dict[bytes, list[np.ndarray]] = {}
+    self._writing_lock = threading.Lock()
     self.stats = KVOffloadStats(host=KVTierStats(capacity_bytes=host.nbytes),
                                 disk=KVTierStats() if disk is not None else None)
 
@@ -266,8 +270,28 @@ class KVOffload(CacheListener):
 
   def _store_disk(self, h: bytes, arrays: list[np.ndarray]) -> None:
     """Queues a page for the disk tier (its writer thread; `arrays` are the caller's to
-    give away)."""
-    self._writer.submit(self.disk.put, h, arrays)
+    give away); until written, lookups find it in `_writing`."""
+    with self._writing_lock:
+      self._writing[h] = arrays
+    self._writer.submit(self._write, h, arrays)
+
+  def _write(self, h: bytes, arrays: list[np.ndarray]) -> None:
+    """On the writer thread: one page to disk (a failed write disables the disk tier
+    there, with its log line)."""
+    try:
+      self.disk.put(h, arrays)
+    finally:
+      with self._writing_lock:
+        if self._writing.get(h) is arrays:
+          del self._writing[h]
+
+  def _disk_get(self, h: bytes) -> list[np.ndarray] | None:
+    """A page of the disk tier: still on its way to the file, or read from it."""
+    with self._writing_lock:
+      pending = self._writing.get(h)
+    if pending is not None:
+      return [a.copy() for a in pending]
+    return self.disk.get(h)
 
   # ---- admission ----
 
@@ -285,7 +309,7 @@ class KVOffload(CacheListener):
       arrays = self.host.get(h)
       tier = "host"
       if arrays is None and self.disk is not None:
-        arrays, tier = self.disk.get(h), "disk"
+        arrays, tier = self._disk_get(h), "disk"
         if arrays is not None:
           self._store_host(h, arrays)  # promoted: the next hit is a host hit
       if arrays is None:
