@@ -1,5 +1,6 @@
 """KV page transfer between engines: the page format, the receiving side's write, and
-the cross-process sender / receiver over `jax.experimental.transfer`.
+the cross-process sender / receiver (the device operations, `jax.experimental.transfer`,
+are serving/runner/kv_transport.py's `KVTransport`, handed in; this module holds no jax).
 
 In one process (serving/engine/disaggregated.py) chunks move as device arrays
 and only `import_chunk` is shared. Across processes (`xlaserve serve
@@ -32,17 +33,12 @@ rest itself (`KVTransferError`).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from serving.engine.page_allocator import page_hash
 
@@ -134,19 +130,6 @@ def import_chunk(engine: Any, hashes: list[bytes], prompt_ids: list[int], start:
   return pages
 
 
-def start_transfer_server(host: str) -> Any:
-  """A `jax.experimental.transfer` server on `host` (any free port) for this process's
-  first device's client."""
-  from jax.experimental import transfer
-
-  client = jax.devices()[0].client
-  return transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
-
-
-def _deadline(seconds: float) -> datetime.datetime:
-  return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
-
-
 @dataclasses.dataclass
 class Offer:
   """A prompt's pinned pages on the prefill side, waiting for a decode server."""
@@ -161,11 +144,12 @@ class Offer:
 class KVSender:
   """The prefill side: offers, chunk exports, expiry (module doc, steps 1 and 3)."""
 
-  def __init__(self, engine: Any, server: Any, timeout_s: float,
+  def __init__(self, engine: Any, transport: Any, timeout_s: float,
                clock: Callable[[], float] = time.monotonic):
     if not timeout_s > 0:
       raise ValueError(f"kv_transfer_timeout_s={timeout_s} must be positive")
-    self.engine, self.server, self.timeout_s, self.clock = engine, server, timeout_s, clock
+    self.engine, self.transport, self.timeout_s = engine, transport, timeout_s
+    self.clock = clock
     self.format = page_format(engine)
     self._offers: dict[str, Offer] = {}
     self._lock = threading.Lock()
@@ -203,13 +187,10 @@ class KVSender:
       done = len(offer.exported) * per >= len(offer.pages)
     k, v = self.engine.call_soon(lambda: self.engine.runner.export_pages(pages)).result()
     uuid = secrets.randbits(62)
-    shape, dtype = self.format.chunk_shape, self.format.kv_dtype
-    k, v = (_offerable(a, shape, dtype) for a in (k, v))
-    self.server.await_pull(uuid, (k, v),
-                           timeout=_deadline(self.timeout_s))
+    nbytes = self.transport.offer(uuid, k, v, self.timeout_s)
     with self._lock:
       self.chunks_total += 1
-      self.bytes_total += k.nbytes + v.nbytes
+      self.bytes_total += nbytes
     if done:
       self.release(offer_id)
     return uuid
@@ -242,18 +223,6 @@ class KVSender:
       return len(self._offers)
 
 
-def _offerable(a: Any, shape: tuple[int, ...], dtype: str) -> jax.Array:
-  """An exported chunk as the fixed-shape array on one device that a pull expects: a
-  host array (a fake runner's) padded and placed, a mesh's array gathered."""
-  if not isinstance(a, jax.Array):
-    pad = [(0, 0)] * a.ndim
-    pad[1] = (0, shape[1] - a.shape[1])
-    return jnp.asarray(np.pad(a, pad), dtype)
-  if len(a.devices()) == 1:
-    return a
-  return jax.device_put(a, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-
-
 @dataclasses.dataclass(frozen=True)
 class RemotePrefill:
   """Where a request's prefilled pages wait (the decode side's view of kv_transfer_params)."""
@@ -272,13 +241,9 @@ Fetch = Callable[[str, str, dict[str, Any] | None, float], dict[str, Any]]
 class KVReceiver:
   """The decode side: handshake, pulls, writes (module doc, steps 2 and 3)."""
 
-  def __init__(self, engine: Any, server: Any, fetch: Fetch, timeout_s: float):
-    self.engine, self.server, self.fetch, self.timeout_s = engine, server, fetch, timeout_s
+  def __init__(self, engine: Any, transport: Any, fetch: Fetch, timeout_s: float):
+    self.engine, self.transport, self.fetch, self.timeout_s = engine, transport, fetch, timeout_s
     self.format = page_format(engine)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    spec = jax.ShapeDtypeStruct(self.format.chunk_shape, jnp.dtype(self.format.kv_dtype),
-                                sharding=sharding)
-    self._spec = (spec, spec)
     self._peers: dict[tuple[str, int], tuple[str, Any]] = {}  # -> (engine id, connection)
     self._lock = threading.Lock()
     self.pulls_total = self.failures_total = self.pages_total = self.bytes_total = 0
@@ -338,7 +303,7 @@ class KVReceiver:
         raise KVTransferError(f"prefill server {engine_id} serves different KV pages: {why}")
       if engine_id != remote.engine_id:
         raise KVTransferError(f"{key} is engine {engine_id}, not {remote.engine_id}")
-      peer = (engine_id, self.server.connect(address))
+      peer = (engine_id, self.transport.connect(address))
       with self._lock:
         self._peers[key] = peer
     return peer[1]
@@ -353,7 +318,7 @@ class KVReceiver:
     if not isinstance(uuid, int):
       raise KVTransferError(f"bad pull reply: {reply!r}")
     start = time.perf_counter()
-    k, v = _bounded(lambda: jax.block_until_ready(conn.pull(uuid, self._spec)), self.timeout_s)
+    k, v = _bounded(lambda: self.transport.pull(conn, uuid), self.timeout_s)
     with self._lock:
       self.bytes_total += k.nbytes + v.nbytes
       self.wire_seconds_total += time.perf_counter() - start

@@ -46,10 +46,11 @@ from serving.engine.kv_transfer import (
   KVSender,
   KVTransferError,
   RemotePrefill,
-  start_transfer_server,
+  page_format,
 )
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.openai_protocol import APIError, KVTransferParams
+from serving.runner.kv_transport import KVTransport
 
 log = logging.getLogger(__name__)
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -72,10 +73,11 @@ class KVConnector:
     self.engine, self.role, self.timeout_s, self.api_key = engine, role, timeout_s, api_key
     self.host = "127.0.0.1" if host in _WILDCARDS else host
     self.engine_id = f"xlaserve-{secrets.token_hex(8)}"
-    self.server = start_transfer_server(self.host)
+    fmt = page_format(engine)
+    self.transport = KVTransport(self.host, fmt.chunk_shape, fmt.kv_dtype)
     self.port: int | None = None  # the HTTP port, once bound (`bind`)
-    self.sender = KVSender(engine, self.server, timeout_s) if role == "prefill" else None
-    self.receiver = (KVReceiver(engine, self.server, self._fetch, timeout_s)
+    self.sender = KVSender(engine, self.transport, timeout_s) if role == "prefill" else None
+    self.receiver = (KVReceiver(engine, self.transport, self._fetch, timeout_s)
                      if role == "decode" else None)
 
   def bind(self, port: int) -> None:
@@ -130,7 +132,7 @@ class KVConnector:
 
   def handshake(self) -> dict[str, Any]:
     return {"engine_id": self.engine_id, "format": self.sender.format.to_json(),
-            "transfer_address": self.server.address()}
+            "transfer_address": self.transport.address()}
 
   def serve_pull(self, body: dict[str, Any]) -> dict[str, Any]:
     offer_id, chunk, hashes = body.get("remote_request_id"), body.get("chunk"), body.get("hashes")

@@ -34,11 +34,12 @@ from serving.engine.kv_transfer import (
   KVTransferError,
   RemotePrefill,
   _bounded,
+  page_format,
   prompt_hashes,
-  start_transfer_server,
 )
 from serving.entrypoints.kv_connector import KVConnector
 from serving.entrypoints.openai_protocol import KVTransferParams
+from serving.runner.kv_transport import KVTransport
 from serving.types import SamplingParams
 
 PAGE = 4
@@ -76,13 +77,19 @@ def _referenced(engine: LLMEngine) -> list[int]:
   return engine.call_soon(lambda: [p for p in range(1, a.num_pages) if a.refcount(p)]).result()
 
 
+def _transport(engine: LLMEngine) -> KVTransport:
+  """A real transfer server on loopback for chunks of `engine`'s page format."""
+  fmt = page_format(engine)
+  return KVTransport("127.0.0.1", fmt.chunk_shape, fmt.kv_dtype)
+
+
 def side_channel(sender: KVSender, engine_id: str = "p0"):
   """The prefill server's side channel as direct calls (kv_connector.py serves it)."""
 
   def fetch(method: str, url: str, body, timeout_s: float):
     if url.endswith("/handshake"):
       return {"engine_id": engine_id, "format": sender.format.to_json(),
-              "transfer_address": sender.server.address()}
+              "transfer_address": sender.transport.address()}
     if url.endswith("/pull"):
       try:
         return {"uuid": sender.export(body["remote_request_id"], body["chunk"],
@@ -108,7 +115,7 @@ def engines():
 
 
 def _offered(prefill: LLMEngine, **kw) -> tuple[KVSender, object]:
-  sender = KVSender(prefill, start_transfer_server("127.0.0.1"), **{"timeout_s": 30.0, **kw})
+  sender = KVSender(prefill, _transport(prefill), **{"timeout_s": 30.0, **kw})
   _run(prefill, PROMPT, 1)
   offer = sender.offer(PROMPT)
   assert offer is not None and len(offer.pages) == 4
@@ -119,7 +126,7 @@ def test_pull_writes_the_offered_pages(engines):
   prefill, decode = engines(), engines()
   sender, offer = _offered(prefill)
   assert sorted(_referenced(prefill)) == sorted(offer.pages)
-  receiver = KVReceiver(decode, start_transfer_server("127.0.0.1"), side_channel(sender), 10.0)
+  receiver = KVReceiver(decode, _transport(decode), side_channel(sender), 10.0)
   held = receiver.pull(RemotePrefill("p0", offer.id, "127.0.0.1", 1, 4), PROMPT)
   assert len(held) == 4 and sorted(_referenced(decode)) == sorted(held)
   assert sender.num_pending == 0 and _referenced(prefill) == []  # released after chunk 2
@@ -164,7 +171,7 @@ def test_export_checks_tokens_and_chunks(engines):
 def test_handshake_mismatch_moves_nothing(engines):
   prefill, decode = engines(), engines(page_size=2 * PAGE)
   sender, offer = _offered(prefill)
-  receiver = KVReceiver(decode, start_transfer_server("127.0.0.1"), side_channel(sender), 10.0)
+  receiver = KVReceiver(decode, _transport(decode), side_channel(sender), 10.0)
   with pytest.raises(KVTransferError, match="page_size differs"):
     receiver.pull(RemotePrefill("p0", offer.id, "127.0.0.1", 1, 4), PROMPT)
   assert receiver.failures_total == 1 and _referenced(decode) == []
@@ -174,7 +181,7 @@ def test_handshake_mismatch_moves_nothing(engines):
 def test_wrong_engine_id_moves_nothing(engines):
   prefill, decode = engines(), engines()
   sender, offer = _offered(prefill)
-  receiver = KVReceiver(decode, start_transfer_server("127.0.0.1"), side_channel(sender), 10.0)
+  receiver = KVReceiver(decode, _transport(decode), side_channel(sender), 10.0)
   with pytest.raises(KVTransferError, match="not p1"):
     receiver.pull(RemotePrefill("p1", offer.id, "127.0.0.1", 1, 4), PROMPT)
   assert _referenced(decode) == []
@@ -192,7 +199,8 @@ def test_unreachable_prefill_server_gives_no_pages(engines):
 
 
 def test_page_format_round_trip(engines):
-  fmt = KVSender(engines(), start_transfer_server("127.0.0.1"), 1.0).format
+  engine = engines()
+  fmt = KVSender(engine, _transport(engine), 1.0).format
   assert type(fmt).from_json(fmt.to_json()) == fmt
   assert fmt.mismatch(dataclasses.replace(fmt, kv_dtype="bfloat16")) == (
       "kv_dtype differs: 'bfloat16' there, 'int32' here")
