@@ -115,6 +115,7 @@ def import_chunk(engine: Any, hashes: list[bytes], prompt_ids: list[int], start:
     raise RuntimeError(f"decode worker has no {len(chunk)} free KV pages for the transfer")
   pages, fresh = got
   try:
+    engine.flush_evictions()  # pages `adopt` evicted go to the host tier before overwritten
     if any(fresh):  # pages it already caches are skipped (slot -> the dummy page)
       engine.runner.import_pages([p if f else 0 for p, f in zip(pages, fresh, strict=True)],
                                  k, v)

@@ -102,6 +102,11 @@ flags.DEFINE_integer("prefill_workers", None, "Disaggregated serving: engines th
 flags.DEFINE_integer("decode_workers", None, "Disaggregated serving: engines that decode "
                      "after the prefill's KV pages reach them; needs --prefill_workers.")
 flags.DEFINE_integer("kv_transfer_pages", None, "KV pages per transfer chunk (disaggregated).")
+flags.DEFINE_float("kv_offload_host_gb", None, "Tiered prefix cache: GiB of host memory that "
+                   "keeps KV pages evicted from the device pool (0: off).")
+flags.DEFINE_string("kv_offload_disk_dir", None, "Tiered prefix cache: a directory that keeps "
+                    "pages evicted from the host tier (needs --kv_offload_disk_gb).")
+flags.DEFINE_float("kv_offload_disk_gb", None, "Tiered prefix cache: GiB the disk tier may use.")
 flags.DEFINE_enum("kv_role", None, config_lib.KV_ROLES, "Prefill / decode across servers: "
                   "`prefill` offers its prompts' KV pages to decode servers, `decode` pulls "
                   "them (vLLM's kv_transfer_params), `both` (default) neither.")
@@ -116,7 +121,8 @@ ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",
                 "speculative_model", "prompt_lookup_min", "prompt_lookup_max",
-                "speculative_max_batch", "num_decode_steps", "decode_steps_max_batch")
+                "speculative_max_batch", "num_decode_steps", "decode_steps_max_batch",
+                "kv_offload_host_gb", "kv_offload_disk_dir", "kv_offload_disk_gb")
 # serve.
 # Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
