@@ -584,5 +584,8 @@ class EngineStats:
   lora_swaps_total: int = 0  # adapters written into a runner slot
   max_lora: int = 0  # adapters a batch can hold (runner LoRA slots; 0: LoRA off)
   page_size: int = 0  # tokens per KV page (the prefix cache's block size)
+  # KV-event batches dropped because the publisher's queue was full (serving/engine/
+  # kv_events.py; one publisher per process: every engine reports its total)
+  kv_events_dropped_total: int = 0
   spec_decode: SpecDecodeCounters = dataclasses.field(default_factory=SpecDecodeCounters)
   kv_offload: KVOffloadStats | None = None  # the tiered prefix cache, when on

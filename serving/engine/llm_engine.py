@@ -662,6 +662,8 @@ class LLMEngine:
         lora_waiting=s.waiting_by_adapter(),
         lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
         max_lora=self.config.lora.max_loras, page_size=a.page_size,
+        kv_events_dropped_total=(self.kv_events.publisher.dropped_batches
+                                 if self.kv_events is not None else 0),
         spec_decode=dataclasses.replace(self.spec_counters,
                                         accepted_per_pos=list(self.spec_counters.accepted_per_pos)),
         kv_offload=self.offload.snapshot() if self.offload is not None else None)

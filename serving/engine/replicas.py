@@ -122,7 +122,7 @@ class ReplicaRouter:
 # EngineStats fields merge_stats does not add up: usage (over all pages), per-adapter counts
 # and spec decode counters (merged), and per-engine settings (the largest).
 _NOT_SUMMED = ("kv_cache_usage", "lora_running", "lora_waiting", "spec_decode", "max_lora",
-               "page_size", "kv_offload")
+               "page_size", "kv_offload", "kv_events_dropped_total")
 
 
 def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
@@ -149,6 +149,8 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
                      lora_running=dict(lora), lora_waiting=dict(lora_waiting), spec_decode=spec,
                      max_lora=max((s.max_lora for s in parts), default=0),
                      page_size=max((s.page_size for s in parts), default=0),
+                     kv_events_dropped_total=max((s.kv_events_dropped_total for s in parts),
+                                                 default=0),
                      kv_offload=_merge_offload([s.kv_offload for s in parts]))
 
 

@@ -67,6 +67,8 @@ _COUNTERS = (
     ("prefill_tokens_computed_total", "prefill_tokens_computed_total",
      "Prompt tokens actually computed by prefill (not served from the prefix cache)."),
     ("lora_swaps_total", "lora_swaps_total", "LoRA adapters written into a device slot."),
+    ("kv_events_dropped_total", "kv_events_dropped_total",
+     "KV-event batches dropped on a full publisher queue (subscribers see a sequence gap)."),
 )
 
 
