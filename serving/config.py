@@ -164,6 +164,12 @@ class CacheOptions:
   kv_cache_dtype: str = "auto"
   enable_prefix_caching: bool = True
   attention_block_tokens: int = 128  # keys per step of the XLA attention loop
+  # Tiered prefix cache (serving/engine/kv_offload.py): evicted prefix pages are kept in a
+  # host pool of this many GiB (0: off) and, past it, in files under `kv_offload_disk_dir`
+  # (at most `kv_offload_disk_gb` GiB); a prefix hit in a tier reloads them.
+  kv_offload_host_gb: float = 0.0
+  kv_offload_disk_dir: str | None = None
+  kv_offload_disk_gb: float = 0.0
   # KV-cache events (docs/kv_events.md): a ZMQ PUB endpoint (None: off), the topic frame,
   # an optional replay ROUTER endpoint, and the events' msgpack shape.
   kv_events_endpoint: str | None = None
@@ -174,6 +180,7 @@ class CacheOptions:
   def __post_init__(self):
     _check_at_least(self, ("page_size",), 1)
     self._check_kv_events()
+    self._check_offload()
     if self.num_pages is not None and self.num_pages < 2:
       raise ValueError(f"num_pages={self.num_pages} must be at least 2 (one is reserved)")
     if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
@@ -183,6 +190,21 @@ class CacheOptions:
     if self.attention_block_tokens % self.page_size:
       raise ValueError(f"page_size={self.page_size} must divide attention_block_tokens="
                        f"{self.attention_block_tokens}")
+
+  def _check_offload(self) -> None:
+    if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb < 0:
+      raise ValueError(f"kv_offload_host_gb={self.kv_offload_host_gb} and kv_offload_disk_gb="
+                       f"{self.kv_offload_disk_gb} must be >= 0")
+    if (self.kv_offload_disk_dir is not None) != (self.kv_offload_disk_gb > 0):
+      raise ValueError(f"kv_offload_disk_dir={self.kv_offload_disk_dir!r} and "
+                       f"kv_offload_disk_gb={self.kv_offload_disk_gb} go together")
+    if self.kv_offload_disk_dir is not None and self.kv_offload_host_gb == 0:
+      raise ValueError("the disk tier (kv_offload_disk_dir) is reloaded through the host "
+                       "tier: set kv_offload_host_gb too")
+
+  def host_tier_pages(self, page_bytes: int) -> int:
+    """KV pages of `page_bytes` (every layer's K and V) the host tier holds."""
+    return int(self.kv_offload_host_gb * 2**30 // page_bytes)
 
   def _check_kv_events(self) -> None:
     _check_choice("kv_events_format", self.kv_events_format, KV_EVENTS_FORMATS)
@@ -264,6 +286,9 @@ class SchedulerOptions:
     return self.decode_buckets_up_to(self.decode_steps_max_batch)
 
 
+KV_ROLES = ("both", "prefill", "decode")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelOptions:
   """Devices and engines: mesh axis sizes, disaggregated prefill / decode workers."""
@@ -277,9 +302,17 @@ class ParallelOptions:
   prefill_workers: int = 0
   decode_workers: int = 0
   kv_transfer_pages: int = 8  # pages per transfer chunk
+  # Cross-process prefill / decode (serving/engine/kv_transfer.py): this server offers its
+  # prompts' KV pages ("prefill"), pulls them from a prefill server ("decode"), or neither.
+  kv_role: str = "both"
 
   def __post_init__(self):
     _check_at_least(self, ("tp", "ep", "dp", "pp"), 1)
+    if self.kv_role not in KV_ROLES:
+      raise ValueError(f"kv_role={self.kv_role!r} must be one of {KV_ROLES}")
+    if self.kv_role != "both" and (self.prefill_workers or self.dp > 1):
+      raise ValueError(f"kv_role={self.kv_role!r} serves one engine: it cannot be combined "
+                       "with dp replicas or in-process prefill_workers / decode_workers")
     for name in ("prefill_workers", "decode_workers"):
       if not 0 <= getattr(self, name) <= 64:
         raise ValueError(f"{name}={getattr(self, name)} must be in [0, 64]")

@@ -356,6 +356,11 @@ class Sequence:
   # The device's `last_tokens[decode_slot]` holds output_ids[-1]: it was sampled while the
   # sequence held its slot (a readmitted sequence's slot holds another's token).
   token_on_device: bool = False
+  # Tiered prefix cache (serving/engine/kv_offload.py): the pages admission found in an
+  # offload tier, reloaded by the step that admits it; `offload_failed` once such a
+  # reload failed (its next admission recomputes that prefix instead).
+  kv_reload: KVReload | None = dataclasses.field(default=None, repr=False)
+  offload_failed: bool = False
 
   @property
   def cache_salt(self) -> bytes | None:
@@ -400,6 +405,22 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass
+class KVReload:
+  """Pages a step writes from an offload tier before it computes anything: `pages[i]`
+  takes `arrays[i]` (one page's KV as stored: [k, v], every layer). They continue the
+  sequence's cached prefix; its prefill starts after them, and their hashes are
+  published with the step's other full pages once it completed. Admission makes one
+  (maybe with no pages) for every lookup in the tiers; the tiers count its hits and
+  misses once it is admitted."""
+
+  seq: Sequence
+  pages: list[int]
+  arrays: list[list[Any]]
+  tiers: list[str]  # where each page was found: "host" or "disk"
+  missed: tuple[str, ...] = ()  # the tiers asked for the page after them, in vain
+
+
+@dataclasses.dataclass
 class DecodeRow:
   """One decode token: the input token at `position` was sampled by an earlier step
   (it is on the device, maybe not yet on the host); the step samples the next one.
@@ -437,6 +458,8 @@ class StepPlan:
   speculative: bool = False
   # Decode iterations of the decode batch's one device call (every row's num_steps).
   decode_steps: int = 1
+  # Offload-tier hits of the sequences it admits, written before the step runs.
+  kv_reloads: list[KVReload] = dataclasses.field(default_factory=list)
 
   @property
   def empty(self) -> bool:
@@ -514,6 +537,34 @@ class SpecDecodeCounters:
 
 
 @dataclasses.dataclass
+class KVTierStats:
+  """One offload tier's counters (host memory or disk; serving/engine/kv_offload.py)."""
+
+  hits: int = 0  # pages a prefix lookup found here
+  misses: int = 0  # pages a prefix lookup asked for and did not find here
+  pages_stored: int = 0  # pages written into the tier
+  bytes_stored: int = 0  # their bytes
+  used_bytes: int = 0  # bytes the tier holds now
+  capacity_bytes: int = 0
+  disabled: bool = False  # the disk tier after a failed write
+
+
+@dataclasses.dataclass
+class KVOffloadStats:
+  """The tiered prefix cache's counters: per tier, and the device transfers."""
+
+  host: KVTierStats = dataclasses.field(default_factory=KVTierStats)
+  disk: KVTierStats | None = None  # None: no disk tier
+  pages_offloaded: int = 0  # device pages copied to the host
+  offload_seconds: float = 0.0  # from gather dispatch to the copy landing, summed per chunk
+  offload_chunks: int = 0
+  pages_reloaded: int = 0  # tier pages written into device pages
+  reload_seconds: float = 0.0  # host time of the reload transfers, summed per step
+  reload_steps: int = 0
+  reload_failures: int = 0  # sequences that recomputed a prefix after a failed reload
+
+
+@dataclasses.dataclass
 class EngineStats:
   """Engine counters at one moment (read by metrics, health and benchmarks)."""
 
@@ -533,4 +584,8 @@ class EngineStats:
   lora_swaps_total: int = 0  # adapters written into a runner slot
   max_lora: int = 0  # adapters a batch can hold (runner LoRA slots; 0: LoRA off)
   page_size: int = 0  # tokens per KV page (the prefix cache's block size)
+  # KV-event batches dropped because the publisher's queue was full (serving/engine/
+  # kv_events.py; one publisher per process: every engine reports its total)
+  kv_events_dropped_total: int = 0
   spec_decode: SpecDecodeCounters = dataclasses.field(default_factory=SpecDecodeCounters)
+  kv_offload: KVOffloadStats | None = None  # the tiered prefix cache, when on

@@ -97,6 +97,13 @@ class FaultyRunner:
     self._check_dead(self.num_executed)
     return self.runner.export_pages(pages)
 
+  def gather_pages(self, pages):
+    """The tiered prefix cache's gather of evicted pages: an export without waiting."""
+    return self.export_pages(pages)
+
+  def kv_page_specs(self):
+    return self.runner.kv_page_specs()
+
   def import_pages(self, pages, k, v):
     call = self.num_imports
     self.num_imports += 1

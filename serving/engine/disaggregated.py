@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 
 from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
+from serving.engine.kv_transfer import import_chunk
 from serving.engine.llm_engine import LLMEngine
 from serving.engine.replicas import ReplicaRouter, merge_stats
 from serving.types import EngineStats, RequestOutput, SamplingParams
@@ -263,33 +264,15 @@ class DisaggregatedEngine:
                     f"{future.exception()}")
       return
     k, v = future.result()
-    hashes = t.hashes[start:start + self.chunk_pages]
     dst = self.decode[t.decode]
-    dst.call_soon(lambda: self._import(dst, t, start, hashes, k, v)).add_done_callback(
+    dst.call_soon(lambda: self._import(dst, t, start, k, v)).add_done_callback(
         lambda f: self._on_imported(t, f))
 
   @staticmethod
-  def _import(engine: LLMEngine, t: KVTransfer, start: int, hashes: list[bytes], k, v
-              ) -> None:
+  def _import(engine: LLMEngine, t: KVTransfer, start: int, k, v) -> None:
     """On the decode engine's thread: pages for one chunk (the prompt's pages from
-    `start` on), written and committed."""
-    got = engine.allocator.adopt(hashes)
-    if got is None:
-      raise RuntimeError(f"decode worker has no {len(hashes)} free KV pages for the transfer")
-    pages, fresh = got
-    try:
-      if any(fresh):  # pages it already caches are skipped (slot -> the dummy page)
-        engine.runner.import_pages([p if f else 0 for p, f in zip(pages, fresh, strict=True)],
-                                   k, v)
-    except BaseException:
-      engine.allocator.release(pages)  # fresh pages were never committed: freed
-      raise
-    ps = engine.allocator.page_size
-    for i, (page, h, f) in enumerate(zip(pages, hashes, fresh, strict=True), start):
-      if f:
-        parent = t.hashes[i - 1] if i else None
-        engine.allocator.commit(page, h, parent, t.prompt_ids[i * ps:(i + 1) * ps])
-    t.dst_pages.extend(pages)
+    `start` on), written and committed (the cross-process receiver's write too)."""
+    t.dst_pages.extend(import_chunk(engine, t.hashes, t.prompt_ids, start, k, v))
 
   def _on_imported(self, t: KVTransfer, future) -> None:
     if future.exception() is not None:

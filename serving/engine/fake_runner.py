@@ -30,8 +30,9 @@ tests exercise the same contract a real runner relies on:
     (e.g. from a prefix-cache hit) or a state a failed step left half-updated and
     then resumed raises `FakeKVError`;
   * `export_pages` / `import_pages` copy pool entries between two runners
-    (disaggregated serving), so a page imported into the wrong place, or
-    never imported, fails the same check;
+    (disaggregated serving) or through the tiered prefix cache (`gather_pages`,
+    `kv_page_specs`), so a page imported into the wrong place, or never
+    imported, fails the same check;
   * per LoRA slot, the adapter the plan's `lora_loads` put there. KV is
     written as (adapter id, token) — KV computed under an adapter differs
     from the base model's — and a sequence whose slot holds another adapter,
@@ -187,6 +188,18 @@ class FakeRunner:
         if entry is not None:
           data[0, i, off] = entry
     return data, data.copy()
+
+  def gather_pages(self, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """`export_pages` (the tiered prefix cache's asynchronous gather: here at once)."""
+    return self.export_pages(pages)
+
+  def kv_page_specs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """One page's stored K and V: a slot of `export_pages`' output."""
+    return [((1, self.page_size, 2), np.dtype(np.int64))] * 2
+
+  def kv_page_spec(self) -> tuple[tuple[int, ...], str, str]:
+    """One exported page: [1 layer, page_size, 2] entries, sent as int32."""
+    return (1, self.page_size, 2), "int32", f"fake vocab={self.vocab_size}"
 
   def import_pages(self, pages: list[int], k: np.ndarray, v: np.ndarray) -> None:
     """Slot i of `export_pages` output into page pages[i]; 0 skips the slot."""

@@ -7,6 +7,10 @@ Lifecycle of `step()`:
   4. Postprocess the *previous* step while the device computes this one:
      `runner.fetch(...)` -> StepResult, append tokens, advance output
      grammars, detokenize, check stop strings, emit deltas.
+  3a. With the tiered prefix cache (serving/engine/kv_offload.py), between 2 and 3:
+     the pages the schedule evicted are gathered for the host tier and the
+     plan's tier hits reloaded into their device pages; after 3 the copies
+     started by the previous step land in the host tier.
   5. If this step samples requests with an output constraint, their token
      masks depend on the tokens just appended: the runner ran its forward
      passes in 3 and waits; the engine fills the masks now (while the device
@@ -51,6 +55,7 @@ import numpy as np
 from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
 from serving.engine.kv_events import KVEventRecorder
+from serving.engine.kv_offload import HostPagePool, KVOffload, PageStore
 from serving.engine.lora_slots import LoraSlots
 from serving.engine.output_processor import OutputProcessor
 from serving.engine.page_allocator import PageAllocator, WindowPages
@@ -98,11 +103,13 @@ class LLMEngine:
 
   def __init__(self, *, runner: Runner, tokenizer: Any, config: EngineConfig,
                model_name: str = "", lora_loader: LoraLoader | None = None,
-               structured_output: bool = True):
+               structured_output: bool = True, kv_disk: PageStore | None = None):
     """`lora_loader(path) -> (rank, weights)` reads and validates an adapter for this
     runner (serving/entrypoints/engine_builder.py); needed by `load_lora`.
     `structured_output=False` refuses requests with `structured_outputs` (a runner
-    that cannot sample after `execute`, e.g. multi-process lock-step)."""
+    that cannot sample after `execute`, e.g. multi-process lock-step). `kv_disk`: the
+    tiered prefix cache's disk tier (serving/engine/kv_disk_store.py), with
+    `kv_offload_disk_dir`."""
     self.runner, self.tokenizer, self.config = runner, tokenizer, config
     self.model_name = model_name
     self.lora_loader = lora_loader
@@ -124,11 +131,18 @@ class LLMEngine:
       if group.num_pages - 1 < need:
         raise ValueError(f"the sliding-window page group has {group.num_pages - 1} pages; one "
                          f"sequence can need {need} (window {group.window}, chunks of {chunk})")
+    if (kv_disk is not None) != (config.cache.kv_offload_disk_dir is not None):
+      raise ValueError("kv_disk (the disk tier's store) goes with kv_offload_disk_dir")
+    self.offload = (_make_offload(runner, config, kv_disk) if config.cache.kv_offload_host_gb
+                    else None)
+    if self.offload is not None:
+      self.allocator.listeners.append(self.offload)
     self.lora_slots = LoraSlots(config.lora.max_loras) if config.lora.max_loras else None
     proposer = make_proposer(config.speculative.speculative_method,
                              prompt_lookup_min=config.speculative.prompt_lookup_min,
                              prompt_lookup_max=config.speculative.prompt_lookup_max)
-    self.scheduler = Scheduler(config, self.allocator, self.lora_slots, proposer, self.window)
+    self.scheduler = Scheduler(config, self.allocator, self.lora_slots, proposer, self.window,
+                               self.offload)
     self.spec = SpecBackoff(enabled=config.speculative.enabled,
                             max_batch=config.speculative.speculative_max_batch)
     self.spec_counters = SpecDecodeCounters()
@@ -342,6 +356,9 @@ class LLMEngine:
     plan = self.scheduler.schedule(speculate=speculate)
     if speculate and not plan.speculative:  # nothing proposed: a step that gained nothing
       self.spec.record(len(plan.decodes), 0)
+    if self.offload is not None:  # before the step writes (and donates) the pool
+      for reload in self.offload.before_step(plan):
+        self.scheduler.drop_reload(plan, reload)
     inflight = None
     needs_masks = bool(plan.constrained)  # the runner sees the same when it executes
     if not plan.empty:
@@ -349,6 +366,8 @@ class LLMEngine:
         inflight = (plan, self.runner.execute(plan=plan))
       except Exception as e:  # the plan was not (fully) dispatched
         self._fail_step(plan, e)
+    if self.offload is not None:
+      self.offload.after_dispatch()
     previous, self._inflight = self._inflight, inflight
     if previous is not None:
       self._postprocess(*previous)
@@ -505,6 +524,12 @@ class LLMEngine:
     self.outputs.emit(seq, reason, error=error)
     self._seqs.pop(seq.request_id, None)
 
+  def flush_evictions(self) -> None:
+    """Starts the host-tier copy of pages evicted outside a step (a KV import's `adopt`),
+    before the import overwrites them; nothing without the tiered prefix cache."""
+    if self.offload is not None:
+      self.offload.flush_evictions()
+
   def run_until_idle(self) -> None:
     """Steps until every request has finished (the caller's thread)."""
     while self.has_unfinished():
@@ -574,9 +599,17 @@ class LLMEngine:
     """Stops the loop (waiting up to `timeout_s` for the current step) and the runner."""
     self._stop.set()
     self._wake.set()
+    stopped = True
     if self._thread is not None:
       self._thread.join(timeout=timeout_s)
+      stopped = not self._thread.is_alive()
       self._thread = None
+    if self.offload is not None:
+      if stopped and self.dead is None:
+        written = self.offload.spill_to_disk()  # a restart warms its prefix cache from them
+        if written:
+          log.info("KV offload: %d host-tier pages written to the disk tier", written)
+      self.offload.close()
     self.runner.close()
     if self.kv_events is not None:
       self.kv_events.publisher.close()
@@ -629,8 +662,11 @@ class LLMEngine:
         lora_waiting=s.waiting_by_adapter(),
         lora_swaps_total=self.lora_slots.num_swaps if self.lora_slots else 0,
         max_lora=self.config.lora.max_loras, page_size=a.page_size,
+        kv_events_dropped_total=(self.kv_events.publisher.dropped_batches
+                                 if self.kv_events is not None else 0),
         spec_decode=dataclasses.replace(self.spec_counters,
-                                        accepted_per_pos=list(self.spec_counters.accepted_per_pos)))
+                                        accepted_per_pos=list(self.spec_counters.accepted_per_pos)),
+        kv_offload=self.offload.snapshot() if self.offload is not None else None)
 
   @property
   def kv_cache_usage(self) -> float:
@@ -651,3 +687,23 @@ class LLMEngine:
   def transfer_stats(self) -> dict[str, int]:
     """No KV moves between engines here: no counters."""
     return {}
+
+
+def _make_offload(runner: Runner, config: EngineConfig, disk: PageStore | None = None
+                  ) -> KVOffload:
+  """The tiered prefix cache's host tier (its memory reserved now) over `runner`; a
+  ValueError naming what it cannot serve."""
+  if not config.cache.enable_prefix_caching:
+    raise ValueError("kv_offload_host_gb needs the prefix cache (enable_prefix_caching; "
+                     "models with linear-attention layers serve without it)")
+  if runner.window_group is not None:
+    raise ValueError("the tiered prefix cache (kv_offload_host_gb) does not move a hybrid "
+                     "model's sliding-window pages yet: serve it without kv_offload_host_gb")
+  specs = runner.kv_page_specs()
+  page_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs)
+  pages = config.cache.host_tier_pages(page_bytes)
+  if pages < 1:
+    raise ValueError(f"kv_offload_host_gb={config.cache.kv_offload_host_gb:g} holds no KV page "
+                     f"({page_bytes} bytes each)")
+  return KVOffload(runner, HostPagePool(pages, specs), page_size=config.cache.page_size,
+                   chunk_pages=config.parallel.kv_transfer_pages, disk=disk)

@@ -38,7 +38,14 @@ from collections.abc import Callable, Sequence
 from serving.config import EngineConfig
 from serving.engine.client import EngineDeadError
 from serving.engine.llm_engine import LLMEngine
-from serving.types import EngineStats, RequestOutput, SamplingParams, SpecDecodeCounters
+from serving.types import (
+  EngineStats,
+  KVOffloadStats,
+  KVTierStats,
+  RequestOutput,
+  SamplingParams,
+  SpecDecodeCounters,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +122,7 @@ class ReplicaRouter:
 # EngineStats fields merge_stats does not add up: usage (over all pages), per-adapter counts
 # and spec decode counters (merged), and per-engine settings (the largest).
 _NOT_SUMMED = ("kv_cache_usage", "lora_running", "lora_waiting", "spec_decode", "max_lora",
-               "page_size")
+               "page_size", "kv_offload", "kv_events_dropped_total")
 
 
 def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
@@ -141,7 +148,33 @@ def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
   return EngineStats(**summed, kv_cache_usage=(1.0 - free / total) if total else 0.0,
                      lora_running=dict(lora), lora_waiting=dict(lora_waiting), spec_decode=spec,
                      max_lora=max((s.max_lora for s in parts), default=0),
-                     page_size=max((s.page_size for s in parts), default=0))
+                     page_size=max((s.page_size for s in parts), default=0),
+                     kv_events_dropped_total=max((s.kv_events_dropped_total for s in parts),
+                                                 default=0),
+                     kv_offload=_merge_offload([s.kv_offload for s in parts]))
+
+
+def _merge_offload(parts: Sequence[KVOffloadStats | None]) -> KVOffloadStats | None:
+  """The tiered prefix caches' counters summed (None when no engine has one)."""
+  parts = [p for p in parts if p is not None]
+  if not parts:
+    return None
+  return KVOffloadStats(**{f.name: _sum_counters([getattr(p, f.name) for p in parts])
+                           for f in dataclasses.fields(KVOffloadStats)})
+
+
+def _sum_counters(values: list):
+  """Numbers summed; `KVTierStats` field by field (a tier some engines lack: None
+  where all lack it); a flag set if any is set."""
+  values = [v for v in values if v is not None]
+  if not values:
+    return None
+  if isinstance(values[0], KVTierStats):
+    return KVTierStats(**{f.name: _sum_counters([getattr(v, f.name) for v in values])
+                          for f in dataclasses.fields(KVTierStats)})
+  if isinstance(values[0], bool):
+    return any(values)
+  return sum(values)
 
 
 class ReplicatedEngine:

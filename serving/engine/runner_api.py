@@ -27,6 +27,10 @@ Contract:
     the failure when the runner can tell (the engine then fails only those);
     any other exception fails every request of that step. A runner that can
     no longer run anything raises `RunnerDeadError`: the engine stops.
+  * With the tiered prefix cache (`kv_offload_host_gb`, serving/engine/kv_offload.py)
+    the engine also calls `kv_page_specs()`, `gather_pages(pages)` (not waited for)
+    and `import_pages(pages, k, v)` between steps, as `ModelRunner` and `FakeRunner`
+    provide them.
 """
 
 from __future__ import annotations

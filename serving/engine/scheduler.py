@@ -42,6 +42,14 @@ group — once their prefix hash is published (postprocess), so that they stay
 cached for a later prefix hit, or at once without prefix caching. A cached
 prefix counts only as far as the window group still holds its last window.
 
+Tiered prefix cache (`offload`, serving/engine/kv_offload.py): admission
+continues a sequence's cached prefix in the host / disk tier; the pages found
+there get fresh pages, count as computed, and the plan carries their reload
+(`StepPlan.kv_reloads`), which the engine writes before the step runs. Their
+hashes are published with the step's other pages. A reload that fails takes
+its sequence out of the step (`drop_reload`): it is readmitted and recomputes
+that prefix.
+
 Multi-step decoding (`num_decode_steps` = k > 1, docs/multi_step.md): when
 only decode rows run, nothing waits in the queue, the step does not
 speculate (a host proposer, ngram or suffix, between speculative steps: the
@@ -61,12 +69,14 @@ import collections
 import itertools
 
 from serving.config import EngineConfig
+from serving.engine.kv_offload import KVOffload
 from serving.engine.lora_slots import LoraSlots
 from serving.engine.page_allocator import PageAllocator, WindowPages, page_hash
 from serving.spec_decode import Proposer
 from serving.types import (
   DecodeRow,
   FinishReason,
+  KVReload,
   PrefillChunk,
   SampledToken,
   SamplingParams,
@@ -82,8 +92,9 @@ class Scheduler:
 
   def __init__(self, config: EngineConfig, allocator: PageAllocator,
                lora_slots: LoraSlots | None = None, proposer: Proposer | None = None,
-               window: WindowPages | None = None):
+               window: WindowPages | None = None, offload: KVOffload | None = None):
     self.config = config
+    self.offload = offload  # the tiered prefix cache's host / disk tiers
     self.allocator = allocator
     self.window = window  # a hybrid model's sliding-window page group
     self.lora_slots = lora_slots
@@ -120,6 +131,7 @@ class Scheduler:
       if self._ensure_pages_or_preempt(seq, end, protected):
         prefills.append(self._chunk(seq, end))
         budget -= end - prefills[-1].start
+    reloads: list[KVReload] = []
     passed: list[Sequence] = []  # waiting for a LoRA slot: later requests go first
     while budget > 0 and self.waiting and self.free_slots and not self.waiting[0].pending:
       seq = self.waiting[0]
@@ -134,12 +146,17 @@ class Scheduler:
         break
       prefills.append(self._chunk(seq, end))
       budget -= end - prefills[-1].start
+      if seq.kv_reload is not None:
+        self.offload.record(seq.kv_reload)
+        if seq.kv_reload.pages:
+          reloads.append(seq.kv_reload)
+        seq.kv_reload = None
     self.waiting.extendleft(reversed(passed))
     self.prefill_tokens_computed += sum(c.end - c.start for c in prefills)
     loads = self.lora_slots.take_loads() if self.lora_slots is not None else []
     return StepPlan(prefills=prefills, decodes=decodes, lora_loads=loads,
                     speculative=any(r.num_drafts for r in decodes),
-                    decode_steps=decodes[0].num_steps if decodes else 1)
+                    decode_steps=decodes[0].num_steps if decodes else 1, kv_reloads=reloads)
 
   def _decode_steps(self, speculate: bool) -> int:
     """Decode iterations for the next step's rows: `num_decode_steps` when nothing
@@ -233,6 +250,8 @@ class Scheduler:
     pages, hashes = ([], []) if _uses_penalties(seq.params) else self._match_prefix(seq)
     seq.pages, seq.page_hashes = pages, hashes
     seq.num_computed = len(pages) * self.config.cache.page_size
+    if self.offload is not None and not _uses_penalties(seq.params) and not seq.offload_failed:
+      self._match_offloaded(seq)
     seq.decode_slot = self.free_slots.pop()
     seq.status = Status.RUNNING
     seq.admit_order = next(self._order)
@@ -253,6 +272,34 @@ class Scheduler:
     stats.queries += len(tokens) if self.allocator.enable_prefix_caching else 0
     stats.hits += k * self.config.cache.page_size
     return pages[:k], hashes[:k]
+
+  def _match_offloaded(self, seq: Sequence) -> None:
+    """Continues the sequence's cached prefix in the offload tiers: the pages found there
+    get fresh device pages and a reload (`seq.kv_reload`, counted once admitted) and
+    count as computed; without free pages for them, none."""
+    ps = self.config.cache.page_size
+    parent = seq.page_hashes[-1] if seq.page_hashes else seq.cache_salt
+    reload = self.offload.match(seq, parent, len(seq.pages), (seq.num_known - 1) // ps)
+    fresh = self.allocator.allocate(len(reload.arrays))
+    if fresh is None:  # no room: recomputed instead
+      reload = KVReload(seq=seq, pages=[], arrays=[], tiers=[])
+    seq.kv_reload = reload
+    reload.pages = fresh or []
+    seq.pages.extend(reload.pages)
+    seq.num_computed = len(seq.pages) * ps
+
+  def drop_reload(self, plan: StepPlan, reload: KVReload) -> None:
+    """Takes a sequence whose reload failed out of the planned step (its chunk was not
+    dispatched): it goes back to the front of the queue and, readmitted, recomputes
+    what the reload would have brought."""
+    seq = reload.seq
+    for chunk in [c for c in plan.prefills if c.seq is seq]:
+      plan.prefills.remove(chunk)
+      seq.pending -= chunk.sample
+      self.prefill_tokens_computed -= chunk.end - chunk.start
+    plan.kv_reloads.remove(reload)
+    seq.offload_failed = True
+    self._preempt(seq, count=False)
 
   def _chunk(self, seq: Sequence, end: int) -> PrefillChunk:
     """Prefill of known tokens [num_computed, end); pages must be allocated."""
@@ -305,6 +352,7 @@ class Scheduler:
     if self.window is not None:
       self.window.release_all(seq.window_pages)
     seq.token_on_device = False
+    seq.kv_reload = None
     seq.pages, seq.page_hashes = [], []
     seq.num_computed = 0
     if seq.decode_slot is not None:

@@ -35,6 +35,7 @@ from serving.entrypoints.http_server import (
   build_app,
   make_http_server,
 )
+from serving.entrypoints.kv_connector import KVConnector
 from serving.entrypoints.limits import RequestLimits
 from serving.entrypoints.metrics import Metrics
 from serving.entrypoints.openai_serving import OpenAIServing
@@ -65,6 +66,9 @@ class ServeConfig:
   # (503 / UNAVAILABLE) say so before the process exits: probes and load balancers see it.
   unhealthy_exit_delay_s: float = 2.0
   allow_runtime_lora: bool = False  # serve the load / unload LoRA adapter endpoints
+  # Prefill / decode across servers (the engine's kv_role; serving/entrypoints/kv_connector.py):
+  # how long pinned pages wait for a pull, and each transfer step waits for the other side.
+  kv_transfer_timeout_s: float = 30.0
   limits: RequestLimits = dataclasses.field(default_factory=RequestLimits)
 
   def __post_init__(self):
@@ -76,6 +80,8 @@ class ServeConfig:
       raise ValueError("at least one of http_port and grpc_port must be enabled")
     if self.max_connections < 1 or not self.body_timeout_s > 0 or not self.header_timeout_s > 0:
       raise ValueError("max_connections, body_timeout_s and header_timeout_s must be positive")
+    if not self.kv_transfer_timeout_s > 0:
+      raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be positive")
 
 
 async def serve(engine: EngineClient, cfg: ServeConfig, stop: asyncio.Event,
@@ -85,9 +91,10 @@ async def serve(engine: EngineClient, cfg: ServeConfig, stop: asyncio.Event,
   metrics = Metrics.for_engine(engine, model_name=cfg.served_model_name)
   aengine = AsyncEngine(engine, metrics=metrics, max_queued_requests=cfg.max_queued_requests)
   names = list(dict.fromkeys([cfg.served_model_name, engine.model_name]))
+  kv = _kv_connector(engine, cfg)
   serving = OpenAIServing(aengine, [n for n in names if n], cfg.limits,
-                          allow_runtime_lora=cfg.allow_runtime_lora)
-  grpc_server = http_server = http_task = watchdog = None
+                          allow_runtime_lora=cfg.allow_runtime_lora, kv=kv)
+  grpc_server = http_server = http_task = watchdog = expiry = None
   http_port = grpc_port = None
   try:
     if cfg.grpc_port >= 0:
@@ -107,6 +114,9 @@ async def serve(engine: EngineClient, cfg: ServeConfig, stop: asyncio.Event,
                                      header_timeout_s=cfg.header_timeout_s)
       http_task = asyncio.create_task(http_server.serve())
       http_port = await _wait_started(http_server, http_task)
+      if kv is not None:
+        kv.bind(http_port)
+        expiry = asyncio.create_task(kv.expire_loop())
     if ready is not None:  # the caller reports readiness (the launcher's ready line)
       ready(http_port, grpc_port)
     else:
@@ -117,12 +127,24 @@ async def serve(engine: EngineClient, cfg: ServeConfig, stop: asyncio.Event,
     await stop.wait()
     log.info("draining (up to %.0f s)", cfg.drain_timeout_s)
   finally:
-    if watchdog is not None:
-      watchdog.cancel()
+    for task in (watchdog, expiry):
+      if task is not None:
+        task.cancel()
     await _drain(aengine, grpc_server, http_server, http_task, cfg.drain_timeout_s)
     engine.shutdown(timeout_s=10.0 if aengine.unavailable is None else 1.0)
   if aengine.unavailable is not None:
     raise EngineDeadError(aengine.unavailable)
+
+
+def _kv_connector(engine: EngineClient, cfg: ServeConfig) -> KVConnector | None:
+  """This server's end of prefill / decode across servers (its engine's kv_role)."""
+  role = engine.config.parallel.kv_role
+  if role == "both":
+    return None
+  if cfg.http_port < 0:
+    raise ValueError(f"kv_role={role!r} needs HTTP (the kv_transfer_params contract)")
+  return KVConnector(engine, role, timeout_s=cfg.kv_transfer_timeout_s, host=cfg.host,
+                     api_key=cfg.api_key)
 
 
 async def _watch(engine: EngineClient, aengine: AsyncEngine, grpc_server: GrpcServer | None,

@@ -146,9 +146,12 @@ class AsyncEngine:
     return len(self._streams)
 
   def submit(self, prompt: str | list[int], params: SamplingParams,
-             request_id: str | None = None, lora: str | None = None) -> RequestStream:
+             request_id: str | None = None, lora: str | None = None,
+             on_first_output: Callable[[], None] | None = None) -> RequestStream:
     """Admits a request (under LoRA adapter `lora`, if given); raises
-    EngineUnavailableError, ServerDrainingError, ServerBusyError or ValueError."""
+    EngineUnavailableError, ServerDrainingError, ServerBusyError or ValueError.
+    `on_first_output` runs on the engine thread at the request's first output (every
+    admitted request has one, if only its finish), not at all if admission fails."""
     if self.unavailable is not None:
       self._reject("unavailable")
       raise EngineUnavailableError(f"the engine cannot serve: {self.unavailable}")
@@ -169,6 +172,10 @@ class AsyncEngine:
     loop = asyncio.get_running_loop()
 
     def on_output(out: RequestOutput) -> None:  # engine thread
+      nonlocal on_first_output
+      if on_first_output is not None:
+        hook, on_first_output = on_first_output, None
+        hook()
       try:
         loop.call_soon_threadsafe(stream.put, out)
       except RuntimeError:  # the loop is closed: nobody listens any more

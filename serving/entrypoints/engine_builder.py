@@ -34,6 +34,7 @@ fault (a draft model with another tokenizer, options that do not go together).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ from checkpoints.lora import load_lora_adapter
 from serving.config import EngineConfig
 from serving.engine import EngineClient, LLMEngine, Runner
 from serving.engine.disaggregated import HYBRID_REFUSAL, DisaggregatedEngine
+from serving.engine.kv_disk_store import DiskPageStore, disk_identity
 from serving.engine.kv_events import KVEventPublisher, KVEventRecorder
 from serving.engine.replicas import ReplicatedEngine
 from serving.entrypoints.startup import BindError, SetupError
@@ -97,6 +99,9 @@ def check_setup(model: str | LoadedModel, config: EngineConfig) -> None:
   check_model(model, config.model.quantization)
   if config.speculative.speculative_method == "draft":
     check_model(config.speculative.speculative_model, config.model.quantization)
+  if config.parallel.kv_role != "both" and jax.process_count() > 1:
+    raise SetupError(f"kv_role={config.parallel.kv_role!r} serves from one process: with "
+                     "several processes per server, use kv_role 'both'")
   if config.parallel.disaggregated or config.parallel.dp > 1:
     if jax.process_count() > 1:
       raise SetupError("dp replicas and prefill / decode workers run in one process; with "
@@ -134,7 +139,8 @@ def build_engine(model: str | LoadedModel, config: EngineConfig, *,
     elif config.parallel.dp > 1:
       engine = build_replicas(loaded, config, name, draft, wrap_runner)
     else:
-      runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft))
+      runner = ModelRunner(prepare_weights(loaded.params, loaded.config, config, draft=draft),
+                           kv_transfer=config.parallel.kv_role != "both")
       engine = _engine(loaded, config, name, runner, wrap_runner)
   except BaseException:
     if publisher is not None:
@@ -182,10 +188,29 @@ def attach_kv_events(engine: EngineClient, publisher: KVEventPublisher,
 
 
 def _engine(loaded: LoadedModel, config: EngineConfig, model_name: str, runner: ModelRunner,
-            wrap_runner: Callable[[ModelRunner], Runner] | None) -> LLMEngine:
+            wrap_runner: Callable[[ModelRunner], Runner] | None, member: str = "") -> LLMEngine:
+  """`member`: which of several engines in this process this is ("" for the only one):
+  its disk tier gets its own subdirectory."""
   return LLMEngine(runner=wrap_runner(runner) if wrap_runner else runner,
                    tokenizer=loaded.tokenizer, config=config, model_name=model_name,
-                   lora_loader=lora_loader(loaded.config, config))
+                   lora_loader=lora_loader(loaded.config, config),
+                   kv_disk=kv_disk_store(loaded, config, model_name, runner, member))
+
+
+def kv_disk_store(loaded: LoadedModel, config: EngineConfig, model_name: str,
+                  runner: ModelRunner, member: str = "") -> DiskPageStore | None:
+  """The disk tier of the tiered prefix cache (`kv_offload_disk_dir`), keyed by what the
+  runner's pages are (model, architecture, page size, KV dtype, page layout, tp); None
+  when it is off."""
+  cache = config.cache
+  if cache.kv_offload_disk_dir is None:
+    return None
+  layout = ",".join(f"{list(shape)}:{dtype}" for shape, dtype in runner.kv_page_specs())
+  identity = disk_identity(model=model_name, model_config=loaded.config, engine_config=config,
+                           kv_dtype=runner.kv_dtype_name, layout=f"k,v {layout}")
+  directory = os.path.join(cache.kv_offload_disk_dir, member) if member else \
+      cache.kv_offload_disk_dir
+  return DiskPageStore(directory, int(cache.kv_offload_disk_gb * 2**30), identity)
 
 
 def replica_devices(config: EngineConfig, devices: Sequence[Any] | None = None
@@ -227,7 +252,8 @@ def _engine_on(loaded: LoadedModel, config: EngineConfig, model_name: str,
     mesh = None
   weights = prepare_weights(loaded.params, loaded.config, config, mesh=mesh, draft=draft)
   runner = ModelRunner(weights, kv_transfer=kv_transfer)
-  engine = _engine(loaded, config, model_name, runner, wrap_runner)
+  engine = _engine(loaded, config, model_name, runner, wrap_runner,
+                   member=label.replace(" ", "-"))
   tokens = (runner.num_pages - 1) * config.cache.page_size
   msg = (f"{label} on {', '.join(str(d) for d in devices)}: {tokens} KV "
          f"tokens, max concurrency at max_model_len={config.scheduler.max_model_len}: "
@@ -331,6 +357,9 @@ def start_multihost(model: str | LoadedModel, config: EngineConfig) -> LLMEngine
   if devices != len(jax.devices()):
     raise SetupError(f"tp*ep*dp*pp = {devices} must equal the {len(jax.devices())} devices of all "
                      f"{jax.process_count()} processes (one global mesh runs every step)")
+  if config.cache.kv_offload_host_gb:
+    raise SetupError("the tiered prefix cache (kv_offload_host_gb) is not supported with "
+                     "several processes yet")
   if config.lora.max_loras:
     raise SetupError("LoRA adapters are not supported with several processes yet "
                      "(max_loras must be 0)")

@@ -102,18 +102,27 @@ flags.DEFINE_integer("prefill_workers", None, "Disaggregated serving: engines th
 flags.DEFINE_integer("decode_workers", None, "Disaggregated serving: engines that decode "
                      "after the prefill's KV pages reach them; needs --prefill_workers.")
 flags.DEFINE_integer("kv_transfer_pages", None, "KV pages per transfer chunk (disaggregated).")
+flags.DEFINE_float("kv_offload_host_gb", None, "Tiered prefix cache: GiB of host memory that "
+                   "keeps KV pages evicted from the device pool (0: off).")
+flags.DEFINE_string("kv_offload_disk_dir", None, "Tiered prefix cache: a directory that keeps "
+                    "pages evicted from the host tier (needs --kv_offload_disk_gb).")
+flags.DEFINE_float("kv_offload_disk_gb", None, "Tiered prefix cache: GiB the disk tier may use.")
+flags.DEFINE_enum("kv_role", None, config_lib.KV_ROLES, "Prefill / decode across servers: "
+                  "`prefill` offers its prompts' KV pages to decode servers, `decode` pulls "
+                  "them (vLLM's kv_transfer_params), `both` (default) neither.")
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
                 "quantized_dense_copy", "cpu_activation_bits", "tp", "ep", "dp", "pp",
-                "prefill_workers", "decode_workers", "kv_transfer_pages",
+                "prefill_workers", "decode_workers", "kv_transfer_pages", "kv_role",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint",
                 "kv_events_format",
                 "compilation_cache_dir", "seed", "unroll_layers", "step_timeout_s", "max_loras",
                 "max_lora_rank", "speculative_method", "num_speculative_tokens",
                 "speculative_model", "prompt_lookup_min", "prompt_lookup_max",
-                "speculative_max_batch", "num_decode_steps", "decode_steps_max_batch")
+                "speculative_max_batch", "num_decode_steps", "decode_steps_max_batch",
+                "kv_offload_host_gb", "kv_offload_disk_dir", "kv_offload_disk_gb")
 # serve.
 # Multi-host (jax.distributed); unset -> $JAX_COORDINATOR_ADDRESS etc., or one process.
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
@@ -136,6 +145,9 @@ flags.DEFINE_float("header_timeout_s", 10.0, "HTTP: a connection whose request h
                    "longer is closed.")
 flags.DEFINE_integer("max_connections", 1024, "Open HTTP connections / concurrent gRPC calls "
                      "served; beyond them new requests get 503 / RESOURCE_EXHAUSTED.")
+flags.DEFINE_float("kv_transfer_timeout_s", 30.0, "--kv_role=prefill|decode: KV pages pinned "
+                   "for a decode server are released after this; a transfer step waiting "
+                   "longer fails (the decode server then prefills the request itself).")
 # Per-request limits (serve and batch; serving/entrypoints/limits.py). Beyond one: 400.
 _LIMITS = RequestLimits()
 flags.DEFINE_integer("max_prompts_per_request", _LIMITS.max_prompts,
@@ -238,7 +250,8 @@ def serve_config_from_flags() -> Any:
         max_body_bytes=FLAGS.max_body_bytes, body_timeout_s=FLAGS.body_timeout_s,
         header_timeout_s=FLAGS.header_timeout_s,
         max_connections=FLAGS.max_connections, drain_timeout_s=FLAGS.drain_timeout_s,
-        allow_runtime_lora=FLAGS.allow_runtime_lora, limits=limits_from_flags())
+        allow_runtime_lora=FLAGS.allow_runtime_lora,
+        kv_transfer_timeout_s=FLAGS.kv_transfer_timeout_s, limits=limits_from_flags())
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 

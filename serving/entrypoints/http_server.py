@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from serving.entrypoints.kv_connector import add_kv_routes
 from serving.entrypoints.metrics import Metrics
 from serving.entrypoints.openai_protocol import (
   APIError,
@@ -70,6 +71,8 @@ def build_app(serving: OpenAIServing, metrics: Metrics | None = None, *,
   _install_error_handlers(app)
   _add_ops_routes(app, serving, metrics)
   authorize = _authorizer(api_key)
+  if serving.kv is not None:
+    add_kv_routes(app, serving.kv, authorize)
 
   @app.get("/openapi.json", include_in_schema=False)
   async def openapi(request: Request) -> Response:
@@ -243,6 +246,16 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytearray:
 
 async def _respond(request: Request, serving: OpenAIServing, job: Any,
                    req: CompletionRequest | ChatCompletionRequest) -> Response:
+  try:
+    if serving.kv is not None:  # a decode leg: its prefilled pages first
+      await asyncio.to_thread(serving.pull_kv, job)
+    return await _respond_to(request, serving, job, req)
+  finally:
+    serving.release_kv(job)  # cancelled or failed before it was submitted
+
+
+async def _respond_to(request: Request, serving: OpenAIServing, job: Any,
+                      req: CompletionRequest | ChatCompletionRequest) -> Response:
   if not req.stream:
     body = await _until_disconnect(request, serving.run(job))
     return JSONResponse(body)

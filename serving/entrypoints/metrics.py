@@ -2,7 +2,8 @@
 
 Two sources, one per-server `CollectorRegistry` (no global state):
   1. Engine state (running / waiting requests, KV cache usage, token and
-     prefix-cache counters, LoRA adapters in use and slot swaps, speculative
+     prefix-cache counters, the tiered prefix cache's hits / misses / bytes per
+     tier and offload / reload times, LoRA adapters in use and slot swaps, speculative
      decoding's drafts and accepted tokens per position) is read from
      `engine.stats()` at scrape time by a custom collector, so it is never
      stale and costs nothing between scrapes. An engine made of several
@@ -66,6 +67,8 @@ _COUNTERS = (
     ("prefill_tokens_computed_total", "prefill_tokens_computed_total",
      "Prompt tokens actually computed by prefill (not served from the prefix cache)."),
     ("lora_swaps_total", "lora_swaps_total", "LoRA adapters written into a device slot."),
+    ("kv_events_dropped_total", "kv_events_dropped_total",
+     "KV-event batches dropped on a full publisher queue (subscribers see a sequence gap)."),
 )
 
 
@@ -115,6 +118,8 @@ class EngineStatsCollector(Collector):
     yield _lora_info_family(rows, names, self._clock())
     yield _cache_config_family(rows, names)
     yield from _spec_decode_families([(row, stats.spec_decode) for row, stats in rows], names)
+    yield from _offload_families([(row, stats.kv_offload) for row, stats in rows
+                                  if stats.kv_offload is not None], names)
 
 
 def _adapter_list(counts: dict[str, int]) -> str:
@@ -173,6 +178,50 @@ def _spec_decode_families(rows: list[tuple[list[str], Any]], names: list[str]):
     for pos, count in enumerate(counters.accepted_per_pos):
       family.add_metric([*values, str(pos)], float(count))
   yield family
+
+
+# The tiered prefix cache (serving/engine/kv_offload.py): per tier (label `tier`).
+_TIER_COUNTERS = (
+    ("kv_offload_hits_total", "hits", "KV pages a prefix lookup found in the tier."),
+    ("kv_offload_misses_total", "misses", "KV pages a prefix lookup did not find in the tier."),
+    ("kv_offload_stored_pages_total", "pages_stored", "KV pages written into the tier."),
+    ("kv_offload_stored_bytes_total", "bytes_stored", "Bytes of KV pages written into the tier."),
+)
+_TIER_GAUGES = (
+    ("kv_offload_used_bytes", "used_bytes", "Bytes of KV pages the tier holds."),
+    ("kv_offload_capacity_bytes", "capacity_bytes", "Bytes the tier may hold."),
+    ("kv_offload_disabled", "disabled", "1 when the tier was disabled (a failed disk write)."),
+)
+_OFFLOAD_COUNTERS = (
+    ("kv_offload_pages_total", "pages_offloaded", "KV pages copied from the device to the host."),
+    ("kv_offload_seconds_total", "offload_seconds",
+     "Seconds from gathering evicted pages to their landing in the host tier, per chunk."),
+    ("kv_offload_chunks_total", "offload_chunks", "Chunks of evicted pages copied to the host."),
+    ("kv_reload_pages_total", "pages_reloaded", "KV pages written back from a tier."),
+    ("kv_reload_seconds_total", "reload_seconds", "Host seconds spent in reload transfers."),
+    ("kv_reload_steps_total", "reload_steps", "Steps that reloaded pages."),
+    ("kv_reload_failures_total", "reload_failures",
+     "Requests that recomputed a prefix after a failed reload."),
+)
+
+
+def _offload_families(rows: list[tuple[list[str], Any]], names: list[str]):
+  if not rows:
+    return
+  for metrics, cls in ((_TIER_COUNTERS, CounterMetricFamily), (_TIER_GAUGES, GaugeMetricFamily)):
+    for name, field, doc in metrics:
+      family = cls(PREFIX + name, doc, labels=[*names, "tier"])
+      for values, stats in rows:
+        for tier in ("host", "disk"):
+          tier_stats = getattr(stats, tier)
+          if tier_stats is not None:
+            family.add_metric([*values, tier], float(getattr(tier_stats, field)))
+      yield family
+  for name, field, doc in _OFFLOAD_COUNTERS:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=names)
+    for values, stats in rows:
+      family.add_metric(values, float(getattr(stats, field)))
+    yield family
 
 
 class TransferCollector(Collector):

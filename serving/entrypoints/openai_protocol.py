@@ -123,6 +123,42 @@ class StreamOptions(_Strict):
   continuous_usage_stats: bool = False
 
 
+class KVTransferParams(BaseModel):
+  """vLLM's `kv_transfer_params` (prefill / decode across servers, docs/sharding.md): a
+  request to a prefill server sets `do_remote_decode`; the prefill server's response
+  carries the `remote_*` fields, which the proxy passes to a decode server with
+  `do_remote_prefill`. Other keys (other engines' connectors) are ignored."""
+
+  model_config = ConfigDict(extra="ignore", strict=True)
+  do_remote_decode: bool = False
+  do_remote_prefill: bool = False
+  remote_engine_id: str | None = Field(None, max_length=256)
+  remote_request_id: str | None = Field(None, max_length=256)
+  remote_block_ids: list[int] | None = Field(None, max_length=1 << 20)
+  remote_host: str | None = Field(None, max_length=256)
+  remote_port: int | None = Field(None, ge=1, le=65535)
+
+  def check(self) -> None:
+    """APIError 400 unless the params describe one of the two legs."""
+    if self.do_remote_decode and self.do_remote_prefill:
+      raise APIError(400, "do_remote_decode and do_remote_prefill cannot both be true",
+                     param="kv_transfer_params")
+    if not self.do_remote_prefill:
+      return
+    if self.remote_block_ids is None:
+      raise APIError(400, "do_remote_prefill needs kv_transfer_params.remote_block_ids",
+                     param="kv_transfer_params.remote_block_ids")
+    if any(b < 0 for b in self.remote_block_ids):
+      raise APIError(400, "kv_transfer_params.remote_block_ids must be non-negative page ids",
+                     param="kv_transfer_params.remote_block_ids")
+    if not self.remote_block_ids:
+      return  # nothing was cached there: the decode server prefills
+    for name in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"):
+      if getattr(self, name) in (None, ""):
+        raise APIError(400, f"do_remote_prefill needs kv_transfer_params.{name}",
+                       param=f"kv_transfer_params.{name}")
+
+
 class _SamplingRequest(_Strict):
   """Fields shared by completions and chat completions."""
 
@@ -156,9 +192,12 @@ class _SamplingRequest(_Strict):
   stop_token_ids: list[int] | None = None
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
+  kv_transfer_params: KVTransferParams | None = None
 
   def check_supported(self) -> None:
     """Rejects known-but-unimplemented options with a clear message."""
+    if self.kv_transfer_params is not None:
+      self.kv_transfer_params.check()
     if self.logit_bias:
       raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if self.stream_options is not None and not self.stream:

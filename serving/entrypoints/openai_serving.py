@@ -35,12 +35,14 @@ from serving.entrypoints.async_engine import (
   ServerBusyError,
   ServerDrainingError,
 )
+from serving.entrypoints.kv_connector import KVConnector
 from serving.entrypoints.limits import LimitError, RequestLimits
 from serving.entrypoints.openai_protocol import (
   APIError,
   ChatCompletionRequest,
   CompletionRequest,
   DetokenizeRequest,
+  KVTransferParams,
   LoadLoraAdapterRequest,
   TokenizeRequest,
   UnloadLoraAdapterRequest,
@@ -77,6 +79,8 @@ class Job:
   num_logprobs: int | None
   lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
   tools: list[tool_calls.ToolSpec] | None = None  # parse tool calls from the output (chat)
+  kv_params: KVTransferParams | None = None  # prefill / decode across servers (kv_connector)
+  kv_pages: list[int] = dataclasses.field(default_factory=list)  # pulled, held until submitted
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   def usage(self) -> dict[str, int]:
@@ -90,8 +94,10 @@ class OpenAIServing:
   """Turns OpenAI request models into engine requests and responses."""
 
   def __init__(self, engine: AsyncEngine, model_names: list[str],
-               limits: RequestLimits | None = None, allow_runtime_lora: bool = False):
+               limits: RequestLimits | None = None, allow_runtime_lora: bool = False,
+               kv: KVConnector | None = None):
     self.engine = engine
+    self.kv = kv  # --kv_role prefill / decode: this server's end of the transfer
     self.model_names = model_names
     self.allow_runtime_lora = allow_runtime_lora
     self.limits = limits or RequestLimits()
@@ -203,8 +209,8 @@ class OpenAIServing:
       for i in range(req.n):
         params = self.checked(req.sampling_params(max_tokens, req.logprobs, i, structured))
         choices.append(Choice(len(choices), ids, params, i))
-    return Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices, req.logprobs,
-               lora)
+    return self._with_kv(Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices,
+                             req.logprobs, lora), req)
 
   def prepare_chat(self, req: ChatCompletionRequest) -> Job:
     lora = self.check_model(req.model)
@@ -235,8 +241,36 @@ class OpenAIServing:
       self._check_constraint(structured, "tools")
     choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i, structured)),
                       i) for i in range(req.n)]
-    return Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp, lora,
-               tools=offered if tool_choice != "none" else None)
+    return self._with_kv(Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp,
+                             lora, tools=offered if tool_choice != "none" else None), req)
+
+  def _with_kv(self, job: Job, req: CompletionRequest | ChatCompletionRequest) -> Job:
+    """`job` with the request's kv_transfer_params where this server acts on them: one
+    completion of one prompt, the base model, and a prefill leg is not streamed."""
+    params = req.kv_transfer_params
+    if self.kv is None or not (self.kv.offers_for(params) or self.kv.pulls_for(params)):
+      return job
+    if len(job.choices) != 1 or job.lora is not None:
+      raise APIError(400, "kv_transfer_params need a single completion (one prompt, n=1) of "
+                     "the base model", param="kv_transfer_params")
+    if self.kv.offers_for(params) and req.stream:
+      raise APIError(400, "a prefill leg (do_remote_decode) is not streamed",
+                     param="kv_transfer_params")
+    job.kv_params = params
+    return job
+
+  def pull_kv(self, job: Job) -> None:
+    """A decode leg's pages, pulled from the prefill server into this pool (blocking:
+    a worker thread); held for the job until `release_kv`."""
+    if job.kv_params is not None and self.kv.pulls_for(job.kv_params):
+      job.kv_pages = self.kv.pull(job.kv_params, job.choices[0].prompt_ids)
+
+  def release_kv(self, job: Job) -> None:
+    """Drops the job's hold on pulled pages if `submit` has not taken them over (a job
+    that is never submitted)."""
+    pages, job.kv_pages = job.kv_pages, []
+    if pages:
+      self.kv.release(pages)
 
   def tool_options(self, req: ChatCompletionRequest) -> tuple[list[tool_calls.ToolSpec], str]:
     """The request's validated tools and tool_choice ("none", "auto", "required" or a
@@ -372,10 +406,13 @@ class OpenAIServing:
       raise APIError(400, f"the request asks for {len(job.choices)} completions but the server "
                      f"holds at most {capacity} requests at once", param="n")
     streams: list[RequestStream] = []
+    held, job.kv_pages = job.kv_pages, []  # pulled pages: held until the request's first output
     try:
       for c in job.choices:
+        hook = self.kv.release_at_first_output(held) if held else None
         streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}",
-                                          lora=job.lora))
+                                          lora=job.lora, on_first_output=hook))
+        held = []  # the request releases them
     except (ServerBusyError, ServerDrainingError, EngineUnavailableError, ValueError) as e:
       for s in streams:
         s.abort()
@@ -384,6 +421,9 @@ class OpenAIServing:
       for s in streams:
         s.abort()
       raise
+    finally:
+      if held:  # never admitted
+        self.kv.release(held)
     return streams
 
   async def merge(self, job: Job, streams: list[RequestStream]
@@ -435,8 +475,12 @@ class OpenAIServing:
       choices = [{"index": c.index, "text": c.text, "logprobs": self._completion_logprobs(
           c.logprobs, job), "finish_reason": c.finish_reason} for c in job.choices]
       obj = "text_completion"
-    return {"id": job.id, "object": obj, "created": job.created, "model": job.model,
+    body = {"id": job.id, "object": obj, "created": job.created, "model": job.model,
             "choices": choices, "usage": job.usage()}
+    if job.kv_params is not None and self.kv.offers_for(job.kv_params):
+      body["kv_transfer_params"] = await asyncio.to_thread(self.kv.offer,
+                                                           job.choices[0].prompt_ids)
+    return body
 
   async def chunks(self, job: Job, streams: list[RequestStream], include_usage: bool,
                    continuous_usage: bool = False) -> AsyncIterator[dict[str, Any]]:

@@ -183,7 +183,9 @@ class ModelRunner:
     ec, cfg, placement = weights.engine_cfg, weights.model_cfg, weights.placement
     check_engine(cfg, ec)  # before anything is placed
     self.state_slots = cfg.has_state_slots  # linear-attention states per decode slot
-    self.kv_transfer = kv_transfer
+    # The tiered prefix cache moves pages as transfers do (serving/engine/kv_offload.py).
+    self.kv_offload = ec.cache.kv_offload_host_gb > 0
+    self.kv_transfer = kv_transfer or self.kv_offload
     self.mesh = weights.mesh  # sharded when tp*ep*dp*pp > 1 or a mesh was given
     self.source_cfg = weights.source_cfg  # before tp repeats KV heads: what adapters must fit
     self.model_cfg, self.engine_cfg = cfg, ec
@@ -198,6 +200,9 @@ class ModelRunner:
     self.kv_layout: KVLayout | None = kv_layout(cfg, ec, self.num_pages)
     if (note := layout_note(cfg, ec)) is not None:
       log.info(note)
+    if self.kv_offload and self.kv_layout is not None:
+      raise ValueError("the tiered prefix cache (kv_offload_host_gb) does not move a hybrid "
+                       "model's sliding-window pages yet: serve it without kv_offload_host_gb")
     if kv_transfer and self.kv_layout is not None:
       raise ValueError("KV page transfer (prefill / decode workers) does not move a hybrid "
                        "model's sliding-window pages yet")
@@ -386,6 +391,32 @@ class ModelRunner:
     padded = self._chunk(pages)
     with self._device_errors():
       return jax.block_until_ready(self._read_pages(self.state.kv, padded))
+
+  def gather_pages(self, pages: list[int]) -> tuple[jax.Array, jax.Array]:
+    """`export_pages` without waiting: the gather is dispatched (before any later step
+    that donates the pool, so it reads the pages as they are now) and its copy to the
+    host started; `np.asarray` on the result waits for it (the tiered prefix cache)."""
+    padded = self._chunk(pages)
+    with self._device_errors():
+      k, v = self._read_pages(self.state.kv, padded)
+    for a in (k, v):
+      a.copy_to_host_async()
+    return k, v
+
+  def kv_page_specs(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of one page's stored K and V (every layer): a slot of
+    `export_pages`' output."""
+    kv = self.state.kv
+    layers = kv.k.shape[0] // kv.num_pages
+    return [((layers, *a.shape[1:]), np.dtype(a.dtype)) for a in (kv.k, kv.v)]
+
+  def kv_page_spec(self) -> tuple[tuple[int, ...], str, str]:
+    """What one page of `export_pages` output is, for a transfer's handshake: its shape
+    [L, page_size, K, H'], its stored dtype, and the model it belongs to."""
+    cfg, kv = self.model_cfg, self.state.kv
+    model = (f"layers={cfg.num_layers} hidden={cfg.hidden_size} kv={cfg.num_kv_heads}x"
+             f"{cfg.head_dim} vocab={cfg.vocab_size} kv_cache={self.kv_dtype_name}")
+    return (kv.k.shape[0] // kv.num_pages, *kv.k.shape[1:]), str(kv.k.dtype), model
 
   def import_pages(self, pages: list[int], k: jax.Array | np.ndarray,
                    v: jax.Array | np.ndarray) -> None:
@@ -724,12 +755,24 @@ class ModelRunner:
                 f"({self.kv_pool_bytes() / 2**30:.2f} GiB, {per_tok} B/token, "
                 f"{self.kv_dtype_name}{groups}); "
                 f"max concurrency at max_model_len={c.scheduler.max_model_len}: "
-                f"{tokens / c.scheduler.max_model_len:.1f} requests",
+                f"{tokens / c.scheduler.max_model_len:.1f} requests" + self._offload_note(),
                 f"Weights: {params_nbytes(self.params) / 2**20:.1f} MiB ({fmt}, compute "
                 f"{self.dtype_name}); KV cache {per_tok} B/token ({self.kv_dtype_name})"
                 + self._state_note()):
       print(msg, file=sys.stderr, flush=True)  # not logged too: the launcher shows logs on stderr
 
+
+  def _offload_note(self) -> str:
+    """The capacity line's tiered prefix cache: the host memory reserved for it."""
+    c = self.engine_cfg.cache
+    if not self.kv_offload:
+      return ""
+    page_bytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self.kv_page_specs())
+    pages = c.host_tier_pages(page_bytes)
+    disk = (f", disk tier {c.kv_offload_disk_gb:g} GiB in {c.kv_offload_disk_dir}"
+            if c.kv_offload_disk_dir is not None else "")
+    return (f"; offload: host tier {pages} pages = {pages * c.page_size} tokens "
+            f"({pages * page_bytes / 2**30:.2f} GiB reserved){disk}")
 
   def _state_note(self) -> str:
     """The capacity line's linear-attention state slots (state_cache.py), if any."""

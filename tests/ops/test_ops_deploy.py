@@ -204,18 +204,18 @@ def test_grafana_dashboard_queries_what_the_server_exports(fleet):
     dash = json.load(f)
   titles = " ".join(p["title"] for p in dash["panels"]).lower()
   for topic in ("first token", "time per output token", "tokens per second", "kv cache",
-                "queue", "failure"):
+                "queue", "failure", "tiered prefix cache"):
     assert topic in titles, topic
   exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
   exprs += [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
   if fleet == "dp":
     config = EngineConfig.of(max_num_seqs=4, max_model_len=256, num_pages=64, dp=2,
-                          compilation_cache=False)
+                          compilation_cache=False, kv_offload_host_gb=0.001)
     replicas = [fake_engine(config.replace(dp=1)) for _ in range(2)]
     engine, roles = ReplicatedEngine(replicas, config=config), {"both"}
   else:
     config = EngineConfig.of(max_num_seqs=4, max_model_len=256, num_pages=64, prefill_workers=1,
-                          decode_workers=1, compilation_cache=False)
+                          decode_workers=1, compilation_cache=False, kv_offload_host_gb=0.001)
     worker = config.replace(prefill_workers=0, decode_workers=0)
     engine = DisaggregatedEngine([fake_engine(worker)], [fake_engine(worker)], config=config)
     roles = {"prefill", "decode"}

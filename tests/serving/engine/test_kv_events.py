@@ -205,6 +205,21 @@ def test_full_queue_drops_with_a_counter_and_a_sequence_gap(endpoints):
   assert pub.published_batches == 3 and pub.dropped_batches == 1
 
 
+def test_an_engines_stats_count_dropped_batches(endpoints):
+  """A publisher that cannot keep up (here: never started) drops whole step batches;
+  the engine's stats (and so /metrics' xlaserve_kv_events_dropped_total) count them."""
+  engine = lora_engine(num_pages=20)
+  pub = KVEventPublisher(endpoints[0], max_queue_batches=1)
+  engine.attach_kv_events(KVEventRecorder(pub, block_size=PAGE))
+  try:
+    assert engine.stats().kv_events_dropped_total == 0
+    run(engine, [(None, [1 + i] * 9) for i in range(3)])  # several steps commit pages
+  finally:
+    engine.shutdown()
+  assert pub.dropped_batches > 0
+  assert engine.stats().kv_events_dropped_total == pub.dropped_batches
+
+
 def test_busy_port_raises_before_anything_is_sent(endpoints):
   busy = f"tcp://*:{free_port()}"
   first = KVEventPublisher(busy)

@@ -55,7 +55,8 @@ def test_engine_stats_read_at_scrape_time():
   stats = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_pages_total=8,
                       num_pages_free=6, num_preemptions_total=1, prompt_tokens_total=40,
                       generation_tokens_total=12, prefix_cache_queries_total=32,
-                      prefix_cache_hits_total=16, prefill_tokens_computed_total=24)
+                      prefix_cache_hits_total=16, prefill_tokens_computed_total=24,
+                      kv_events_dropped_total=5)
   m = Metrics(lambda: stats, model_name="m")
   m.timer().on_finish("stop")
   body, content_type = m.render()
@@ -66,6 +67,7 @@ def test_engine_stats_read_at_scrape_time():
   assert samples["xlaserve_num_requests_running"] == 3
   assert samples["xlaserve_kv_cache_usage_perc"] == 0.25
   assert samples["xlaserve_prefix_cache_hits_total"] == 16
+  assert samples["xlaserve_kv_events_dropped_total"] == 5
   stats.generation_tokens_total = 20  # read live at the next scrape
   assert _samples(m.render()[0].decode())["xlaserve_generation_tokens_total"] == 20
 
