@@ -86,6 +86,11 @@ OPTION_SAMPLES = {
     "kv_events_topic": ("kv@pod@m", {"kv_events_endpoint": "tcp://*:5557"}),
     "kv_events_replay_endpoint": ("tcp://*:5558", {"kv_events_endpoint": "tcp://*:5557"}),
     "kv_events_format": ("map", {"kv_events_endpoint": "tcp://*:5557"}),
+    "kv_offload_host_gb": (0.5, {}),
+    "kv_offload_disk_dir": ("/tmp/xlaserve-kv", {"kv_offload_host_gb": 0.5,
+                                                 "kv_offload_disk_gb": 2.0}),
+    "kv_offload_disk_gb": (2.0, {"kv_offload_host_gb": 0.5,
+                                 "kv_offload_disk_dir": "/tmp/xlaserve-kv"}),
 }
 
 
