@@ -239,6 +239,8 @@ class ModelRunner:
     kw = dict(cfg=self.model_cfg, backend=self.backend, act_dtype=jnp.dtype(self.dtype_name),
               block_tokens=self.engine_cfg.cache.attention_block_tokens)
     jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
+    slot_jit = jax.jit if placement is None else functools.partial(
+        placement.jit, state=self.state.slot_state())
     static = repr(sorted(kw.items()))
 
     def forward(name: str, step) -> StepProgram:
@@ -247,8 +249,9 @@ class ModelRunner:
                          static=static, num_fixed=3, store=self._store)
 
     def sampler(name: str, step) -> StepProgram:
-      """Arguments: state (donated), logits, the rest of the sampler's input."""
-      return StepProgram(name, jit(step, donate_argnums=(0,)), static="", num_fixed=1,
+      """Arguments: the state's `slot_state()` (donated), logits, the rest of the sampler's
+      input (`_run_sampler`)."""
+      return StepProgram(name, slot_jit(step, donate_argnums=(0,)), static="", num_fixed=1,
                          store=self._store)
 
     self._prefill = forward("prefill", prefill_step)
@@ -345,12 +348,11 @@ class ModelRunner:
     """Runs one waiting sampler call with its mask input."""
     with self._device_errors():
       if call.drafts is not None:
-        self.state, call.out = self._verify_sample(self.state, call.logits, call.drafts,
-                                                   call.num_drafts, call.slots, call.tensors,
-                                                   allowed)
+        call.out = self._run_sampler(self._verify_sample, call.logits, call.drafts,
+                                     call.num_drafts, call.slots, call.tensors, allowed)
       else:
-        self.state, call.out = self._sample(self.state, call.logits, call.slots, call.tensors,
-                                            allowed)
+        call.out = self._run_sampler(self._sample, call.logits, call.slots, call.tensors,
+                                     allowed)
     call.logits = call.slots = call.tensors = call.drafts = call.num_drafts = None
 
   def fetch(self, *, handle: StepHandle) -> StepResult:
@@ -532,9 +534,17 @@ class ModelRunner:
                     tensors: sampling.SamplingTensors, defer: bool) -> SamplerCall:
     if defer:
       return SamplerCall(ids, logits=logits, slots=slots, tensors=tensors)
-    self.state, out = self._sample(self.state, logits, slots, tensors,
-                                   self._unconstrained(slots.shape[0]))
+    out = self._run_sampler(self._sample, logits, slots, tensors,
+                            self._unconstrained(slots.shape[0]))
     return SamplerCall(ids, out=out)
+
+  def _run_sampler(self, program: StepProgram,
+                   *args) -> sampling.SampleOutput | sampling.VerifyOutput:
+    """Runs a sampler program on the state's slot part (donated) and `args`; returns its
+    output."""
+    slots, out = program(self.state.slot_state(), *args)
+    self.state = self.state.with_slot_state(slots)
+    return out
 
   def _unconstrained(self, *rows: int) -> jax.Array:
     """All-ones token masks for B rows (or [B, S] positions), kept on the device (one per
@@ -656,7 +666,8 @@ class ModelRunner:
       inp = self.dummy_decode(b)
       logits = jax.ShapeDtypeStruct((b, vocab), jnp.float32)
       allowed = jax.ShapeDtypeStruct((b, self.mask_width), jnp.int32)
-      out.append((self._sample, (self.state, logits, inp.decode_slots, inp.sampling, allowed)))
+      out.append((self._sample, (self.state.slot_state(), logits, inp.decode_slots, inp.sampling,
+                                 allowed)))
     s = ec.speculative.num_speculative_tokens + 1
     verifies = [self.dummy_verify(b) for b in ec.verify_batch_buckets]
     for inp in verifies:
@@ -665,7 +676,7 @@ class ModelRunner:
       out.append((self._verify, (self.params, self.lora, self.state, inp, drafts)))
       logits = jax.ShapeDtypeStruct((b, s, vocab), jnp.float32)
       allowed = jax.ShapeDtypeStruct((b, s, self.mask_width), jnp.int32)
-      out.append((self._verify_sample, (self.state, logits, drafts, inp.num_drafts,
+      out.append((self._verify_sample, (self.state.slot_state(), logits, drafts, inp.num_drafts,
                                         inp.decode_slots, inp.sampling, allowed)))
     if self.draft is not None:
       prefills = [self.dummy_prefill(t) for t in ec.scheduler.prefill_token_buckets]
@@ -683,8 +694,8 @@ class ModelRunner:
       logits, slots = self.run_prefill(inp), inp.sample_slots
     else:
       logits, slots = self.run_decode(inp), inp.decode_slots
-    self.state, out = self._sample(self.state, logits, slots, inp.sampling,
-                                   self._unconstrained(slots.shape[0]))
+    out = self._run_sampler(self._sample, logits, slots, inp.sampling,
+                            self._unconstrained(slots.shape[0]))
     return out.tokens
 
   def dummy_prefill(self, t: int) -> PrefillInput:

@@ -39,6 +39,16 @@ class DeviceState:
   # Linear-attention models: each slot's conv / recurrent states (state_cache.py).
   states: state_cache.StateSlots | None = None
 
+  def slot_state(self) -> DeviceState:
+    """The sampler programs' part (kv and `states` left out): a sampler then depends on
+    the slot count, vocabulary and batch bucket only, not on the KV pool or the model, so
+    engines that differ in those share its executables (the compilation cache)."""
+    return dataclasses.replace(self, kv=None, states=None)
+
+  def with_slot_state(self, slots: DeviceState) -> DeviceState:
+    """This state with the sampler's part replaced by `slots` (a `slot_state()`)."""
+    return dataclasses.replace(slots, kv=self.kv, states=self.states)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
