@@ -299,7 +299,10 @@ def test_real_prometheus_scrapes_queries_and_alerts(tmp_path):
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
   names = {r["alert"] for r in alert_rules(load_rules())}
-  server = OpsServer("--served_model_name=m", f"--max_queued_requests={MAX_QUEUED}")
+  # The host tier on (a small one), so the dashboard's tiered-prefix-cache panels have
+  # their series.
+  server = OpsServer("--served_model_name=m", f"--max_queued_requests={MAX_QUEUED}",
+                     "--kv_offload_host_gb=0.05")
   prom = load = None
   try:
     prom = Prometheus(tmp_path, f"127.0.0.1:{server.http_port}", rules)
