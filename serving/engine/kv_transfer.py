@@ -157,9 +157,14 @@ class KVSender:
 
   def offer(self, prompt_ids: list[int]) -> Offer | None:
     """Pins the prompt's cached full pages (a blocking call: worker thread) -> the offer,
-    or None when none is cached (a prompt shorter than a page, or evicted meanwhile)."""
-    pages, hashes = self.engine.call_soon(
-        lambda: self.engine.allocator.match_prefix(prompt_ids, count=False)).result()
+    or None when none is cached (a prompt shorter than a page, or evicted meanwhile).
+    A request's own prefill leg pins with `pin` at its output instead: nothing can evict
+    its pages between its finish and the offer then."""
+    return self.engine.call_soon(lambda: self.pin(prompt_ids)).result()
+
+  def pin(self, prompt_ids: list[int]) -> Offer | None:
+    """`offer`, on the engine thread."""
+    pages, hashes = self.engine.allocator.match_prefix(prompt_ids, count=False)
     if not pages:
       return None
     offer = Offer(secrets.token_hex(16), pages, hashes, self.clock() + self.timeout_s)

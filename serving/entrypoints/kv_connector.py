@@ -7,7 +7,8 @@ request in two legs:
 
   1. To a prefill server, with `kv_transfer_params: {"do_remote_decode": true}`
      and `max_tokens: 1` (not streamed). It prefills, pins the prompt's full
-     pages (`KVSender.offer`) and answers with
+     pages at its output (`KVSender.pin`, on the engine thread, before anything
+     can evict them) and answers with
      `kv_transfer_params: {do_remote_prefill: true, do_remote_decode: false,
      remote_engine_id, remote_request_id, remote_block_ids, remote_host,
      remote_port}`: its engine id, the offer's id, the pinned page ids, and its
@@ -45,6 +46,7 @@ from serving.engine.kv_transfer import (
   KVReceiver,
   KVSender,
   KVTransferError,
+  Offer,
   RemotePrefill,
   page_format,
 )
@@ -95,9 +97,20 @@ class KVConnector:
     return (self.receiver is not None and params is not None and params.do_remote_prefill
             and bool(params.remote_block_ids))
 
-  def offer(self, prompt_ids: list[int]) -> dict[str, Any]:
-    """Pins the prompt's pages -> the response's kv_transfer_params."""
-    offer = self.sender.offer(prompt_ids)
+  def pin_at_first_output(self, prompt_ids: list[int],
+                          pinned: Callable[[Offer | None], None]) -> Callable[[], None]:
+    """A hook pinning a prefill leg's pages on the engine thread at the request's first
+    output (`AsyncEngine.submit`'s on_first_output), while they are still cached for
+    certain; `pinned` gets the offer (None: no full page)."""
+    return lambda: pinned(self.sender.pin(prompt_ids))
+
+  def unpin(self, offer: Offer | None) -> None:
+    """Releases an offer whose request failed (nobody will pull it)."""
+    if offer is not None:
+      self.sender.release(offer.id)
+
+  def params(self, offer: Offer | None) -> dict[str, Any]:
+    """A prefill leg's response kv_transfer_params for its pinned offer."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": offer.id if offer else None,

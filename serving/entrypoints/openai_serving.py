@@ -27,6 +27,7 @@ from typing import Any
 
 from serving.engine.client import EngineDeadError
 from serving.engine.kv_events import wire_hash
+from serving.engine.kv_transfer import Offer
 from serving.entrypoints import tool_calls
 from serving.entrypoints.async_engine import (
   AsyncEngine,
@@ -81,6 +82,7 @@ class Job:
   tools: list[tool_calls.ToolSpec] | None = None  # parse tool calls from the output (chat)
   kv_params: KVTransferParams | None = None  # prefill / decode across servers (kv_connector)
   kv_pages: list[int] = dataclasses.field(default_factory=list)  # pulled, held until submitted
+  kv_offer: Offer | None = None  # a prefill leg's pages, pinned at its first output
   created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
   def usage(self) -> dict[str, int]:
@@ -272,6 +274,12 @@ class OpenAIServing:
     if pages:
       self.kv.release(pages)
 
+  def _unpin_kv(self, job: Job) -> None:
+    """Releases a failed prefill leg's offer (nobody will pull it)."""
+    offer, job.kv_offer = job.kv_offer, None
+    if offer is not None:
+      self.kv.unpin(offer)
+
   def tool_options(self, req: ChatCompletionRequest) -> tuple[list[tool_calls.ToolSpec], str]:
     """The request's validated tools and tool_choice ("none", "auto", "required" or a
     function name); APIError 400 naming the field."""
@@ -410,6 +418,9 @@ class OpenAIServing:
     try:
       for c in job.choices:
         hook = self.kv.release_at_first_output(held) if held else None
+        if job.kv_params is not None and self.kv.offers_for(job.kv_params):
+          hook = self.kv.pin_at_first_output(c.prompt_ids,
+                                             lambda offer: setattr(job, "kv_offer", offer))
         streams.append(self.engine.submit(c.prompt_ids, c.params, f"{job.id}-{c.index}",
                                           lora=job.lora, on_first_output=hook))
         held = []  # the request releases them
@@ -459,9 +470,15 @@ class OpenAIServing:
   async def run(self, job: Job) -> dict[str, Any]:
     """Runs a prepared job to completion and returns the response body."""
     streams = self.submit(job)
-    async with contextlib.aclosing(self.merge(job, streams)) as deltas:
-      async for _ in deltas:
-        pass
+    try:
+      async with contextlib.aclosing(self.merge(job, streams)) as deltas:
+        async for _ in deltas:
+          pass
+    except BaseException:  # the client went away: nobody will pull a prefill leg's pages
+      self._unpin_kv(job)
+      raise
+    if any(c.finish_reason in ("error", "abort") for c in job.choices):
+      self._unpin_kv(job)
     for c in job.choices:
       if c.finish_reason == "error":
         raise APIError(500, f"generation failed: {c.error}", type="server_error")
@@ -478,8 +495,7 @@ class OpenAIServing:
     body = {"id": job.id, "object": obj, "created": job.created, "model": job.model,
             "choices": choices, "usage": job.usage()}
     if job.kv_params is not None and self.kv.offers_for(job.kv_params):
-      body["kv_transfer_params"] = await asyncio.to_thread(self.kv.offer,
-                                                           job.choices[0].prompt_ids)
+      body["kv_transfer_params"] = self.kv.params(job.kv_offer)
     return body
 
   async def chunks(self, job: Job, streams: list[RequestStream], include_usage: bool,
