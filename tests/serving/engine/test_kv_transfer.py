@@ -9,6 +9,8 @@ channel is replaced by direct calls to the sender (`side_channel`). Checked:
   the decode engine then computes only the last partial page and outputs
   what one engine outputs;
 - an offer nobody pulls is released after the timeout (a fake clock);
+- an offer pinned at the request's output (the prefill leg's hook) outlives
+  requests that churn the whole pool right after it;
 - exports refuse other tokens' hashes, unknown chunks and chunks pulled twice;
 - a pull step that does not finish in the timeout fails the transfer;
 - a handshake with another page format, or an unreachable prefill server,
@@ -218,3 +220,28 @@ def test_a_step_past_the_timeout_fails_the_transfer():
   with pytest.raises(KVTransferError, match="pull failed: boom"):
     _bounded(lambda: (_ for _ in ()).throw(RuntimeError("boom")), 1.0)
   assert _bounded(lambda: 7, 1.0) == 7
+
+
+def test_pin_at_output_survives_later_evictions(engines):
+  # A prefill leg pins at its output, on the engine thread (openai_serving's hook):
+  # requests that churn the whole pool right after it cannot evict the offered pages.
+  prefill = engines()
+  sender = KVSender(prefill, _transport(prefill), timeout_s=30.0)
+  pinned, done = [], threading.Event()
+
+  def on_output(out) -> None:
+    if not pinned:
+      pinned.append(sender.pin(PROMPT))
+    if out.finished:
+      done.set()
+
+  prefill.add_request("leg", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), on_output)
+  assert done.wait(30) and pinned[0] is not None and len(pinned[0].pages) == 4
+  for i in range(6):  # 6 x 25 pages of other prompts through a 64-page pool
+    _run(prefill, [VOCAB - 1 - i] * 100, 1)
+  hashes = prompt_hashes(PROMPT, PAGE)
+  assert prefill.call_soon(lambda: [prefill.allocator.lookup(h) for h in hashes]
+                           ).result() == pinned[0].pages
+  assert sorted(_referenced(prefill)) == sorted(pinned[0].pages)
+  sender.release(pinned[0].id)
+  assert _referenced(prefill) == []
