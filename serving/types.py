@@ -361,6 +361,9 @@ class Sequence:
   # reload failed (its next admission recomputes that prefix instead).
   kv_reload: KVReload | None = dataclasses.field(default=None, repr=False)
   offload_failed: bool = False
+  # Until when (time.monotonic()) its admission waits for its disk pages to be read
+  # ahead; set when it first asks, cleared when it is admitted.
+  prefetch_deadline: float | None = None
 
   @property
   def cache_salt(self) -> bytes | None:
@@ -562,6 +565,8 @@ class KVOffloadStats:
   reload_seconds: float = 0.0  # host time of the reload transfers, summed per step
   reload_steps: int = 0
   reload_failures: int = 0  # sequences that recomputed a prefix after a failed reload
+  pages_prefetched: int = 0  # disk pages read ahead of admission by the reader thread
+  prefetch_misses: int = 0  # disk pages a request recomputed: read late, failed or not read
 
 
 @dataclasses.dataclass

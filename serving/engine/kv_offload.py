@@ -19,12 +19,20 @@ Lifecycle, on the engine thread:
   3. `after_dispatch()`, once the step is dispatched: the copies started by
      earlier steps land in the host pool. The copy of step N's evictions thus
      overlaps step N+1.
-  4. Admission (`match`, from the scheduler): after the device pool's longest
+  4. Prefetch (`prefetch`, from the scheduler when a request arrives and while it
+     waits at the head of the queue): the sequence's prefix pages that only the disk
+     tier holds are read by a reader thread, off the engine thread, into a staging
+     area (at most `prefetch_pages` pages read or staged). Admission waits for them
+     (the scheduler admits requests behind it meanwhile) up to `prefetch_wait_s`
+     after the request arrived; a read not done by then, or one that failed, is a
+     miss for that request only: it recomputes from that page on.
+  5. Admission (`match`, from the scheduler): after the device pool's longest
      cached prefix, the hash chain goes on in the host tier, then the disk
-     tier. Pages found are copied out for the reload (a disk hit is promoted
-     into the host tier); the sequence gets fresh pages for them and counts
-     them as computed. Their hashes are published like any page the step
-     filled, after it completed.
+     tier's staged reads (and pages still on their way to it). Pages found are
+     copied out for the reload (a disk hit is promoted into the host tier); the
+     sequence gets fresh pages for them and counts them as computed. Their hashes
+     are published like any page the step filled, after it completed. Nothing on
+     the engine thread reads a file.
 
 The host tier (`HostPagePool`) is one preallocated buffer per stored array,
 sized at start-up (`kv_offload_host_gb`, counted in the runner's capacity line),
@@ -46,6 +54,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -61,6 +70,9 @@ from serving.types import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long a request's admission may wait for its disk pages to be read (from its arrival).
+PREFETCH_WAIT_S = 0.5
 
 PageSpec = tuple[tuple[int, ...], Any]  # one stored array of a page: (shape, dtype)
 
@@ -171,9 +183,18 @@ class KVOffload(CacheListener):
   """
 
   def __init__(self, runner: Any, host: HostPagePool, *, page_size: int, chunk_pages: int,
-               disk: PageStore | None = None):
+               disk: PageStore | None = None, prefetch_wait_s: float = PREFETCH_WAIT_S,
+               prefetch_pages: int | None = None):
     self.runner, self.host, self.disk = runner, host, disk
     self.page_size, self.chunk_pages = page_size, chunk_pages
+    # Disk pages read ahead of admission: by the reader thread, then staged here (engine
+    # thread) until a sequence's admission takes them; at most `prefetch_pages` of both.
+    self.prefetch_wait_s = prefetch_wait_s
+    self.prefetch_pages = prefetch_pages or max(chunk_pages, min(host.capacity, 8 * chunk_pages))
+    self._reader = (concurrent.futures.ThreadPoolExecutor(1, "kv-disk-reader")
+                    if disk is not None else None)
+    self._reading: dict[bytes, concurrent.futures.Future] = {}
+    self._staged: collections.OrderedDict[bytes, list[np.ndarray]] = collections.OrderedDict()
     self._queued: list[tuple[int, bytes]] = []  # (device page, hash) evicted, not gathered
     self._copies: list[_Copy] = []
     self._step = 0
@@ -208,6 +229,7 @@ class KVOffload(CacheListener):
     tier keeps its files: they are checked against the model when read)."""
     self._queued.clear()
     self._copies.clear()
+    self._staged.clear()
     self.host.clear()
     self.stats.host.used_bytes = 0
 
@@ -285,13 +307,76 @@ class KVOffload(CacheListener):
         if self._writing.get(h) is arrays:
           del self._writing[h]
 
-  def _disk_get(self, h: bytes) -> list[np.ndarray] | None:
-    """A page of the disk tier: still on its way to the file, or read from it."""
+  def _writing_copy(self, h: bytes) -> list[np.ndarray] | None:
+    """A copy of page `h` if it is on its way to the disk tier (still in memory)."""
     with self._writing_lock:
       pending = self._writing.get(h)
-    if pending is not None:
-      return [a.copy() for a in pending]
-    return self.disk.get(h)
+    return None if pending is None else [a.copy() for a in pending]
+
+  # ---- prefetch ----
+
+  def prefetch(self, seq: Sequence, on_device: Callable[[bytes], bool]) -> bool:
+    """Starts reading, on the reader thread, the sequence's prefix pages (up to the
+    first page no tier holds) that only the disk tier has: not `on_device`, not in the
+    host tier, not on their way to disk, not read or staged already. True while some of
+    them are still being read and the sequence arrived less than `prefetch_wait_s` ago:
+    its admission should wait. Without a disk tier, False."""
+    if self.disk is None:
+      return False
+    self._harvest()
+    now = time.monotonic()
+    if seq.prefetch_deadline is None:
+      seq.prefetch_deadline = now + self.prefetch_wait_s
+    ps, tokens, parent = self.page_size, seq.token_ids(), seq.cache_salt
+    pending = False
+    for i in range((seq.num_known - 1) // ps):
+      h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
+      parent = h
+      if on_device(h) or h in self.host or h in self._staged:
+        continue
+      if h in self._reading:
+        pending = True
+        continue
+      with self._writing_lock:
+        if h in self._writing:
+          continue
+      if h not in self.disk or not self._make_room():
+        break
+      self._reading[h] = self._reader.submit(self._read, h)
+      self.stats.pages_prefetched += 1
+      pending = True
+    return pending and now < seq.prefetch_deadline
+
+  def _make_room(self) -> bool:
+    """Room for one more read: the oldest staged pages move into the host tier while
+    reads and staged pages fill `prefetch_pages`. False if reads alone fill it."""
+    while len(self._reading) + len(self._staged) >= self.prefetch_pages and self._staged:
+      self._store_host(*self._staged.popitem(last=False))
+    return len(self._reading) < self.prefetch_pages
+
+  def _read(self, h: bytes) -> list[np.ndarray] | None:
+    """On the reader thread: page `h` from the disk tier; None if it is gone, refused
+    (the store deletes and counts it) or the read raised (logged)."""
+    try:
+      return self.disk.get(h)
+    except Exception as e:  # the request recomputes this page: never the engine's failure
+      log.warning("disk KV tier: reading a page failed (%s: %s); it is recomputed",
+                  type(e).__name__, e)
+      return None
+
+  def _harvest(self) -> None:
+    """Stages the pages the reader thread has finished reading."""
+    for h in [h for h, f in self._reading.items() if f.done()]:
+      arrays = self._reading.pop(h).result()
+      if arrays is not None:
+        self._staged[h] = arrays
+
+  def wait_for_reads(self, timeout_s: float) -> None:
+    """Waits up to `timeout_s` for a read in flight to finish (an engine with nothing
+    else to do than wait for a sequence's prefetch)."""
+    if self._reading:
+      concurrent.futures.wait(list(self._reading.values()), timeout_s,
+                              concurrent.futures.FIRST_COMPLETED)
 
   # ---- admission ----
 
@@ -303,13 +388,14 @@ class KVOffload(CacheListener):
     ps = self.page_size
     tokens = seq.token_ids()
     self._land_ready()
+    seq.prefetch_deadline = None  # a later admission (after a preemption) waits anew
     reload = KVReload(seq=seq, pages=[], arrays=[], tiers=[])
     for i in range(first, limit):
       h = page_hash(parent, tokens[i * ps:(i + 1) * ps])
       arrays = self.host.get(h)
       tier = "host"
       if arrays is None and self.disk is not None:
-        arrays, tier = self._disk_get(h), "disk"
+        arrays, tier = self._from_disk(h), "disk"
         if arrays is not None:
           self._store_host(h, arrays)  # promoted: the next hit is a host hit
       if arrays is None:
@@ -319,6 +405,18 @@ class KVOffload(CacheListener):
       reload.tiers.append(tier)
       parent = h
     return reload
+
+  def _from_disk(self, h: bytes) -> list[np.ndarray] | None:
+    """Page `h` of the disk tier if it is in memory: read ahead (staged) or on its way
+    to the file. A page the disk tier holds that was not read in time (or whose read
+    failed) is a miss, counted in `prefetch_misses`."""
+    self._harvest()
+    arrays = self._staged.pop(h, None)
+    if arrays is None:
+      arrays = self._writing_copy(h)
+    if arrays is None and (h in self._reading or h in self.disk):
+      self.stats.prefetch_misses += 1
+    return arrays
 
   def record(self, reload: KVReload) -> None:
     """Counts an admitted sequence's lookup: hits and misses per tier."""
@@ -366,6 +464,12 @@ class KVOffload(CacheListener):
     pages newly written."""
     if self.disk is None:
       return 0
+    self._reader.shutdown(wait=True)  # the reads in flight land in the host tier too
+    self._reader = concurrent.futures.ThreadPoolExecutor(1, "kv-disk-reader")
+    self._harvest()
+    for h, arrays in self._staged.items():
+      self._store_host(h, arrays)
+    self._staged.clear()
     self.flush_evictions()
     for c in self._copies:
       self._land(c)
@@ -382,6 +486,7 @@ class KVOffload(CacheListener):
     """Waits for the disk writes in flight and releases the disk tier's directory (its
     files stay for the next server)."""
     if self.disk is not None:
+      self._reader.shutdown(wait=True)
       self._writer.shutdown(wait=True)
       self.disk.close()
 

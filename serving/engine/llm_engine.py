@@ -371,6 +371,8 @@ class LLMEngine:
     previous, self._inflight = self._inflight, inflight
     if previous is not None:
       self._postprocess(*previous)
+    elif inflight is None and self.offload is not None:  # maybe waiting for a disk read
+      self.offload.wait_for_reads(0.005)
     if inflight is not None and needs_masks:
       self._sample_constrained(*inflight)
 

@@ -188,6 +188,10 @@ class PageAllocator:
     for listener in self.listeners:
       listener.stored(page, h, parent, tokens)
 
+  def holds(self, h: bytes) -> bool:
+    """True if a page (held or evictable) is cached under prefix hash `h`."""
+    return h in self._page_of
+
   def cached_hashes(self) -> list[bytes]:
     """The prefix hashes cached now (held or evictable pages), in no particular order."""
     return list(self._page_of)

@@ -48,7 +48,10 @@ there get fresh pages, count as computed, and the plan carries their reload
 (`StepPlan.kv_reloads`), which the engine writes before the step runs. Their
 hashes are published with the step's other pages. A reload that fails takes
 its sequence out of the step (`drop_reload`): it is readmitted and recomputes
-that prefix.
+that prefix. Pages only the disk tier holds are read ahead by the tiers' reader
+thread from the moment a request arrives (`KVOffload.prefetch`); a request whose
+reads are not done yet is passed over (the requests behind it are admitted) for at
+most `prefetch_wait_s` after its arrival, then admitted with what arrived.
 
 Multi-step decoding (`num_decode_steps` = k > 1, docs/multi_step.md): when
 only decode rows run, nothing waits in the queue, the step does not
@@ -107,7 +110,15 @@ class Scheduler:
     self._order = itertools.count()
 
   def add(self, seq: Sequence) -> None:
+    """Queues a sequence (and starts reading its disk-tier pages ahead, if any)."""
     self.waiting.append(seq)
+    self._awaits_prefetch(seq)
+
+  def _awaits_prefetch(self, seq: Sequence) -> bool:
+    """True while the offload tiers read the sequence's disk pages ahead of its
+    admission (bounded: `KVOffload.prefetch`); it starts the reads not started yet."""
+    return (self.offload is not None and not _uses_penalties(seq.params)
+            and not seq.offload_failed and self.offload.prefetch(seq, self.allocator.holds))
 
   def waiting_by_adapter(self) -> dict[str, int]:
     """LoRA adapter name -> waiting requests under it (adapters with waiting requests only).
@@ -135,7 +146,7 @@ class Scheduler:
     passed: list[Sequence] = []  # waiting for a LoRA slot: later requests go first
     while budget > 0 and self.waiting and self.free_slots and not self.waiting[0].pending:
       seq = self.waiting[0]
-      if not self._admit(seq):
+      if self._awaits_prefetch(seq) or not self._admit(seq):
         passed.append(self.waiting.popleft())
         continue
       end = min(seq.num_computed + budget, seq.num_known)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ from serving.engine import LLMEngine
 from serving.engine.fake_runner import FakeRunner
 from serving.engine.kv_disk_store import DiskPageStore
 from serving.engine.kv_offload import HostPagePool
+from serving.engine.page_allocator import page_hash
 from serving.types import SamplingParams, WindowGroup
 
 PAGE = 4
@@ -66,7 +68,7 @@ IDENTITY = {"model": "fake", "page_size": str(PAGE), "layout": "k,v [1, 4, 2] in
 
 
 def make_engine(num_pages: int, host_gb: float = 0.0, runner=None, disk_dir=None,
-                identity=IDENTITY, **kw) -> LLMEngine:
+                identity=IDENTITY, store=DiskPageStore, **kw) -> LLMEngine:
   disk = dict(kv_offload_disk_dir=str(disk_dir), kv_offload_disk_gb=0.01) if disk_dir else {}
   config = EngineConfig.of(max_num_seqs=4, max_model_len=256, page_size=PAGE,
                            num_pages=num_pages, max_num_batched_tokens=32,
@@ -74,16 +76,18 @@ def make_engine(num_pages: int, host_gb: float = 0.0, runner=None, disk_dir=None
                            kv_transfer_pages=3, **disk, **kw)
   runner = runner or FakeRunner(num_pages=num_pages, page_size=PAGE, max_num_seqs=4,
                                 vocab_size=300)
-  store = DiskPageStore(str(disk_dir), 2**24, identity) if disk_dir else None
+  store = store(str(disk_dir), 2**24, identity) if disk_dir else None
   return LLMEngine(runner=runner, tokenizer=ByteTokenizer(), config=config, kv_disk=store)
 
 
 def conversations(engine: LLMEngine, n: int = 6, turns: int = 4, system: int = 21,
-                  lora: str | None = None, first: int = 0) -> list[list[list[int]]]:
+                  lora: str | None = None, first: int = 0, prompts: dict | None = None
+                  ) -> list[list[list[int]]]:
   """`n` interleaved conversations sharing a system prompt; each turn's prompt is the
   whole history so far plus a new user message. -> each conversation's outputs. With
   `first`, the turns before it are taken as answered by `conversations(..., turns=first)`
-  (the fake runner's answers depend only on the prompt) and are not sent."""
+  (the fake runner's answers depend only on the prompt) and are not sent. `prompts`
+  collects each request's prompt by request id."""
   rng = np.random.default_rng(0)
   sys_prompt = [int(t) for t in rng.integers(1, 250, system)]
   history = [list(sys_prompt) for _ in range(n)]
@@ -97,6 +101,8 @@ def conversations(engine: LLMEngine, n: int = 6, turns: int = 4, system: int = 2
     for c in range(n):
       history[c] += [int(t) for t in rng.integers(1, 250, 5 + c % 3)]
       got[c] = []
+      if prompts is not None:
+        prompts[f"c{c}t{turn}"] = list(history[c])
       engine.add_request(f"c{c}t{turn}", list(history[c]),
                          SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                          lambda out, c=c, got=got: got[c].extend(out.token_ids), lora=lora)
@@ -230,3 +236,80 @@ def test_refusals():
                       window_group=WindowGroup(8, 40))
   with pytest.raises(ValueError, match="sliding-window"):
     make_engine(num_pages=40, host_gb=1e-3, runner=runner)
+
+
+class ReadSpy(DiskPageStore):
+  """A disk tier that records the thread of every page read and, for the hashes in
+  `fail`, raises instead of reading; with `gate` set, every read waits for it."""
+
+  fail: frozenset[bytes] = frozenset()
+  gate: threading.Event | None = None
+
+  def __init__(self, *args):
+    super().__init__(*args)
+    self.threads: list[str] = []
+
+  def get(self, h: bytes):
+    self.threads.append(threading.current_thread().name)
+    if self.gate is not None:
+      self.gate.wait()
+    if h in self.fail:
+      raise RuntimeError("injected read failure")
+    return super().get(h)
+
+
+def chain(tokens: list[int]) -> set[bytes]:
+  """The base model's prefix hashes of `tokens`' full pages."""
+  hashes, parent = set(), None
+  for i in range((len(tokens) - 1) // PAGE):
+    parent = page_hash(parent, tokens[i * PAGE:(i + 1) * PAGE])
+    hashes.add(parent)
+  return hashes
+
+
+def warm_disk(tmp_path) -> tuple[list, dict]:
+  """Three turns through an engine with a small host tier, shut down so that its pages
+  are on disk. -> the full reference outputs (tiers off) and every request's prompt."""
+  prompts: dict = {}
+  reference = conversations(make_engine(num_pages=40), prompts=prompts)
+  first = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path)
+  conversations(first, turns=3)
+  first.shutdown()
+  return reference, prompts
+
+
+def test_disk_hits_are_read_ahead_off_the_engine_thread(tmp_path):
+  reference, _ = warm_disk(tmp_path)
+  restarted = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path, store=ReadSpy)
+  assert conversations(restarted, first=3) == [c[3:] for c in reference]
+  tier = restarted.stats().kv_offload
+  assert tier.disk.hits > 0 and tier.pages_prefetched >= tier.disk.hits
+  threads = restarted.offload.disk.threads
+  assert threads and all(t.startswith("kv-disk-reader") for t in threads)
+
+
+def test_a_failed_prefetch_recomputes_for_that_request_only(tmp_path):
+  reference, prompts = warm_disk(tmp_path)
+  own = chain(prompts["c5t3"]) - chain(prompts["c4t3"])  # c5's history, not the system's
+  ReadFails = type("ReadFails", (ReadSpy,), {"fail": frozenset(own)})
+  restarted = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path, store=ReadFails)
+  assert own & set(restarted.offload.disk.hashes())  # c5's next turn was on disk
+  assert conversations(restarted, first=3) == [c[3:] for c in reference]
+  tier = restarted.stats().kv_offload
+  assert tier.prefetch_misses > 0  # c5's pages: recomputed
+  assert tier.disk.hits > 0  # the other conversations' pages came from disk
+  assert restarted.health() is None
+
+
+def test_a_slow_prefetch_falls_back_to_recompute(tmp_path):
+  reference, _ = warm_disk(tmp_path)
+  ReadWaits = type("ReadWaits", (ReadSpy,), {"gate": threading.Event()})
+  restarted = make_engine(num_pages=40, host_gb=1e-3, disk_dir=tmp_path, store=ReadWaits)
+  restarted.offload.prefetch_wait_s = 0.05  # then admitted with what arrived: nothing
+  try:
+    assert conversations(restarted, first=3) == [c[3:] for c in reference]
+    tier = restarted.stats().kv_offload
+    assert tier.disk.hits == 0 and tier.prefetch_misses > 0 and tier.pages_prefetched > 0
+  finally:
+    ReadWaits.gate.set()
+  restarted.shutdown()
