@@ -202,6 +202,10 @@ _OFFLOAD_COUNTERS = (
     ("kv_reload_steps_total", "reload_steps", "Steps that reloaded pages."),
     ("kv_reload_failures_total", "reload_failures",
      "Requests that recomputed a prefix after a failed reload."),
+    ("kv_prefetch_pages_total", "pages_prefetched",
+     "Disk-tier pages read ahead of admission by the reader thread."),
+    ("kv_prefetch_misses_total", "prefetch_misses",
+     "Disk-tier pages a request recomputed: read too late, failed, or not read."),
 )
 
 

@@ -17,6 +17,11 @@
   from disk (disk hits counted, outputs identical); a corrupted file and a file
   written for another model are refused (deleted, counted) and those requests
   recompute, with the same outputs.
+- Disk pages are read ahead of admission by the reader thread (never on the
+  engine thread). A read that raises costs only its conversation the
+  recomputation of those pages (the others still hit disk; counted and exported
+  as `kv_prefetch_misses_total`); reads that do not finish within
+  `prefetch_wait_s` are recomputed instead of waited for.
 - The host tier refuses what it cannot serve: a sliding-window page group, no
   prefix cache, a disk tier without a host tier, a host tier too small for a page.
 """
@@ -30,6 +35,7 @@ import threading
 import numpy as np
 import pytest
 from frontend_fake import ByteTokenizer
+from prometheus_client.parser import text_string_to_metric_families
 from runner_faults import FaultyRunner
 
 from serving.config import EngineConfig
@@ -38,6 +44,7 @@ from serving.engine.fake_runner import FakeRunner
 from serving.engine.kv_disk_store import DiskPageStore
 from serving.engine.kv_offload import HostPagePool
 from serving.engine.page_allocator import page_hash
+from serving.entrypoints.metrics import Metrics
 from serving.types import SamplingParams, WindowGroup
 
 PAGE = 4
@@ -299,6 +306,10 @@ def test_a_failed_prefetch_recomputes_for_that_request_only(tmp_path):
   assert tier.prefetch_misses > 0  # c5's pages: recomputed
   assert tier.disk.hits > 0  # the other conversations' pages came from disk
   assert restarted.health() is None
+  samples = {s.name: s.value for family in text_string_to_metric_families(
+      Metrics(restarted.stats, model_name="m").render()[0].decode()) for s in family.samples}
+  assert samples["xlaserve_kv_prefetch_misses_total"] == tier.prefetch_misses
+  assert samples["xlaserve_kv_prefetch_pages_total"] == tier.pages_prefetched
 
 
 def test_a_slow_prefetch_falls_back_to_recompute(tmp_path):
