@@ -10,7 +10,9 @@ Lifecycle of `step()`:
   3a. With the tiered prefix cache (serving/engine/kv_offload.py), between 2 and 3:
      the pages the schedule evicted are gathered for the host tier and the
      plan's tier hits reloaded into their device pages; after 3 the copies
-     started by the previous step land in the host tier.
+     started by the previous step land in the host tier. A disk tier's pages are
+     read ahead by a reader thread; a step with nothing to run waits briefly for
+     those reads instead of spinning.
   5. If this step samples requests with an output constraint, their token
      masks depend on the tokens just appended: the runner ran its forward
      passes in 3 and waits; the engine fills the masks now (while the device
