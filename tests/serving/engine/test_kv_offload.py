@@ -8,6 +8,8 @@
   prefix hits that the device pool no longer has (fewer prefill tokens
   computed). The fake runner reads every context back from its pool, so a
   page reloaded into the wrong place, or not at all, raises.
+- A step's reloads are one import (one transfer) when they fit
+  `kv_transfer_pages`.
 - LoRA adapters' pages are found only under their own adapter.
 - A reload that fails costs its request only the recomputation of that
   prefix: the output is the same, the failure is counted.
@@ -77,10 +79,11 @@ IDENTITY = {"model": "fake", "page_size": str(PAGE), "layout": "k,v [1, 4, 2] in
 def make_engine(num_pages: int, host_gb: float = 0.0, runner=None, disk_dir=None,
                 identity=IDENTITY, store=DiskPageStore, **kw) -> LLMEngine:
   disk = dict(kv_offload_disk_dir=str(disk_dir), kv_offload_disk_gb=0.01) if disk_dir else {}
+  kw = dict(dict(kv_transfer_pages=3), **kw)
   config = EngineConfig.of(max_num_seqs=4, max_model_len=256, page_size=PAGE,
                            num_pages=num_pages, max_num_batched_tokens=32,
                            compilation_cache=False, kv_offload_host_gb=host_gb,
-                           kv_transfer_pages=3, **disk, **kw)
+                           **disk, **kw)
   runner = runner or FakeRunner(num_pages=num_pages, page_size=PAGE, max_num_seqs=4,
                                 vocab_size=300)
   store = store(str(disk_dir), 2**24, identity) if disk_dir else None
@@ -164,6 +167,16 @@ def test_a_failed_reload_recomputes_that_prefix_for_that_request_only():
   tier = engine.stats().kv_offload
   assert runner.num_imports > 1 and tier.reload_failures >= 1
   assert tier.pages_reloaded > 0  # later reloads went through
+
+
+def test_a_steps_reloads_are_one_transfer_when_they_fit_a_chunk():
+  runner = FaultyRunner(FakeRunner(num_pages=40, page_size=PAGE, max_num_seqs=4,
+                                   vocab_size=300))
+  engine = make_engine(num_pages=40, host_gb=1e-3, runner=runner, kv_transfer_pages=40)
+  assert conversations(engine) == conversations(make_engine(num_pages=40))
+  tier = engine.stats().kv_offload
+  assert tier.pages_reloaded > tier.reload_steps > 0  # steps reloaded several pages...
+  assert runner.num_imports == tier.reload_steps  # ...in one import each
 
 
 def test_disk_tier_takes_what_the_host_tier_pushes_out(tmp_path):
