@@ -312,6 +312,32 @@ def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits, s):
 
 
 @needs_native
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_verify_positions_attending_together_give_the_bits_of_each_alone(kv_dtype):
+  """A sequence's verify positions, next to each other, read its keys once for all of
+  them (decoder.cc `AttentionSpans`, attention.h `AttendQueries`); interleaved with the
+  other sequences' rows (no two neighbours share a table) each attends alone
+  (`AttendQuery`). Every row's hidden state has the same bits either way, and so has
+  the pool but for page 0 (where the padding rows write, in row order)."""
+  layers = _layers()
+  s = 10
+  positions, meta, used = _verify(VERIFY, s)
+  rows = native_decode.verify_rows(meta)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((len(VERIFY) * s, 128)),
+                  jnp.float32)
+  order = np.arange(len(VERIFY) * s).reshape(len(VERIFY), s).T.reshape(-1)  # position-major
+  run = jax.jit(native_decode.run_layers, static_argnums=1)
+  together_h, together_kv = run(layers, CFG, x, positions, rows, _pool(kv_dtype))
+  alone_h, alone_kv = run(layers, CFG, x[order], positions[order],
+                          {k: v[order] for k, v in rows.items()}, _pool(kv_dtype))
+  np.testing.assert_array_equal(np.asarray(together_h)[order][used[order]],
+                                np.asarray(alone_h)[used[order]])
+  written = np.arange(together_kv.k.shape[0]) % PAGES != 0
+  for a, b in ((together_kv.k, alone_kv.k), (together_kv.v, alone_kv.v)):
+    np.testing.assert_array_equal(np.asarray(a)[written], np.asarray(b)[written])
+
+
+@needs_native
 def test_verify_of_k8_at_batch_4_takes_the_fused_call():
   """36 rows (4 sequences of 9 positions) are within the fused call's rows; past its own
   limit the step runs op by op."""
