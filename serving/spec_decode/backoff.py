@@ -20,7 +20,11 @@ a plain step between speculative ones may decode several tokens in one call
     been timed, the first full window pauses for `probe_steps` to time some.
 
 Below either bar speculation pauses for `pause_steps` steps, then is tried
-again. docs/spec_decode.md has the measurements behind the defaults.
+again. Each retry costs a window of slow steps, so the speed rule's pauses
+double while they follow one another (up to `max_pause_factor` times
+`pause_steps`): free text that speculation slows down pays 8 slow steps per
+32, then per 64, 128, ... plain ones. A window found fast starts over at
+`pause_steps`. docs/spec_decode.md has the measurements behind the defaults.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ class SpecBackoff:
   """Decides per step whether the engine speculates (module doc)."""
 
   def __init__(self, *, enabled: bool, max_batch: int, window: int = 8,
-               min_accepted: float = 0.25, pause_steps: int = 32, probe_steps: int = 4):
+               min_accepted: float = 0.25, pause_steps: int = 32, probe_steps: int = 4,
+               max_pause_factor: int = 16):
     self.enabled, self.max_batch = enabled, max_batch
     self.window, self.min_accepted, self.pause_steps = window, min_accepted, pause_steps
-    self.probe_steps = probe_steps
+    self.probe_steps, self.max_pause_factor = probe_steps, max_pause_factor
+    self._slow_factor = 1  # the next slow pause: pause_steps times this
     self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
     # (tokens, seconds) of the latest timed speculative and plain decode steps.
     self._spec_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
@@ -78,8 +84,12 @@ class SpecBackoff:
     if len(self._plain_times) < self.probe_steps:  # nothing to compare with yet: probe
       self._pause(self.probe_steps)
     elif _rate(self._spec_times) < _rate(self._plain_times):
-      self._pause(self.pause_steps)
+      self._pause(self.pause_steps * self._slow_factor)
+      self._slow_factor = min(2 * self._slow_factor, self.max_pause_factor)
       self.num_slow_pauses += 1
+    else:
+      self._slow_factor = 1
+      self._spec_times.clear()  # the next window judges afresh
 
   def _pause(self, steps: int) -> None:
     self._paused = steps

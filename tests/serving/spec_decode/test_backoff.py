@@ -55,3 +55,17 @@ def test_nothing_is_timed_when_off_or_empty():
   for _ in range(8):
     b.record_time(True, 0, 0.01)  # a step whose rows all finished: no tokens, no sample
   assert b.wants_step(1)
+
+
+def test_slow_pauses_double_while_they_follow_one_another_and_reset_when_fast():
+  b = backoff(max_pause_factor=4)
+  for _ in range(2):
+    b.record_time(False, 4, 0.01)  # 400 tokens/s
+  wanted = speculate(b, 4 + 3 + 4 + 6 + 4 + 12 + 4 + 12, tokens=3, seconds=0.01)  # 300/s
+  # Pauses of 3, 6, 12, then 12 (the cap: 4 x 3) plain steps, each after 4 speculative.
+  pauses = [len(run) for run in "".join("s" if w else "p" for w in wanted).split("s") if run]
+  assert pauses == [3, 6, 12, 12] and b.num_slow_pauses == 4
+  # A fast window (600 tokens/s) starts over: the next slow pause is 3 steps again.
+  assert speculate(b, 4, tokens=6, seconds=0.01) == [True] * 4
+  wanted = speculate(b, 4 + 3 + 1, tokens=3, seconds=0.01)
+  assert wanted == [True] * 4 + [False] * 3 + [True]
