@@ -114,14 +114,14 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kS8:
         if (ints) {
-          avx2::IntColumns<kS8>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+          avx2::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
         } else {
           avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
         }
         return;
       case kQ4_1:
         if (ints) {
-          avx2::IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
+          avx2::IntColumns<kQ4_1>(*xq, lo, 0, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
                                   o1);
         } else {
           avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
@@ -129,7 +129,7 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kQ4_0:
         if (ints) {
-          avx2::IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+          avx2::IntColumns<kQ4_0>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
                                   o1);
         } else {
           avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
