@@ -9,14 +9,17 @@
 // in a second set of accumulators.
 //
 // Integer activations (nibbles and Q8_0 times activations rounded per group to 8
-// or 16 bits, quant_dot.h's scheme and rounding) use llama.cpp's AVX2 byte products
-// instead of VNNI: VPMADDUBSW multiplies 32 unsigned code bytes by 32 signed
-// activation bytes into 16 int16 pair sums (at most 2 * 15 * 127 for nibbles,
-// 2 * 128 * 127 for |Q8_0 codes|: no saturation) and VPMADDWD with ones adds
-// those pairs into 8 int32 lanes. A group is one 32-byte vector in input order
-// (a nibble group's 16 bytes as [low nibbles | high nibbles] is inputs 0-31), so
-// these tiles read IntRows' input-order fields (`hi_plain`, `lo_plain`,
-// `dx_plain`), filled by `avx2::QuantizeRows`.
+// or 16 bits, quant_dot.h's rounding) take quant_int.h's block-exact numerics, so
+// they give the AVX-512 set's bits (VNNI or AMX) exactly: per row, column and group
+// the exact int32 dot product, then the same float32 epilogue in group order. A
+// row's rounded activations are kept as int16 in input order (`x8`: hi, `x16`:
+// 256 hi + lo, at most 32639 in magnitude), the codes widened to int16 (a nibble
+// group's 16 bytes: low nibbles = inputs 0-15, high = 16-31), and each group's 32
+// products summed in pairs by VPMADDWD (or AVX-VNNI's VPDPWSSD where the CPU has
+// it: Alder Lake and later, Zen 5) into 8 int32 lanes; 8 columns' lanes are then
+// reduced to one lane per column (`Reduce8`) and the epilogue runs on 8 columns at
+// once (`ExactIntTile`). 16-bit activations cost the same as 8-bit ones here (one
+// int16 vector pair a group either way).
 
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_AVX2_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_AVX2_H_
@@ -360,6 +363,10 @@ XLASERVE_AVX2_TARGET void ExactIntTile(const IntRows& r, int r0, int64_t groups,
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256i s[kRows];
+    // The next tile's codes (right after this tile's 8 columns), a group's share a step.
+    const char* ahead = reinterpret_cast<const char*>(codes + (o + kIntCols) * groups * kBytes +
+                                                      g * kIntCols * kBytes);
+    for (int k = 0; k < kIntCols * kBytes; k += 64) _mm_prefetch(ahead + k, _MM_HINT_T0);
     if constexpr (kRows == 1) {  // codes decoded as they are used
       const __m256i* xv = reinterpret_cast<const __m256i*>(xs + (r0 * groups + g) * kGroup);
       const __m256i x0 = _mm256_loadu_si256(xv), x1 = _mm256_loadu_si256(xv + 1);
