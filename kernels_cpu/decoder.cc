@@ -575,6 +575,6 @@ static auto DecoderBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl<Isa::kAvx512>,
                               DecoderBinding());
-// The same stack for CPUs with AVX2 + FMA + F16C (float activations only).
+// The same stack for CPUs with AVX2 + FMA + F16C (float and integer activations; no K-quants).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersKAvx2, DecodeLayersImpl<Isa::kAvx2>,
                               DecoderBinding());

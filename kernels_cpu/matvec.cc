@@ -128,7 +128,7 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return ffi::Error::Success();
 }
 
-// Integer activations (VNNI; AVX2 byte products): kBits 8 (llama.cpp's scheme) or 16
+// Integer activations (VNNI; AVX2 int16 products): kBits 8 (llama.cpp's scheme) or 16
 // (quant_dot.h).
 template <Isa kIsa, Format kFmt, int kBits>
 ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
@@ -373,7 +373,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512
                               Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>),
                               Binding());
-// The same on AVX2 (quant_dot_avx2.h: byte products instead of VNNI).
+// The same on AVX2 (quant_dot_avx2.h: int16 products instead of VNNI).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 8>),
                               Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_0, 8>),
