@@ -1,9 +1,17 @@
 """Session-wide test set-up: JAX on CPU with the persistent compilation cache, torch
-(the tiny models' reference) on one thread, and the longest modules first under xdist."""
+(the tiny models' reference) and OpenBLAS on one thread, and the longest modules first
+under xdist."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# numpy's and scipy's OpenBLAS (jax's CPU Cholesky and triangular solves call scipy's LAPACK)
+# start one thread per core, and their idle threads spin: on the suite's two cores, beside
+# the other worker and the XLA programs of the same test, GPTQ's 150 small factorisations
+# (576 and 1536 inputs) took 80 CPU-seconds with the default threads and 5.5 with one
+# (docs/testing.md). Read when OpenBLAS loads, so set before numpy is imported; servers
+# started by the tests inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 
