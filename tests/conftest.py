@@ -74,17 +74,20 @@ def force_avx2(monkeypatch):
 
 # The modules that take longest in the full suite, longest first (`--durations`, summed per
 # module, 2026-12-06; the batch-invariance, executable-store and kernel-backend modules then
-# moved down by their measured CPU saving). `--dist loadfile` hands each worker whole modules
+# moved down by their measured CPU saving; the first five re-measured alone late that day, CPU
+# seconds with fresh caches: batch invariance 157, quant quality 157 after OpenBLAS went to one
+# thread, pipeline 120 and default model 91 each with a `default_llm` of their own, batch
+# job 65). `--dist loadfile` hands each worker whole modules
 # in collection order; pytest-xdist's default `--loadscope-reorder` sorts them by test count,
 # which put these one-to-six-test modules last: the run ended with one worker alone on the
 # batch-invariance module for ~14 minutes while the other idled. Longest first (the classic
 # greedy schedule) lets the short modules fill in around them. docs/testing.md.
 LONGEST_MODULES = (
-    "tests/serving/runner/test_quant_quality.py",
     "tests/serving/engine/test_batch_invariance.py",
+    "tests/serving/runner/test_quant_quality.py",
     "tests/sharding/test_pipeline.py",
-    "tests/serving/entrypoints/test_batch_e2e.py",
     "tests/serving/entrypoints/test_default_model.py",
+    "tests/serving/entrypoints/test_batch_e2e.py",
     "tests/serving/runner/test_quant_engine.py",
     "tests/ops/test_ops_security.py",
     "tests/sharding/test_quant_sharded.py",
