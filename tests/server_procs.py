@@ -41,6 +41,8 @@ def engine_flags(config: dict | None = None) -> list[str]:
   """An engine config (default: DEFAULT_MODEL_TEST_CONFIG) as launcher flags."""
   config = DEFAULT_MODEL_TEST_CONFIG if config is None else config
   def value(v):
+    if isinstance(v, tuple):
+      return ",".join(map(str, v))
     return "none" if v is None else str(v).lower() if isinstance(v, bool) else v
 
   return [f"--{k}={value(v)}" for k, v in config.items()]

@@ -16,6 +16,9 @@ import torch
 import transformers
 
 from checkpoints.gguf_vocab import bytes_to_unicode
+from serving.config import EngineConfig
+from serving.entrypoints.engine_builder import build_engine
+from serving.types import SamplingParams
 
 VOCAB = 300  # 256 byte tokens + specials + spare ids
 
@@ -220,6 +223,22 @@ def run_requests(engine, prompts: list[list[int]], params) -> list[tuple[list[in
   engine.run_until_idle()
   return [(sum((o.token_ids for o in outs), []), sum((o.logprobs or [] for o in outs), []),
            outs[-1].finish_reason) for outs in results.values()]
+
+
+def greedy_alone(model_dir: str, engine: dict, prompts: list[str], max_tokens: int
+                 ) -> dict[str, tuple[str, list[int]]]:
+  """Each prompt generated alone, greedily, by one in-process engine of `engine`'s
+  options -> prompt: (text, token ids): what servers built from the same options must
+  return."""
+  one = build_engine(model_dir, EngineConfig.of(**engine, compilation_cache=False))
+  out = {}
+  for i, p in enumerate(prompts):
+    got = []
+    one.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                               ignore_eos=True), got.append)
+    one.run_until_idle()
+    out[p] = ("".join(o.text for o in got), [t for o in got for t in o.token_ids])
+  return out
 
 
 def assert_matches_torch(model, prompts: list[list[int]], outs, n: int, tol: float) -> None:

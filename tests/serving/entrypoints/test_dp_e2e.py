@@ -10,12 +10,9 @@ import asyncio
 
 import httpx
 import pytest
-from server_procs import ServerProcess, subprocess_env
+from server_procs import ServerProcess, engine_flags, subprocess_env
 
-from serving.config import EngineConfig
-from serving.entrypoints.engine_builder import build_engine
-from serving.types import SamplingParams
-from tiny_models import save_tiny_model
+from tiny_models import greedy_alone, save_tiny_model
 
 pytestmark = pytest.mark.slow  # real servers over replicas
 
@@ -33,10 +30,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def _flags(path: str) -> list[str]:
-  def value(v):
-    return ",".join(map(str, v)) if isinstance(v, tuple) else str(v).lower() if isinstance(
-        v, bool) else v
-  return [f"--model={path}", "--dp=2", *(f"--{k}={value(v)}" for k, v in ENGINE.items())]
+  return [f"--model={path}", "--dp=2", *engine_flags(ENGINE)]
 
 
 async def _complete(url: str) -> list[str]:
@@ -49,14 +43,8 @@ async def _complete(url: str) -> list[str]:
 
 
 def test_two_replicas_serve_like_one_engine(tiny_dir):
-  one = build_engine(tiny_dir, EngineConfig.of(**ENGINE, compilation_cache=False))
-  expected = []
-  for i, p in enumerate(PROMPTS):
-    outs = []
-    one.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                    outs.append)
-    one.run_until_idle()
-    expected.append("".join(o.text for o in outs))
+  alone = greedy_alone(tiny_dir, ENGINE, PROMPTS, 6)
+  expected = [alone[p][0] for p in PROMPTS]
   env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
   server = ServerProcess(*_flags(tiny_dir), "--served_model_name=m", env=env,
                          start_timeout_s=180)

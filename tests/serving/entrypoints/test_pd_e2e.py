@@ -20,14 +20,11 @@ import asyncio
 import grpc
 import httpx
 import pytest
-from server_procs import ServerProcess, metric_value, subprocess_env, wait_until
+from server_procs import ServerProcess, engine_flags, metric_value, subprocess_env, wait_until
 
-from serving.config import EngineConfig
-from serving.entrypoints.engine_builder import build_engine
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2 as pb
 from serving.entrypoints.proto.xlaserve.v1 import xlaserve_pb2_grpc as pb_grpc
-from serving.types import SamplingParams
-from tiny_models import save_tiny_model
+from tiny_models import greedy_alone, save_tiny_model
 
 pytestmark = pytest.mark.slow  # real servers over prefill / decode workers
 
@@ -47,26 +44,14 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_dir):
-  one = build_engine(tiny_dir, EngineConfig.of(**ENGINE, compilation_cache=False))
-  out = {}
-  for i, p in enumerate([*PROMPTS, LONG]):
-    got = []
-    one.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                    got.append)
-    one.run_until_idle()
-    out[p] = ("".join(o.text for o in got), [t for o in got for t in o.token_ids])
-  return out
+  return greedy_alone(tiny_dir, ENGINE, [*PROMPTS, LONG], 6)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-  def value(v):
-    return ",".join(map(str, v)) if isinstance(v, tuple) else str(v).lower() if isinstance(
-        v, bool) else v
-
   kill_file = tmp_path_factory.mktemp("kill") / "now"
   flags = [f"--model={tiny_dir}", "--prefill_workers=1", "--decode_workers=1",
-           "--served_model_name=m", *(f"--{k}={value(v)}" for k, v in ENGINE.items())]
+           "--served_model_name=m", *engine_flags(ENGINE)]
   srv = ServerProcess(*flags, env=subprocess_env(XLASERVE_TEST_KILL_FILE=str(kill_file)),
                       start_timeout_s=180, engine="pd_faults:killable_prefill_engine")
   srv.kill_file = kill_file

@@ -27,16 +27,14 @@ import pytest
 from server_procs import (
   REPO,
   ServerProcess,
+  engine_flags,
   free_port,
   metric_value,
   subprocess_env,
   wait_until,
 )
 
-from serving.config import EngineConfig
-from serving.entrypoints.engine_builder import build_engine
-from serving.types import SamplingParams
-from tiny_models import save_tiny_model
+from tiny_models import greedy_alone, save_tiny_model
 
 pytestmark = pytest.mark.slow  # four real processes
 
@@ -49,12 +47,8 @@ MAX_TOKENS = 6
 
 
 def _flags(tiny_dir: str) -> list[str]:
-  def value(v):
-    return ",".join(map(str, v)) if isinstance(v, tuple) else str(v).lower() if isinstance(
-        v, bool) else v
-
   return [f"--model={tiny_dir}", "--served_model_name=m", "--grpc_port=-1",
-          *(f"--{k}={value(v)}" for k, v in ENGINE.items())]
+          *engine_flags(ENGINE)]
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +60,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_dir):
-  one = build_engine(tiny_dir, EngineConfig.of(**ENGINE, compilation_cache=False))
-  out = {}
-  for i, p in enumerate(PROMPTS):
-    got = []
-    one.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                               ignore_eos=True), got.append)
-    one.run_until_idle()
-    out[p] = "".join(o.text for o in got)
-  return out
+  return {p: text for p, (text, _) in greedy_alone(tiny_dir, ENGINE, PROMPTS, MAX_TOKENS).items()}
 
 
 class ProxyProcess:
