@@ -114,7 +114,8 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kS8:
         if (ints) {
-          avx2::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+          avx2::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+                                o1);
         } else {
           avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
         }

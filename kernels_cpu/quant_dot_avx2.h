@@ -254,7 +254,8 @@ XLASERVE_AVX2_TARGET inline void QuantizeRowRange(const float* x, int b0, int b1
         }
         const int32_t lo_sum = SumEpi32(sum_lo);
         r.xint16[at] = 256 * sum8 + lo_sum;
-        r.xsum16[at] = d * (static_cast<float>(sum8) + static_cast<float>(lo_sum) * (1.0f / 256.0f));
+        r.xsum16[at] =
+            d * (static_cast<float>(sum8) + static_cast<float>(lo_sum) * (1.0f / 256.0f));
         int16_t* x16 = r.x16.data() + at * kGroup;
         StoreWords(x16, rv[0], rv[1]);
         StoreWords(x16 + 16, rv[2], rv[3]);
@@ -281,7 +282,9 @@ XLASERVE_AVX2_TARGET inline void ColumnHalves(const uint16_t* values, int64_t gr
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     __m128i v[8], a[8], b[8];
-    for (int c = 0; c < 8; ++c) v[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[c] + g));
+    for (int c = 0; c < 8; ++c) {
+      v[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[c] + g));
+    }
     for (int k = 0; k < 4; ++k) {  // pairs of columns, interleaved by group
       a[2 * k] = _mm_unpacklo_epi16(v[2 * k], v[2 * k + 1]);
       a[2 * k + 1] = _mm_unpackhi_epi16(v[2 * k], v[2 * k + 1]);
@@ -338,7 +341,8 @@ XLASERVE_AVX2_TARGET inline __m256i Reduce8(__m256i d0, __m256i d1, __m256i d2, 
   const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
   const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d4, d5), _mm256_hadd_epi32(d6, d7));
   // b0 = [c0..c3 of lanes 0-3 | c0..c3 of lanes 4-7], b1 the same for c4..c7.
-  return _mm256_add_epi32(_mm256_blend_epi32(b0, b1, 0xF0), _mm256_permute2x128_si256(b0, b1, 0x21));
+  return _mm256_add_epi32(_mm256_blend_epi32(b0, b1, 0xF0),
+                          _mm256_permute2x128_si256(b0, b1, 0x21));
 }
 
 // Columns [o, o + n) (n <= 8) x rows [r0, r0 + kRows) of `r` (avx2::QuantizeRows),
@@ -379,7 +383,9 @@ XLASERVE_AVX2_TARGET void ExactIntTile(const IntRows& r, int r0, int64_t groups,
       s[0] = Reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
     } else {  // codes decoded once for all rows
       __m256i w[2 * kIntCols];
-      for (int c = 0; c < kIntCols; ++c) CodeWords<kFmt>(col[c] + g * kBytes, w[2 * c], w[2 * c + 1]);
+      for (int c = 0; c < kIntCols; ++c) {
+        CodeWords<kFmt>(col[c] + g * kBytes, w[2 * c], w[2 * c + 1]);
+      }
       for (int b = 0; b < kRows; ++b) {
         const __m256i* xv =
             reinterpret_cast<const __m256i*>(xs + ((r0 + b) * groups + g) * kGroup);
