@@ -114,14 +114,15 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kS8:
         if (ints) {
-          avx2::IntColumns<kS8>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+          avx2::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+                                o1);
         } else {
           avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
         }
         return;
       case kQ4_1:
         if (ints) {
-          avx2::IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
+          avx2::IntColumns<kQ4_1>(*xq, lo, 0, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
                                   o1);
         } else {
           avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
@@ -129,7 +130,7 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kQ4_0:
         if (ints) {
-          avx2::IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+          avx2::IntColumns<kQ4_0>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
                                   o1);
         } else {
           avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
@@ -625,6 +626,6 @@ static auto DecoderBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl<Isa::kAvx512>,
                               DecoderBinding());
-// The same stack for CPUs with AVX2 + FMA + F16C (float activations only).
+// The same stack for CPUs with AVX2 + FMA + F16C (float and integer activations; no K-quants).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersKAvx2, DecodeLayersImpl<Isa::kAvx2>,
                               DecoderBinding());
