@@ -32,7 +32,8 @@ A sweep (`--config NAME=FLAGS`, repeated; e.g. `--config "plain=--num_decode_ste
 per config instead of the two, all up and alternated the same way; each case then
 reports every config's tok/s against the fastest config without speculation
 (`best plain`). `--server_flags` go to every server; `--cases` picks cases (copy, free,
-concurrent).
+concurrent). `--config NAME@TREE=FLAGS` serves that config from another checkout
+(e.g. a worktree of the commit before a change), for a before/after in one run.
 """
 
 from __future__ import annotations
@@ -186,11 +187,12 @@ def _tail(path: str, n: int = 40) -> str:
     return "".join(f.readlines()[-n:])
 
 
-def start_server(flags: list[str], port: int, log_path: str, timeout_s: float = 900.0):
+def start_server(flags: list[str], port: int, log_path: str, timeout_s: float = 900.0,
+                 tree: str | None = None):
   """`bench_serve.launch_server`, waited for; raises with the log's tail if it exits."""
   from serving.tools import bench_serve
 
-  proc = bench_serve.launch_server(flags, port, log_path)
+  proc = bench_serve.launch_server(flags, port, log_path, tree=tree)
   deadline = time.monotonic() + timeout_s
   while True:
     if proc.poll() is not None:
@@ -209,13 +211,14 @@ def start_server(flags: list[str], port: int, log_path: str, timeout_s: float = 
 class Server:
   """One `xlaserve serve` of the benchmark, up until `stop()`."""
 
-  def __init__(self, name: str, flags: list[str], port: int, work: str):
+  def __init__(self, name: str, flags: list[str], port: int, work: str,
+               tree: str | None = None):
     from serving.tools import bench_serve
 
     self.name, self.flags = name, flags
     self.log_path = os.path.join(work, f"{name}.log")
     t0 = time.perf_counter()
-    self.proc = start_server(flags, port, self.log_path)
+    self.proc = start_server(flags, port, self.log_path, tree=tree)
     self.url = f"http://127.0.0.1:{port}"
     print(f"{name} server up in {time.perf_counter() - t0:.0f} s ({' '.join(flags)}); "
           f"log {self.log_path}", flush=True)
@@ -370,11 +373,17 @@ def sweep(args, cases: dict, common: list[str]) -> dict:
   """One server per `--config NAME=FLAGS`, all up, rounds alternating them -> per case
   and config: the medians, the ratio to the fastest config that does not speculate."""
   configs = [c.split("=", 1) for c in args.config]
+  trees = {}  # NAME@TREE: that config's server runs the checkout at TREE
+  for config in configs:
+    if "@" in config[0]:
+      name, tree = config[0].split("@", 1)
+      config[0], trees[name] = name, tree
   work = tempfile.mkdtemp(prefix="spec_bench_")
   servers: list[Server] = []
   try:
     for i, (name, flags) in enumerate(configs):
-      servers.append(Server(name, [*common, *flags.split()], args.port + i, work))
+      servers.append(Server(name, [*common, *flags.split()], args.port + i, work,
+                            tree=trees.get(name)))
     runs = run_rounds(servers, cases, args.repeats)
   finally:
     for server in servers:
@@ -418,7 +427,8 @@ def main() -> None:
   p.add_argument("--quick", action="store_true",
                  help="smoke run: 1 round, 2 prompts per case, 8 concurrent, 32 tokens")
   p.add_argument("--config", action="append", default=[],
-                 help="NAME=FLAGS: a sweep's server (repeat; module doc)")
+                 help="NAME=FLAGS or NAME@TREE=FLAGS (served from the checkout at TREE): "
+                      "a sweep's server (repeat; module doc)")
   p.add_argument("--server_flags", default="", help="flags for every server")
   p.add_argument("--cases", default=None, help="comma-separated: copy, free, concurrent")
   p.add_argument("--port", type=int, default=8330)

@@ -154,6 +154,106 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
   }
 }
 
+// Queries [0, nq) of one sequence (one page table), KV heads [kh0, kh1), no window, soft
+// cap or sinks: query t at q + t * q_stride attends to its own first q_lens[t] keys and
+// writes out + t * out_stride. Each block of 16 keys is read (addresses, rows) once for
+// all queries that reach it; per query the arithmetic is AttendQuery's, block by block in
+// the same order, so every query's output is bitwise AttendQuery's. A verify step's
+// positions (speculative decoding) read the sequence's keys once instead of once each.
+// `acc`, `qs`: nq * G * H floats of scratch; `m`, `l`: nq * G.
+template <int kKind>
+XLASERVE_TARGET void AttendQueries(const Dims& d, const float* q, int64_t q_stride, int64_t nq,
+                                   const int64_t* q_lens, const uint8_t* k_pages,
+                                   const uint8_t* v_pages, const int32_t* table, float scale,
+                                   float* out, int64_t out_stride, float* acc, float* m, float* l,
+                                   float* qs, int64_t kh0, int64_t kh1) {
+  const int64_t h_dim = d.head_dim, group = d.heads / d.kv_heads, n_vec = h_dim / kLanes;
+  const int64_t rows = nq * group;  // (query, head of the group) pairs
+  const int64_t max_len = nq > 0 ? *std::max_element(q_lens, q_lens + nq) : 0;
+  alignas(64) float scores[kLanes];
+  const uint8_t* krows[kLanes];
+  const uint8_t* vrows[kLanes];
+  float kscale[kLanes], vscale[kLanes];
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r / group, g = r % group;
+      const float* qh = q + t * q_stride + (kh * group + g) * h_dim;
+      for (int64_t i = 0; i < h_dim; ++i) qs[r * h_dim + i] = qh[i] * scale;
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
+      std::fill(acc + r * h_dim, acc + (r + 1) * h_dim, 0.0f);
+    }
+    for (int64_t s0 = 0; s0 < max_len; s0 += kLanes) {
+      const int n_all = static_cast<int>(std::min<int64_t>(kLanes, max_len - s0));
+      for (int j = 0; j < n_all; ++j) {
+        const int64_t s = s0 + j;
+        const int64_t page = table[s / d.page_size];
+        const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
+        krows[j] = k_pages + entry * d.row_bytes;
+        vrows[j] = v_pages + entry * d.row_bytes;
+        kscale[j] = RowScale<kKind>(krows[j], h_dim);
+        vscale[j] = RowScale<kKind>(vrows[j], h_dim);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t q_len = q_lens[r / group];
+        if (s0 >= q_len) continue;  // past this query's keys: AttendQuery never gets here
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+        const float* qg = qs + r * h_dim;
+        for (int j = 0; j < n; ++j) {
+          const __m512 ks = _mm512_set1_ps(kscale[j]);
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t i = 0; i < n_vec; ++i) {
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * kLanes),
+                                  Load16<kKind>(krows[j], i * kLanes, ks), dot);
+          }
+          scores[j] = _mm512_reduce_add_ps(dot);
+        }
+        const __m512 sv = _mm512_maskz_loadu_ps(valid, scores);
+        const float block_max = _mm512_mask_reduce_max_ps(valid, sv);
+        const float m_new = std::max(m[r], block_max);
+        const float corr = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - m_new);
+        const __m512 p = _mm512_maskz_mov_ps(valid, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+        m[r] = m_new;
+        _mm512_store_ps(scores, p);
+        float* a = acc + r * h_dim;
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t i = 0; i < n_vec; ++i) {
+          __m512 ai = _mm512_mul_ps(cv, _mm512_loadu_ps(a + i * kLanes));
+          for (int j = 0; j < n; ++j) {
+            ai = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]),
+                                 Load16<kKind>(vrows[j], i * kLanes, _mm512_set1_ps(vscale[j])), ai);
+          }
+          _mm512_storeu_ps(a + i * kLanes, ai);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r / group, g = r % group;
+      float* o = out + t * out_stride + (kh * group + g) * h_dim;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      for (int64_t i = 0; i < h_dim; ++i) o[i] = acc[r * h_dim + i] * inv;
+    }
+  }
+}
+
+// AttendQueries with this thread's scratch.
+template <int kKind>
+void AttendQueriesWithScratch(const Dims& d, const float* q, int64_t q_stride, int64_t nq,
+                              const int64_t* q_lens, const uint8_t* k_pages,
+                              const uint8_t* v_pages, const int32_t* table, float scale,
+                              float* out, int64_t out_stride, int64_t kh0, int64_t kh1) {
+  const int64_t rows = nq * (d.heads / d.kv_heads);
+  thread_local std::vector<float> acc, qs, m, l;
+  acc.resize(rows * d.head_dim);
+  qs.resize(rows * d.head_dim);
+  m.resize(rows);
+  l.resize(rows);
+  AttendQueries<kKind>(d, q, q_stride, nq, q_lens, k_pages, v_pages, table, scale, out,
+                       out_stride, acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
+}
+
 // AttendQuery with this thread's scratch: one query row, KV heads [kh0, kh1).
 template <int kKind>
 void AttendWithScratch(const Dims& d, const float* q, const uint8_t* k_pages,

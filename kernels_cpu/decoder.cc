@@ -114,14 +114,15 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kS8:
         if (ints) {
-          avx2::IntColumns<kS8>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+          avx2::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+                                o1);
         } else {
           avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
         }
         return;
       case kQ4_1:
         if (ints) {
-          avx2::IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
+          avx2::IntColumns<kQ4_1>(*xq, lo, 0, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
                                   o1);
         } else {
           avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
@@ -129,7 +130,7 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
         return;
       case kQ4_0:
         if (ints) {
-          avx2::IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+          avx2::IntColumns<kQ4_0>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
                                   o1);
         } else {
           avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
@@ -381,6 +382,45 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
   return ffi::Error::Success();
 }
 
+// A run of consecutive rows that attend together (attention.h AttendQueries).
+struct QuerySpan {
+  int64_t first, count;
+};
+
+// The attention work of a step: consecutive rows with the same block table (a verify
+// step's positions of one sequence) in one span when `group` (the AVX-512 set, no
+// window), so that their keys are read once, not once per row; a span is cut into at
+// most as many pieces as keep `threads` busy (2 items per thread over the KV heads).
+// Otherwise one span per row. Rows of a span keep their own key counts (`q_lens`).
+std::vector<QuerySpan> AttentionSpans(const int32_t* table, const std::vector<int64_t>& q_lens,
+                                      int64_t width, bool group, int64_t threads,
+                                      int64_t kv_heads) {
+  const int64_t rows = static_cast<int64_t>(q_lens.size());
+  std::vector<QuerySpan> runs;
+  for (int64_t b = 0; b < rows; ++b) {
+    if (group && !runs.empty() &&
+        std::memcmp(table + runs.back().first * width, table + b * width,
+                    width * sizeof(int32_t)) == 0) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({b, 1});
+    }
+  }
+  if (static_cast<int64_t>(runs.size()) == rows) return runs;
+  const int64_t wanted = (2 * threads + kv_heads - 1) / kv_heads;  // spans for 2 per thread
+  const int64_t pieces = std::max<int64_t>(1, (wanted + static_cast<int64_t>(runs.size()) - 1) /
+                                                  static_cast<int64_t>(runs.size()));
+  std::vector<QuerySpan> spans;
+  for (const QuerySpan& run : runs) {
+    const int64_t n = std::min(pieces, run.count);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lo = run.first + run.count * i / n, hi = run.first + run.count * (i + 1) / n;
+      spans.push_back({lo, hi - lo});
+    }
+  }
+  return spans;
+}
+
 template <Isa kIsa>
 ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_index,
@@ -459,6 +499,11 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int32_t* pos = positions.typed_data();
   const int32_t* lens = seq_lens.typed_data();
   const int64_t max_keys = s.width * s.page_size;
+  std::vector<int64_t> q_lens(s.rows);
+  for (int64_t b = 0; b < s.rows; ++b) q_lens[b] = std::clamp<int64_t>(lens[b], 0, max_keys);
+  const std::vector<QuerySpan> spans = AttentionSpans(
+      table, q_lens, s.width, kIsa == Isa::kAvx512 && window <= 0,
+      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads);
 
   std::vector<float> xn(s.rows * std::max(s.dim, s.mlp)), q(s.rows * qdim), k(s.rows * kvdim),
       v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
@@ -502,17 +547,23 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       WriteKV(k_pool, static_cast<int>(kind), row0, k.data() + b * kvdim, kvdim);
       WriteKV(v_pool, static_cast<int>(kind), row0, v.data() + b * kvdim, kvdim);
     }
-    team.For(s.rows * s.kv_heads, [&](int64_t item) {
-      const int64_t b = item / s.kv_heads, kh = item % s.kv_heads;
-      const int64_t q_len = std::clamp<int64_t>(lens[b], 0, max_keys);
-      // Layer l's pages: the pool from entry layer_entry on (tables are per layer).
-      const uint8_t* kp = k_pool + layer_entry * d.kv_heads * d.row_bytes;
-      const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
+    // Layer l's pages: the pool from entry layer_entry on (tables are per layer).
+    const uint8_t* kp = k_pool + layer_entry * d.kv_heads * d.row_bytes;
+    const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
+    team.For(static_cast<int64_t>(spans.size()) * s.kv_heads, [&](int64_t item) {
+      const QuerySpan& span = spans[item / s.kv_heads];
+      const int64_t b = span.first, kh = item % s.kv_heads;
+      if (span.count > 1) {  // rows of one sequence: its keys read once for all of them
+        auto* attend = kind == 0 ? &AttendQueriesWithScratch<0> : &AttendQueriesWithScratch<1>;
+        attend(d, q.data() + b * qdim, qdim, span.count, q_lens.data() + b, kp, vp,
+               table + b * s.width, scale, attn.data() + b * qdim, qdim, kh, kh + 1);
+        return;
+      }
       auto* attend = kIsa == Isa::kAvx2 ? (kind == 0 ? &avx2::AttendWithScratch<0>
                                                      : &avx2::AttendWithScratch<1>)
                                         : (kind == 0 ? &AttendWithScratch<0>
                                                      : &AttendWithScratch<1>);
-      attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_len, scale, window, 0.0f,
+      attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_lens[b], scale, window, 0.0f,
              nullptr, attn.data() + b * qdim, kh, kh + 1);
     });
     quantize(attn.data(), qdim, {&w[3]});
@@ -575,6 +626,6 @@ static auto DecoderBinding() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl<Isa::kAvx512>,
                               DecoderBinding());
-// The same stack for CPUs with AVX2 + FMA + F16C (float activations only).
+// The same stack for CPUs with AVX2 + FMA + F16C (float and integer activations; no K-quants).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersKAvx2, DecodeLayersImpl<Isa::kAvx2>,
                               DecoderBinding());

@@ -7,7 +7,7 @@ holds each kernel twice, for two instruction sets, each with its own handler sym
 - `avx512`: AVX-512 F/BW/VL + F16C + FMA (`xlaserve_native_isa()`); the
   integer-activation matvec tiles need AVX-512 VNNI as well (`vnni()`);
 - `avx2`: AVX2 + FMA + F16C (`xlaserve_native_avx2()`); its integer-activation
-  tiles use AVX2 byte products (VPMADDUBSW), so they always run.
+  tiles use AVX2 int16 products (VPMADDWD, or AVX-VNNI where present), so they always run.
 
 `isa()` is the set the kernels run with: by default the first of `ISAS` this CPU has
 and the library exports; `XLASERVE_NATIVE_ISA=avx2` (or `avx512`) forces one (read
@@ -157,6 +157,6 @@ def _cpu_vnni() -> bool:
 
 def vnni() -> bool:
   """True when the integer-activation tiles run here: on the AVX-512 set where this CPU
-  has AVX-512 VNNI, always on the AVX2 set (byte products, quant_dot_avx2.h)."""
+  has AVX-512 VNNI, always on the AVX2 set (int16 products, quant_dot_avx2.h)."""
   chosen = isa()
   return chosen == "avx2" or (chosen == "avx512" and _cpu_vnni())

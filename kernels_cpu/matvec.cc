@@ -128,7 +128,7 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   return ffi::Error::Success();
 }
 
-// Integer activations (VNNI; AVX2 byte products): kBits 8 (llama.cpp's scheme) or 16
+// Integer activations (VNNI; AVX2 int16 products): kBits 8 (llama.cpp's scheme) or 16
 // (quant_dot.h).
 template <Isa kIsa, Format kFmt, int kBits>
 ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
@@ -148,16 +148,31 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   }
   constexpr bool kLo = kBits == 16;
   auto r = std::make_shared<IntRows>();
-  if constexpr (kIsa == Isa::kAvx2) {  // unblocked column loops (quant_dot_avx2.h)
-    avx2::QuantizeRows(x.typed_data(), static_cast<int>(rows), in, kLo, *r);
+  if constexpr (kIsa == Isa::kAvx2) {  // 8-column exact tiles (quant_dot_avx2.h)
+    const float* xs = x.typed_data();
+    avx2::PrepareRows(static_cast<int>(rows), in, kLo, *r);
+    constexpr int64_t kQuantizeRows = 64;
+    xlaserve::ParallelFor(pool, (rows + kQuantizeRows - 1) / kQuantizeRows, [=](int64_t i) {
+      avx2::QuantizeRowRange(xs, static_cast<int>(i * kQuantizeRows),
+                             static_cast<int>(std::min(rows, (i + 1) * kQuantizeRows)), in, *r);
+    });
     const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
     const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
     float* y = out->typed_data();
-    const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
-    const int nrows = static_cast<int>(rows);
-    xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-      avx2::IntColumns<kFmt>(*r, kLo, nrows, in, q, s, m, y, out_dim, out_dim * i / parts,
-                             out_dim * (i + 1) / parts);
+    // Row blocks (their int16 activations stay in L2 while a column range passes) x
+    // column ranges of whole 8-column tiles.
+    constexpr int64_t kRowBlock = 64;
+    const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+    const int64_t parts = std::max<int64_t>(
+        1, std::min<int64_t>(out_dim / avx2::kIntCols, 4 * (pool.num_threads() + 1)));
+    auto edge = [=](int64_t k) {
+      return k == parts ? out_dim : out_dim * k / parts / avx2::kIntCols * avx2::kIntCols;
+    };
+    xlaserve::ParallelFor(pool, row_blocks * parts, [=](int64_t i) {
+      const int64_t rb = i / parts, cp = i % parts;
+      const int b0 = static_cast<int>(rb * kRowBlock);
+      const int b1 = static_cast<int>(std::min(rows, b0 + kRowBlock));
+      avx2::IntColumns<kFmt>(*r, kLo, b0, b1, in, q, s, m, y, out_dim, edge(cp), edge(cp + 1));
     });
     return ffi::Error::Success();
   }
@@ -358,7 +373,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512
                               Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>),
                               Binding());
-// The same on AVX2 (quant_dot_avx2.h: byte products instead of VNNI).
+// The same on AVX2 (quant_dot_avx2.h: int16 products instead of VNNI).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 8>),
                               Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_0, 8>),

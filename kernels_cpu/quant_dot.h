@@ -177,7 +177,8 @@ struct IntRows {
   std::vector<int8_t> hi, lo;    // [rows, pairs, 64] nibble order
   std::vector<int8_t> hi_plain, lo_plain;  // [rows, groups * 32] input order
   std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
-  std::vector<float> dx_plain;   // [rows, pairs, 16]: dx_g in lanes 0-7, dx_g+1 in 8-15 (AVX2 only)
+  std::vector<int16_t> x8, x16;  // [rows, groups * 32] input order: hi, 256 hi + lo (AVX2 tiles)
+  bool avx_vnni = false;         // the AVX2 tiles use AVX-VNNI (avx2::PrepareRows)
   std::vector<float> xsum8;      // [rows, groups] sums of x rounded to 8 bits
   std::vector<float> xsum16;     // [rows, groups] sums of x rounded to 16 bits (has_lo)
   std::vector<float> dx_group;   // [rows, groups] each group's dx (the exact tiles)
@@ -207,7 +208,8 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   size(r.dx, r.nibble_order, rows * pairs * 16);
   size(r.lo, r.nibble_order && with_lo, rows * pairs * 64);
   size(r.hi_plain, r.plain_order, rows * groups * kGroup);
-  size(r.dx_plain, false, 0);  // the AVX2 tiles' lane scales; the exact tiles read dx_group
+  size(r.x8, false, 0);  // the AVX2 tiles' (quant_dot_avx2.h)
+  size(r.x16, false, 0);
   size(r.lo_plain, r.plain_order && with_lo, rows * groups * kGroup);
   size(r.xsum8, true, rows * groups);
   size(r.xsum16, with_lo, rows * groups);

@@ -9,14 +9,17 @@
 // in a second set of accumulators.
 //
 // Integer activations (nibbles and Q8_0 times activations rounded per group to 8
-// or 16 bits, quant_dot.h's scheme and rounding) use llama.cpp's AVX2 byte products
-// instead of VNNI: VPMADDUBSW multiplies 32 unsigned code bytes by 32 signed
-// activation bytes into 16 int16 pair sums (at most 2 * 15 * 127 for nibbles,
-// 2 * 128 * 127 for |Q8_0 codes|: no saturation) and VPMADDWD with ones adds
-// those pairs into 8 int32 lanes. A group is one 32-byte vector in input order
-// (a nibble group's 16 bytes as [low nibbles | high nibbles] is inputs 0-31), so
-// these tiles read IntRows' input-order fields (`hi_plain`, `lo_plain`,
-// `dx_plain`), filled by `avx2::QuantizeRows`.
+// or 16 bits, quant_dot.h's rounding) take quant_int.h's block-exact numerics, so
+// they give the AVX-512 set's bits (VNNI or AMX) exactly: per row, column and group
+// the exact int32 dot product, then the same float32 epilogue in group order. A
+// row's rounded activations are kept as int16 in input order (`x8`: hi, `x16`:
+// 256 hi + lo, at most 32639 in magnitude), the codes widened to int16 (a nibble
+// group's 16 bytes: low nibbles = inputs 0-15, high = 16-31), and each group's 32
+// products summed in pairs by VPMADDWD (or AVX-VNNI's VPDPWSSD where the CPU has
+// it: Alder Lake and later, Zen 5) into 8 int32 lanes; 8 columns' lanes are then
+// reduced to one lane per column (`Reduce8`) and the epilogue runs on 8 columns at
+// once (`ExactIntTile`). 16-bit activations cost the same as 8-bit ones here (one
+// int16 vector pair a group either way).
 
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_AVX2_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_AVX2_H_
@@ -25,6 +28,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "quant_dot.h"
 
@@ -153,14 +159,25 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
   }
 }
 
-// ---- Integer activations (AVX2 byte products) ----
+// ---- Integer activations: block-exact (quant_int.h's numerics) ----
 
-// 4 vectors of int32 in [-127, 127] -> 32 bytes in input order.
-XLASERVE_AVX2_TARGET inline void PackBytes(const __m256i v[4], int8_t* dst) {
-  const __m256i w01 = _mm256_packs_epi32(v[0], v[1]), w23 = _mm256_packs_epi32(v[2], v[3]);
-  const __m256i b = _mm256_packs_epi16(w01, w23);  // 4-byte runs interleaved by 128-bit lane
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+// Whether this CPU has AVX-VNNI (VPDPWSSD on 8-lane vectors: Alder Lake and later,
+// Zen 5) and XLASERVE_NATIVE_AVXVNNI is not 0 (read at each call: tests compare both;
+// the integers, hence the results, are the same either way).
+inline bool AvxVnniEnabled() {
+  static const bool hw = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avxvnni") != 0;
+  }();
+  const char* env = std::getenv("XLASERVE_NATIVE_AVXVNNI");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  return hw;
+}
+
+// 16 int32 values (a: inputs 0-7, b: 8-15; in int16 range) stored as 16 int16.
+XLASERVE_AVX2_TARGET inline void StoreWords(int16_t* dst, __m256i a, __m256i b) {
+  const __m256i w = _mm256_packs_epi32(a, b);  // [a0-3 b0-3 | a4-7 b4-7]
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(w, 0xD8));
 }
 
 XLASERVE_AVX2_TARGET inline int32_t SumEpi32(__m256i v) {
@@ -170,24 +187,36 @@ XLASERVE_AVX2_TARGET inline int32_t SumEpi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Rows of x rounded per group for the AVX2 integer tiles (quant_dot.h QuantizeRows'
-// rounding; `with_lo`: to 16 bits): the input-order fields, dx_plain and the sums.
-XLASERVE_AVX2_TARGET inline void QuantizeRows(const float* x, int rows, int64_t in, bool with_lo,
-                                              IntRows& r) {
-  const int64_t groups = in / kGroup, pairs = groups / 2;
+// Sizes `r` for `rows` rows of `in` inputs rounded to 16 bits (`with_lo`) or 8, in
+// the AVX2 tiles' fields (x8, x16 and the per-group values of quant_dot.h IntRows).
+inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
+  const int64_t groups = in / kGroup;
   r.has_lo = with_lo;
+  r.avx_vnni = AvxVnniEnabled();
   r.hi.clear();
   r.lo.clear();
   r.dx.clear();
-  r.hi_plain.assign(rows * groups * kGroup, 0);
-  r.dx_plain.assign(rows * pairs * 16, 0.0f);
-  r.xsum8.assign(rows * groups, 0.0f);
-  r.lo_plain.assign(with_lo ? rows * groups * kGroup : 0, 0);
-  r.xsum16.assign(with_lo ? rows * groups : 0, 0.0f);
+  r.hi_plain.clear();
+  r.lo_plain.clear();
+  r.x8.resize(rows * groups * kGroup);
+  r.x16.resize(with_lo ? rows * groups * kGroup : 0);
+  r.dx_group.resize(rows * groups);
+  r.xsum8.resize(rows * groups);
+  r.xint8.resize(rows * groups);
+  r.xsum16.resize(with_lo ? rows * groups : 0);
+  r.xint16.resize(with_lo ? rows * groups : 0);
+}
+
+// Rows [b0, b1) of x rounded per group into `r` (sized by PrepareRows), with quant_dot.h
+// QuantizeRowRange's operations (the same values): each row on its own.
+XLASERVE_AVX2_TARGET inline void QuantizeRowRange(const float* x, int b0, int b1, int64_t in,
+                                                  IntRows& r) {
+  const int64_t groups = in / kGroup;
+  const bool with_lo = r.has_lo;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 k256 = _mm256_set1_ps(256.0f);
   const __m256i lo_max = _mm256_set1_epi32(127), lo_min = _mm256_set1_epi32(-127);
-  for (int b = 0; b < rows; ++b) {
+  for (int b = b0; b < b1; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + b * in + g * kGroup;
       __m256 v[4], amax = _mm256_setzero_ps();
@@ -207,108 +236,227 @@ XLASERVE_AVX2_TARGET inline void QuantizeRows(const float* x, int rows, int64_t 
         qv[j] = _mm256_cvtps_epi32(sv[j]);  // in [-127, 127]
         sum = _mm256_add_epi32(sum, qv[j]);
       }
+      const int64_t at = b * groups + g;
       const int32_t sum8 = SumEpi32(sum);
-      r.xsum8[b * groups + g] = d * static_cast<float>(sum8);
-      const int64_t plain_at = (b * groups + g) * kGroup;
-      PackBytes(qv, r.hi_plain.data() + plain_at);
+      r.xsum8[at] = d * static_cast<float>(sum8);
+      r.xint8[at] = sum8;
+      r.dx_group[at] = d;
+      int16_t* x8 = r.x8.data() + at * kGroup;
+      StoreWords(x8, qv[0], qv[1]);
+      StoreWords(x8 + 16, qv[2], qv[3]);
       if (with_lo) {
         __m256i rv[4], sum_lo = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
           rv[j] = _mm256_max_epi32(lo_min, _mm256_min_epi32(lo_max, _mm256_cvtps_epi32(
               _mm256_mul_ps(_mm256_sub_ps(sv[j], _mm256_cvtepi32_ps(qv[j])), k256))));
           sum_lo = _mm256_add_epi32(sum_lo, rv[j]);
+          rv[j] = _mm256_add_epi32(_mm256_slli_epi32(qv[j], 8), rv[j]);  // 256 hi + lo
         }
-        r.xsum16[b * groups + g] = d * (static_cast<float>(sum8) +
-                                        static_cast<float>(SumEpi32(sum_lo)) * (1.0f / 256.0f));
-        PackBytes(rv, r.lo_plain.data() + plain_at);
+        const int32_t lo_sum = SumEpi32(sum_lo);
+        r.xint16[at] = 256 * sum8 + lo_sum;
+        r.xsum16[at] =
+            d * (static_cast<float>(sum8) + static_cast<float>(lo_sum) * (1.0f / 256.0f));
+        int16_t* x16 = r.x16.data() + at * kGroup;
+        StoreWords(x16, rv[0], rv[1]);
+        StoreWords(x16 + 16, rv[2], rv[3]);
       }
-      float* plain_lanes = r.dx_plain.data() + (b * pairs + g / 2) * 16;
-      for (int j = 0; j < 8; ++j) plain_lanes[8 * (g % 2) + j] = d;
     }
   }
 }
 
-// The 8 int32 lanes of 32 unsigned codes times a group's activation bytes: hi only,
-// or 256 * (codes . hi) + codes . lo (16-bit activations). `sign`: Q8_0's codes, whose
-// signs the activations take (their magnitudes are `codes`); nullptr for nibbles.
-template <bool kLo>
-XLASERVE_AVX2_TARGET inline __m256i DotBytes(__m256i codes, const int8_t* hi, const int8_t* lo,
-                                             const __m256i* sign) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
-  if (sign != nullptr) h = _mm256_sign_epi8(h, *sign);
-  __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, h), ones);
-  if constexpr (kLo) {
-    __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
-    if (sign != nullptr) l = _mm256_sign_epi8(l, *sign);
-    dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8),
-                           _mm256_madd_epi16(_mm256_maddubs_epi16(codes, l), ones));
-  }
-  return dot;
+// Rows of x rounded per group for the AVX2 integer tiles (`with_lo`: to 16 bits).
+inline void QuantizeRows(const float* x, int rows, int64_t in, bool with_lo, IntRows& r) {
+  avx2::PrepareRows(rows, in, with_lo, r);
+  avx2::QuantizeRowRange(x, 0, rows, in, r);
 }
 
-// Nibbles (kFmt Q4_1 / Q4_0) or Q8_0 codes (kS8) x rows [r0, r0 + kRows) of `r`
-// (kLo: 16-bit activations): output column o (quant_dot.h IntTile / S8IntTile).
-template <Format kFmt, int kRows, bool kLo>
-XLASERVE_AVX2_TARGET void IntTile(const IntRows& r, int r0, int64_t groups, const uint8_t* q,
-                                  const uint16_t* s_row, const uint16_t* m_row, float* out,
-                                  int64_t out_dim, int64_t o) {
-  const int64_t pairs = groups / 2;
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256 acc[kRows];
-  for (int b = 0; b < kRows; ++b) acc[b] = _mm256_setzero_ps();
+constexpr int kIntCols = 8;  // output columns per integer tile (one int32 / float lane each)
+
+// The float16 values (scales or mins, [O, groups]) of columns [o, o + n), n <= 8, as
+// [groups][8]; lanes past n repeat column o + n - 1 (their outputs are not stored).
+// 8 groups at a time as an 8 x 8 transpose of 16-bit values, the rest one by one.
+XLASERVE_AVX2_TARGET inline void ColumnHalves(const uint16_t* values, int64_t groups, int64_t o,
+                                              int n, uint16_t* dst) {
+  const uint16_t* src[kIntCols];
+  for (int c = 0; c < kIntCols; ++c) src[c] = values + (o + std::min(c, n - 1)) * groups;
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m128i v[8], a[8], b[8];
+    for (int c = 0; c < 8; ++c) {
+      v[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[c] + g));
+    }
+    for (int k = 0; k < 4; ++k) {  // pairs of columns, interleaved by group
+      a[2 * k] = _mm_unpacklo_epi16(v[2 * k], v[2 * k + 1]);
+      a[2 * k + 1] = _mm_unpackhi_epi16(v[2 * k], v[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; ++k) {  // columns 4k .. 4k + 3, two groups a vector
+      b[4 * k] = _mm_unpacklo_epi32(a[4 * k], a[4 * k + 2]);
+      b[4 * k + 1] = _mm_unpackhi_epi32(a[4 * k], a[4 * k + 2]);
+      b[4 * k + 2] = _mm_unpacklo_epi32(a[4 * k + 1], a[4 * k + 3]);
+      b[4 * k + 3] = _mm_unpackhi_epi32(a[4 * k + 1], a[4 * k + 3]);
+    }
+    auto* out = reinterpret_cast<__m128i*>(dst + g * kIntCols);
+    for (int k = 0; k < 4; ++k) {  // group g + 2k, g + 2k + 1: columns 0-3 then 4-7
+      _mm_storeu_si128(out + 2 * k, _mm_unpacklo_epi64(b[k], b[4 + k]));
+      _mm_storeu_si128(out + 2 * k + 1, _mm_unpackhi_epi64(b[k], b[4 + k]));
+    }
+  }
+  for (; g < groups; ++g) {
+    for (int c = 0; c < kIntCols; ++c) dst[g * kIntCols + c] = src[c][g];
+  }
+}
+
+// The 32 codes of column row `q` (a group's bytes) as int16 (w0: inputs 0-15, w1:
+// 16-31): Q8_0 codes, or nibbles (Q4_0's - 8 is taken out after the sum).
+template <Format kFmt>
+XLASERVE_AVX2_TARGET inline void CodeWords(const uint8_t* q, __m256i& w0, __m256i& w1) {
+  if constexpr (kFmt == kS8) {
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+  } else {  // byte j: input j in its low nibble, j + 16 in its high one
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    w0 = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));
+    w1 = _mm256_srli_epi16(b, 4);
+  }
+}
+
+// The 8 int32 lanes of a group's 32 code x activation products (pairs summed):
+// VPMADDWD twice, or AVX-VNNI's VPDPWSSD (inline assembly: no target attribute needed,
+// run only where AvxVnniEnabled()). Exact: |w x| <= 128 * 32639, 32 of them < 2^31.
+template <bool kVnni>
+XLASERVE_AVX2_TARGET inline __m256i DotWords(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {
+  if constexpr (kVnni) {
+    __m256i acc = _mm256_setzero_si256();
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(w0), "x"(x0));
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(w1), "x"(x1));
+    return acc;
+  } else {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+  }
+}
+
+// The lane sums of 8 vectors: lane c = sum of d[c]'s 8 lanes (integer adds: exact).
+XLASERVE_AVX2_TARGET inline __m256i Reduce8(__m256i d0, __m256i d1, __m256i d2, __m256i d3,
+                                            __m256i d4, __m256i d5, __m256i d6, __m256i d7) {
+  const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+  const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d4, d5), _mm256_hadd_epi32(d6, d7));
+  // b0 = [c0..c3 of lanes 0-3 | c0..c3 of lanes 4-7], b1 the same for c4..c7.
+  return _mm256_add_epi32(_mm256_blend_epi32(b0, b1, 0xF0),
+                          _mm256_permute2x128_si256(b0, b1, 0x21));
+}
+
+// Columns [o, o + n) (n <= 8) x rows [r0, r0 + kRows) of `r` (avx2::QuantizeRows),
+// nibbles (Q4_1, Q4_0) or Q8_0 codes: quant_int.h's numerics, so the same bits as the
+// AVX-512 set's VNNI and AMX tiles. Per group the 8 columns' int32 sums are reduced
+// to one lane each (`Reduce8`), then the epilogue runs on 8 columns at once, in group
+// order. dcol / mcol: the columns' scales / mins (ColumnHalves).
+template <Format kFmt, int kRows, bool kLo, bool kVnni>
+XLASERVE_AVX2_TARGET void ExactIntTile(const IntRows& r, int r0, int64_t groups,
+                                       const uint8_t* codes, int64_t o, int n,
+                                       const uint16_t* dcol, const uint16_t* mcol, float* out,
+                                       int64_t out_dim) {
+  constexpr bool kMin = HasMin(kFmt);
+  constexpr int64_t kBytes = GroupBytes(kFmt);
+  const int16_t* xs = (kLo ? r.x16 : r.x8).data();
+  const float* dx = r.dx_group.data();
+  const int32_t* xint = (kLo ? r.xint16 : r.xint8).data();
+  const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr;
+  const uint8_t* col[kIntCols];  // lanes past n repeat the last column (not stored)
+  for (int c = 0; c < kIntCols; ++c) col[c] = codes + (o + std::min(c, n - 1)) * groups * kBytes;
+  __m256 acc[kRows], mins[kRows];
+  for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float d = _cvtsh_ss(s_row[g]);
-    __m256i codes, sign;
-    if constexpr (kFmt == kS8) {
-      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * kGroup));
-      codes = _mm256_sign_epi8(sign, sign);  // |w| (-128 stays 0x80: 128 unsigned)
-    } else {
-      const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16));
-      codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(y, 4), y), nib);
+    __m256i s[kRows];
+    // The next tile's codes (right after this tile's 8 columns), a group's share a step.
+    const char* ahead = reinterpret_cast<const char*>(codes + (o + kIntCols) * groups * kBytes +
+                                                      g * kIntCols * kBytes);
+    for (int k = 0; k < kIntCols * kBytes; k += 64) _mm_prefetch(ahead + k, _MM_HINT_T0);
+    if constexpr (kRows == 1) {  // codes decoded as they are used
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xs + (r0 * groups + g) * kGroup);
+      const __m256i x0 = _mm256_loadu_si256(xv), x1 = _mm256_loadu_si256(xv + 1);
+      __m256i d[kIntCols];
+      for (int c = 0; c < kIntCols; ++c) {
+        __m256i w0, w1;
+        CodeWords<kFmt>(col[c] + g * kBytes, w0, w1);
+        d[c] = DotWords<kVnni>(w0, w1, x0, x1);
+      }
+      s[0] = Reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+    } else {  // codes decoded once for all rows
+      __m256i w[2 * kIntCols];
+      for (int c = 0; c < kIntCols; ++c) {
+        CodeWords<kFmt>(col[c] + g * kBytes, w[2 * c], w[2 * c + 1]);
+      }
+      for (int b = 0; b < kRows; ++b) {
+        const __m256i* xv =
+            reinterpret_cast<const __m256i*>(xs + ((r0 + b) * groups + g) * kGroup);
+        const __m256i x0 = _mm256_loadu_si256(xv), x1 = _mm256_loadu_si256(xv + 1);
+        __m256i d[kIntCols];
+        for (int c = 0; c < kIntCols; ++c) d[c] = DotWords<kVnni>(w[2 * c], w[2 * c + 1], x0, x1);
+        s[b] = Reduce8(d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+      }
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        dcol + g * kIntCols)));
+    __m256 mv = _mm256_setzero_ps();
+    if constexpr (kMin) {
+      mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mcol + g * kIntCols)));
     }
     for (int b = 0; b < kRows; ++b) {
-      const int64_t at = ((r0 + b) * groups + g) * kGroup;
-      const __m256i dot = DotBytes<kLo>(codes, r.hi_plain.data() + at,
-                                        kLo ? r.lo_plain.data() + at : nullptr,
-                                        kFmt == kS8 ? &sign : nullptr);
-      const float dx = r.dx_plain[((r0 + b) * pairs + g / 2) * 16 + 8 * (g % 2)];
-      acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx), acc[b]);
+      const int64_t at = (r0 + b) * groups + g;
+      if constexpr (kFmt == kQ4_0) {  // sum (n - 8) x = sum n x - 8 sum x
+        s[b] = _mm256_sub_epi32(s[b], _mm256_set1_epi32(8 * xint[at]));
+      }
+      acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[b]), _mm256_mul_ps(dv, _mm256_set1_ps(dx[at])),
+                               acc[b]);
+      if constexpr (kMin) mins[b] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[at]), mins[b]);
     }
   }
-  const float unit = kLo ? 1.0f / 256.0f : 1.0f;  // the lanes count dx / 256 with lo
+  const __m256 unit = _mm256_set1_ps(kLo ? 1.0f / 256.0f : 1.0f);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int b = 0; b < kRows; ++b) {
-    float y = Sum8(acc[b]) * unit;
-    if constexpr (kFmt != kS8) {
-      const float* xsum = (kLo ? r.xsum16 : r.xsum8).data() + (r0 + b) * groups;
-      y += MinTerm<kFmt>(xsum, groups, s_row, m_row);
+    __m256 y = acc[b];  // quant_int.h Finish
+    if constexpr (kMin) {
+      y = _mm256_fmadd_ps(acc[b], unit, mins[b]);
+    } else if constexpr (kLo) {
+      y = _mm256_mul_ps(acc[b], unit);
     }
-    out[(r0 + b) * out_dim + o] = y;
+    _mm256_maskstore_ps(out + (r0 + b) * out_dim + o, mask, y);
   }
 }
 
-// Output columns [o0, o1) of nibbles or Q8_0 codes for every row of `r`
-// (avx2::QuantizeRows; `lo`: its 16-bit rounding, else its 8-bit one).
+// Output columns [o0, o1) of nibbles or Q8_0 codes for rows [r0, r1) of `r`
+// (avx2::QuantizeRows; `lo`: its 16-bit rounding, else its 8-bit one), in blocks of
+// 8 columns x tiles of up to kAvx2TileRows rows.
 template <Format kFmt>
-void IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
+void IntColumns(const IntRows& r, bool lo, int r0, int r1, int64_t in, const uint8_t* codes,
                 const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
                 int64_t o0, int64_t o1) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
   const int64_t groups = in / kGroup;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* q = codes + o * groups * GroupBytes(kFmt);
-    const uint16_t* s_row = scale + o * groups;
-    const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
-    for (int r0 = 0; r0 < rows; r0 += kAvx2TileRows) {
-#define XLASERVE_AVX2_INT_TILE(R)                                                            \
-  (lo ? avx2::IntTile<kFmt, R, true>(r, r0, groups, q, s_row, m_row, out, out_dim, o)              \
-      : avx2::IntTile<kFmt, R, false>(r, r0, groups, q, s_row, m_row, out, out_dim, o))
-      switch (std::min(kAvx2TileRows, rows - r0)) {
-        case 1: XLASERVE_AVX2_INT_TILE(1); break;
-        case 2: XLASERVE_AVX2_INT_TILE(2); break;
-        case 3: XLASERVE_AVX2_INT_TILE(3); break;
-        default: XLASERVE_AVX2_INT_TILE(4); break;
+  thread_local std::vector<uint16_t> dcol, mcol;  // this thread's, reused across calls
+  dcol.resize(groups * kIntCols);
+  mcol.resize(HasMin(kFmt) ? groups * kIntCols : 0);
+  const bool vnni = r.avx_vnni;
+  for (int64_t o = o0; o < o1; o += kIntCols) {
+    const int n = static_cast<int>(std::min<int64_t>(kIntCols, o1 - o));
+    ColumnHalves(scale, groups, o, n, dcol.data());
+    if (HasMin(kFmt)) ColumnHalves(offset, groups, o, n, mcol.data());
+    for (int b = r0; b < r1; b += kAvx2TileRows) {
+#define XLASERVE_AVX2_INT_TILE(R, LO, VNNI)                                                     \
+  ExactIntTile<kFmt, R, LO, VNNI>(r, b, groups, codes, o, n, dcol.data(), mcol.data(), out, \
+                                   out_dim)
+#define XLASERVE_AVX2_INT_ROWS(R)                                                  \
+  (lo ? (vnni ? XLASERVE_AVX2_INT_TILE(R, true, true) : XLASERVE_AVX2_INT_TILE(R, true, false)) \
+      : (vnni ? XLASERVE_AVX2_INT_TILE(R, false, true)                             \
+              : XLASERVE_AVX2_INT_TILE(R, false, false)))
+      switch (std::min(kAvx2TileRows, r1 - b)) {
+        case 1: XLASERVE_AVX2_INT_ROWS(1); break;
+        case 2: XLASERVE_AVX2_INT_ROWS(2); break;
+        case 3: XLASERVE_AVX2_INT_ROWS(3); break;
+        default: XLASERVE_AVX2_INT_ROWS(4); break;
       }
+#undef XLASERVE_AVX2_INT_ROWS
 #undef XLASERVE_AVX2_INT_TILE
     }
   }

@@ -342,7 +342,7 @@ class SpeculativeOptions:
   """Speculative decoding (docs/spec_decode.md): proposer, drafts per step and row."""
 
   speculative_method: str = "none"  # none | ngram | suffix | draft
-  num_speculative_tokens: int = 8
+  num_speculative_tokens: int = 4  # by measurement (docs/spec_decode.md)
   speculative_model: str | None = None  # the draft model (method "draft"), as --model
   prompt_lookup_min: int = 2  # n-gram sizes the ngram proposer matches
   prompt_lookup_max: int = 5

@@ -1,9 +1,17 @@
 """Session-wide test set-up: JAX on CPU with the persistent compilation cache, torch
-(the tiny models' reference) on one thread, and the longest modules first under xdist."""
+(the tiny models' reference) and OpenBLAS on one thread, and the longest modules first
+under xdist."""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# numpy's and scipy's OpenBLAS (jax's CPU Cholesky and triangular solves call scipy's LAPACK)
+# start one thread per core, and their idle threads spin: on the suite's two cores, beside
+# the other worker and the XLA programs of the same test, GPTQ's 150 small factorisations
+# (576 and 1536 inputs) took 80 CPU-seconds with the default threads and 5.5 with one
+# (docs/testing.md). Read when OpenBLAS loads, so set before numpy is imported; servers
+# started by the tests inherit it.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 
@@ -66,17 +74,20 @@ def force_avx2(monkeypatch):
 
 # The modules that take longest in the full suite, longest first (`--durations`, summed per
 # module, 2026-12-06; the batch-invariance, executable-store and kernel-backend modules then
-# moved down by their measured CPU saving). `--dist loadfile` hands each worker whole modules
+# moved down by their measured CPU saving; the first five re-measured alone late that day, CPU
+# seconds with fresh caches: batch invariance 157, quant quality 157 after OpenBLAS went to one
+# thread, pipeline 120 and default model 91 each with a `default_llm` of their own, batch
+# job 65). `--dist loadfile` hands each worker whole modules
 # in collection order; pytest-xdist's default `--loadscope-reorder` sorts them by test count,
 # which put these one-to-six-test modules last: the run ended with one worker alone on the
 # batch-invariance module for ~14 minutes while the other idled. Longest first (the classic
 # greedy schedule) lets the short modules fill in around them. docs/testing.md.
 LONGEST_MODULES = (
-    "tests/serving/runner/test_quant_quality.py",
     "tests/serving/engine/test_batch_invariance.py",
+    "tests/serving/runner/test_quant_quality.py",
     "tests/sharding/test_pipeline.py",
-    "tests/serving/entrypoints/test_batch_e2e.py",
     "tests/serving/entrypoints/test_default_model.py",
+    "tests/serving/entrypoints/test_batch_e2e.py",
     "tests/serving/runner/test_quant_engine.py",
     "tests/ops/test_ops_security.py",
     "tests/sharding/test_quant_sharded.py",

@@ -160,6 +160,7 @@ class LLMEngine:
     self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
     self._seqs: dict[str, Sequence] = {}
     self._inflight: tuple[StepPlan, Any] | None = None
+    self._last_result_at: float | None = None  # when the latest step's result came back
     seed = config.scheduler.seed if config.scheduler.seed is not None else secrets.randbits(63)
     self._rng = np.random.default_rng(seed)
     self._thread: threading.Thread | None = None
@@ -448,6 +449,7 @@ class LLMEngine:
       return
     if plan.speculative:
       self._count_speculation(plan, result)
+    self._time_step(plan, result)
     for seq, run in self.scheduler.postprocess(plan, result):
       try:
         self._take_run(seq, run)
@@ -481,6 +483,17 @@ class LLMEngine:
             seq.stop_reason = None  # the stop id is dropped with the run's tail
           seq.finish_reason = "stop"
         return
+
+  def _time_step(self, plan: StepPlan, result) -> None:
+    """The back-off's timing of decode-only steps: tokens over the time since the
+    previous step's result (a plain step's device time overlaps the host's work, a
+    speculative step's does not: each pays what it costs)."""
+    now = time.monotonic()
+    last, self._last_result_at = self._last_result_at, now
+    if last is None or plan.prefills or not plan.decodes:
+      return
+    tokens = sum(len(result.tokens.get(r.seq.request_id, ())) for r in plan.decodes)
+    self.spec.record_time(plan.speculative, tokens, now - last)
 
   def _count_speculation(self, plan: StepPlan, result) -> None:
     """Acceptance counters (metrics) and the back-off's view of a speculative step."""

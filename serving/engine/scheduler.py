@@ -128,7 +128,7 @@ class Scheduler:
   def schedule(self, speculate: bool = False) -> StepPlan:
     """The next step's plan (host state only; see module doc). `speculate`: propose
     drafts for the decode rows (the engine's back-off decides)."""
-    decodes = self._schedule_decodes(speculate, self._decode_steps(speculate))
+    decodes = self._schedule_decodes(speculate)
     budget = self.config.scheduler.max_num_batched_tokens - sum(1 + r.num_drafts for r in decodes)
     prefills: list[PrefillChunk] = []
     for seq in sorted(self.running, key=lambda s: s.admit_order):
@@ -189,18 +189,25 @@ class Scheduler:
         return 1
     return k
 
-  def _schedule_decodes(self, speculate: bool, steps: int = 1) -> list[DecodeRow]:
-    """One token (plus drafts when speculating; `steps` tokens in a multi-step call)
-    for every running sequence past prefill; preempts if pages run out."""
+  def _schedule_decodes(self, speculate: bool) -> list[DecodeRow]:
+    """One token (plus drafts when speculating; `num_decode_steps` tokens in a multi-step
+    call) for every running sequence past prefill; preempts if pages run out. A step
+    asked to speculate whose rows got no drafts at all is a plain one, multi-step where
+    `_decode_steps` allows it: a proposer that finds nothing costs no single steps."""
     decodes: list[DecodeRow] = []
     candidates = sorted((s for s in self.running if not s.in_prefill or _decodable(s)),
                         key=lambda s: s.admit_order)
+    candidates = [s for s in candidates if s.status is Status.RUNNING and self._wants_token(s)]
     speculate = (speculate and self.proposer is not None
                  and len(candidates) <= self.config.speculative.speculative_max_batch)
+    proposals = {s: self._propose(s) for s in candidates if speculate and not s.pending}
+    if not any(n for _, n in proposals.values()):
+      proposals = {}
+    steps = self._decode_steps(bool(proposals))
     for seq in candidates:
-      if seq.status is not Status.RUNNING or not self._wants_token(seq):
+      if seq.status is not Status.RUNNING:  # preempted for an earlier row's pages
         continue
-      drafts, n = self._propose(seq) if speculate and not seq.pending else ([], 0)
+      drafts, n = proposals.get(seq, ([], 0))
       # The input token sits at position num_tokens - 1; drafts (or the inputs of a
       # multi-step call's later iterations) at the positions after it.
       ahead = max(n, steps - 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import time
 import urllib.parse
@@ -304,16 +305,23 @@ def save_record(path: str | None, args: Any, result: Any) -> None:
     json.dump(record, f, indent=1)
 
 
-def launch_server(flags: Sequence[str], port: int, log_path: str):
+def launch_server(flags: Sequence[str], port: int, log_path: str, tree: str | None = None):
   """`xlaserve serve` (HTTP on `port`, no gRPC, prefix caching off unless `flags` say)
-  as a subprocess of this Python, its output to `log_path`; pair with `wait_ready`."""
+  as a subprocess of this Python, its output to `log_path`; pair with `wait_ready`.
+  `tree`: a checkout of xlaserve to serve from (its directory first on PYTHONPATH; for
+  before/after comparisons in one run), else the one this Python imports."""
   import subprocess
   import sys
 
   log = open(log_path, "w")  # noqa: SIM115 -- the child writes it until it exits
   cmd = [sys.executable, "-m", "serving.launcher", "serve", f"--http_port={port}",
          "--grpc_port=-1", "--enable_prefix_caching=false", *flags]
-  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+  env = None
+  if tree is not None:
+    tree = os.path.abspath(tree)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [tree, *filter(None, [os.environ.get("PYTHONPATH")])])}
+  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
 
 
 def wait_ready(base_url: str, timeout_s: float = 600.0, path: str = "/v1/models") -> float:

@@ -8,7 +8,11 @@ groups: acc = fma(float(isum), dx * d, acc); Q4_1 adds mins = fma(m, xsum, mins)
 y = acc * unit (Q4_1: fma(acc, unit, mins)), unit = 1/256 for a16. The reference
 computes the same operations (fused multiply-adds emulated exactly in float64), so
 the kernel must match it bitwise, for every row count (VNNI tiles below 16 rows, AMX
-tiles from 16 where the CPU has them) and with AMX forced off.
+tiles from 16 where the CPU has them) and with AMX forced off. The AVX2 set's tiles
+(quant_dot_avx2.h, forced with `XLASERVE_NATIVE_ISA=avx2`) take the same numerics, so
+they must match the same reference bitwise, with AVX-VNNI (where the CPU has it) and
+with the VPMADDWD products (`XLASERVE_NATIVE_AVXVNNI=0`), and keep each row's bits in
+any batch.
 """
 
 import ctypes
@@ -150,3 +154,36 @@ def test_amx_reported_where_the_cpu_has_it(monkeypatch):
   assert lib.xlaserve_native_amx() == (1 if " amx_int8" in flags else 0)
   monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
   assert lib.xlaserve_native_amx() == 0
+
+
+# ---- The AVX2 set (quant_dot_avx2.h), forced on this CPU ----
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 3, 6, 70])  # 1-4-row tiles, partial tiles, row blocks
+def test_avx2_matches_block_exact_reference_bitwise(force_avx2, fmt, bits, rows, monkeypatch):
+  """Columns not a multiple of the 8-column tiles (70), 18 groups, an all-zero group;
+  with AVX-VNNI where the CPU has it and with it off (the same integers)."""
+  qw = _weight(fmt, 70, 576)
+  x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+  x[0, :32] = 0.0
+  want = block_exact_reference(x, fmt, qw.q, qw.scale, qw.offset, bits)
+  traced = str(jax.make_jaxpr(lambda x: matvec.quantized_matvec(
+      x, qw.q, qw.scale, qw.offset, qw.bits, activation_bits=bits))(jnp.asarray(x)))
+  assert "_avx2" in traced
+  assert np.array_equal(_product(x, qw, bits), want)
+  monkeypatch.setenv("XLASERVE_NATIVE_AVXVNNI", "0")
+  assert np.array_equal(_product(x, qw, bits), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_avx2_row_alone_is_bitwise_the_row_among_150(force_avx2, fmt):
+  """Batch invariance on the AVX2 set: 1-row tiles vs 4-row tiles, partial tiles and
+  several row blocks (150 rows), over column ranges of several threads (1030 columns)."""
+  out_dim, in_dim = 1030, 1024
+  qw = _weight(fmt, out_dim, in_dim)
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((150, in_dim)).astype(np.float32) * rng.uniform(0.1, 10.0, (150, 1))
+  together = _product(x, qw, 16)
+  for at in (0, 65, 149):
+    assert np.array_equal(_product(x[at:at + 1], qw, 16)[0], together[at]), at

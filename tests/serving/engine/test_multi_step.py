@@ -232,14 +232,23 @@ def test_config_validates_the_multi_step_options():
 
 def test_a_host_proposer_runs_multi_step_between_speculative_steps():
   """ngram drafts on the host from the tokens it has: a step that does not speculate (the
-  back-off paused, or too many rows) is multi-step; a speculative one is not; a draft
-  model (its K/V must follow every token) never runs multi-step."""
+  back-off paused, or too many rows) is multi-step; a speculative one is not; one asked
+  to speculate whose rows got no drafts is multi-step; a draft model (its K/V must follow
+  every token) never runs multi-step."""
   sched = scheduler(NgramProposer(1, 3), speculative_method="ngram")
   decoding(sched, "a")
   assert sched.schedule(speculate=False).decode_steps == K
   sched = scheduler(NgramProposer(1, 3), speculative_method="ngram")
-  decoding(sched, "a")
-  assert sched.schedule(speculate=True).decode_steps == 1
+  seq = decoding(sched, "a")
+  seq.output_ids[-1] = seq.prompt_ids[1]  # the prompt's next tokens are the drafts
+  plan = sched.schedule(speculate=True)
+  assert plan.speculative and plan.decode_steps == 1
+  assert plan.decodes[0].drafts[:4] == seq.prompt_ids[2:]
+  sched = scheduler(NgramProposer(1, 3), speculative_method="ngram")
+  seq = decoding(sched, "a")  # its latest token (1) is not in the prompt: no drafts
+  plan = sched.schedule(speculate=True)
+  assert not plan.speculative and plan.decode_steps == K
+  assert seq.pending == K and plan.decodes[0].num_drafts == 0
   sched = scheduler(DraftModelProposer(), speculative_method="draft",
                     speculative_model="unused")
   decoding(sched, "a")
@@ -260,4 +269,21 @@ def test_ngram_and_multi_step_in_one_engine_match_the_plain_outputs():
   assert K in runner.decode_steps and any(runner.speculative)
   assert all(steps == 1 for steps, spec in zip(runner.decode_steps, runner.speculative,
                                                strict=True) if spec)
+  assert_all_pages_free(eng)
+
+
+def test_a_speculative_step_without_drafts_runs_multi_step():
+  """One request under ngram (n-grams of 2-3): its first decode step finds no bigram of
+  the prompt (the echo's first token follows the prompt's last), so the step asked to
+  speculate runs K plain iterations; from then on the echo repeats the prompt and the
+  steps speculate. Outputs are the plain engine's, pages all free."""
+  eng, runner = engine(speculative_method="ngram", num_speculative_tokens=3,
+                       prompt_lookup_min=2, prompt_lookup_max=3)
+  outs = submit(eng, "a", prompt(3, 7), max_tokens=30)
+  eng.run_until_idle()
+  assert tokens_of(outs) == echo(prompt(3, 7), 30)
+  plain = [s for s, spec in zip(runner.decode_steps, runner.speculative, strict=True)
+           if not spec]
+  assert plain[0] == K and any(runner.speculative)
+  assert eng.spec.num_pauses == 0
   assert_all_pages_free(eng)

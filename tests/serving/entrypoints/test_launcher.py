@@ -78,7 +78,7 @@ OPTION_SAMPLES = {
     "unroll_layers": (True, {}), "compilation_cache": (False, {}),
     "compilation_cache_dir": ("/tmp/xlaserve-test-cache", {}), "seed": (1234, {}),
     "step_timeout_s": (9.5, {}), "max_loras": (3, {}), "max_lora_rank": (32, {}),
-    "speculative_method": ("ngram", {}), "num_speculative_tokens": (4, {}),
+    "speculative_method": ("ngram", {}), "num_speculative_tokens": (6, {}),
     "speculative_model": ("draft-model", {"speculative_method": "draft"}),
     "prompt_lookup_min": (3, {}), "prompt_lookup_max": (7, {}), "speculative_max_batch": (2, {}),
     "num_decode_steps": (4, {}), "decode_steps_max_batch": (2, {}),

@@ -11,7 +11,8 @@ S positions per sequence, causal among them) runs as B * S decode rows and
 matches the op-by-op verify attention. Through `LLM`, greedy tokens are the
 same with it on and off, with and without ngram speculation, and nothing
 compiles after warm-up. The AVX2 stack (forced with `XLASERVE_NATIVE_ISA=avx2`)
-must match the op-by-op path too, and an engine on it give the XLA path's tokens.
+must match the op-by-op path too, keep a row's bits in any batch with integer
+activations (with and without AVX-VNNI), and an engine on it give the XLA path's tokens.
 """
 
 import dataclasses
@@ -312,6 +313,32 @@ def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits, s):
 
 
 @needs_native
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_verify_positions_attending_together_give_the_bits_of_each_alone(kv_dtype):
+  """A sequence's verify positions, next to each other, read its keys once for all of
+  them (decoder.cc `AttentionSpans`, attention.h `AttendQueries`); interleaved with the
+  other sequences' rows (no two neighbours share a table) each attends alone
+  (`AttendQuery`). Every row's hidden state has the same bits either way, and so has
+  the pool but for page 0 (where the padding rows write, in row order)."""
+  layers = _layers()
+  s = 10
+  positions, meta, used = _verify(VERIFY, s)
+  rows = native_decode.verify_rows(meta)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((len(VERIFY) * s, 128)),
+                  jnp.float32)
+  order = np.arange(len(VERIFY) * s).reshape(len(VERIFY), s).T.reshape(-1)  # position-major
+  run = jax.jit(native_decode.run_layers, static_argnums=1)
+  together_h, together_kv = run(layers, CFG, x, positions, rows, _pool(kv_dtype))
+  alone_h, alone_kv = run(layers, CFG, x[order], positions[order],
+                          {k: v[order] for k, v in rows.items()}, _pool(kv_dtype))
+  np.testing.assert_array_equal(np.asarray(together_h)[order][used[order]],
+                                np.asarray(alone_h)[used[order]])
+  written = np.arange(together_kv.k.shape[0]) % PAGES != 0
+  for a, b in ((together_kv.k, alone_kv.k), (together_kv.v, alone_kv.v)):
+    np.testing.assert_array_equal(np.asarray(a)[written], np.asarray(b)[written])
+
+
+@needs_native
 def test_verify_of_k8_at_batch_4_takes_the_fused_call():
   """36 rows (4 sequences of 9 positions) are within the fused call's rows; past its own
   limit the step runs op by op."""
@@ -448,6 +475,29 @@ def test_avx2_matches_op_by_op(force_avx2, kv_dtype, activation_bits):
   np.testing.assert_allclose(np.asarray(got_h)[real], np.asarray(want_h)[real], rtol=tol,
                              atol=tol)
   _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits)
+
+
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_avx2_row_alone_gives_its_bits_among_rows(force_avx2, activation_bits, monkeypatch):
+  """The AVX2 stack's integer tiles (quant_dot_avx2.h: block-exact, 8 columns x up to 4
+  rows) give a row the same bits alone as among 9 rows (full and partial row tiles),
+  with AVX-VNNI where the CPU has it and with it off (`XLASERVE_NATIVE_AVXVNNI=0`)."""
+  layers = _layers(activation_bits=activation_bits)
+  rows = [(p % 4, [page]) for page, p in enumerate([0, 1, 2, 3, 0, 1, 2, 3, 2], start=1)]
+  positions, meta = _step(rows)  # distinct pages: no row reads another's keys
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((len(rows), 128)), jnp.float32)
+  run = jax.jit(native_decode.run_layers, static_argnums=1)
+  assert "xlaserve_decode_layers_avx2" in str(jax.make_jaxpr(
+      native_decode.run_layers, static_argnums=1)(layers, CFG, x, positions, meta,
+                                                  _pool("float32")))
+  together = np.asarray(run(layers, CFG, x, positions, meta, _pool("float32"))[0])
+  for at in (0, 4, 8):
+    one_pos, one_meta = _step([rows[at]])
+    alone = run(layers, CFG, x[at:at + 1], one_pos, one_meta, _pool("float32"))[0]
+    assert np.array_equal(np.asarray(alone)[0], together[at]), at
+  monkeypatch.setenv("XLASERVE_NATIVE_AVXVNNI", "0")
+  off = np.asarray(run(layers, CFG, x, positions, meta, _pool("float32"))[0])
+  assert np.array_equal(off, together)
 
 
 @pytest.mark.slow
