@@ -75,6 +75,65 @@ XLASERVE_TARGET inline __m512 Exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// The key and value rows (and their scales) of positions s0 .. s0 + n - 1 of KV head kh,
+// through the sequence's page table.
+template <int kKind>
+inline void BlockRows(const Dims& d, const int32_t* table, int64_t kh, int64_t s0, int n,
+                      const uint8_t* k_pages, const uint8_t* v_pages, const uint8_t** krows,
+                      float* kscale, const uint8_t** vrows, float* vscale) {
+  for (int j = 0; j < n; ++j) {
+    const int64_t s = s0 + j;
+    const int64_t page = table[s / d.page_size];
+    const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
+    krows[j] = k_pages + entry * d.row_bytes;
+    vrows[j] = v_pages + entry * d.row_bytes;
+    kscale[j] = RowScale<kKind>(krows[j], d.head_dim);
+    vscale[j] = RowScale<kKind>(vrows[j], d.head_dim);
+  }
+}
+
+// One block of n <= 16 keys for one query head: the scores of `qg` (scaled query) against
+// rows krows (scales kscale), soft-capped when soft_cap > 0, one max, one vector exp and
+// one rescale of the running max `m`, sum `l` and accumulator `a` (H floats), then the
+// value rows vrows (scales vscale) into `a`. `scores`: 16 floats of 64-byte-aligned scratch.
+// AttendQuery and AttendQueries both step through this, so they agree bit for bit.
+template <int kKind>
+XLASERVE_TARGET inline void AttendBlock(const float* qg, int64_t n_vec, int n,
+                                        const uint8_t* const* krows, const float* kscale,
+                                        const uint8_t* const* vrows, const float* vscale,
+                                        float soft_cap, float* scores, float& m, float& l,
+                                        float* a) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int j = 0; j < n; ++j) {
+    const __m512 ks = _mm512_set1_ps(kscale[j]);
+    __m512 dot = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n_vec; ++i) {
+      dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * kLanes),
+                            Load16<kKind>(krows[j], i * kLanes, ks), dot);
+    }
+    float score = _mm512_reduce_add_ps(dot);
+    if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
+    scores[j] = score;
+  }
+  const __m512 sv = _mm512_maskz_loadu_ps(valid, scores);
+  const float block_max = _mm512_mask_reduce_max_ps(valid, sv);
+  const float m_new = std::max(m, block_max);
+  const float corr = m == -INFINITY ? 0.0f : std::exp(m - m_new);
+  const __m512 p = _mm512_maskz_mov_ps(valid, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+  l = l * corr + _mm512_reduce_add_ps(p);
+  m = m_new;
+  _mm512_store_ps(scores, p);
+  const __m512 cv = _mm512_set1_ps(corr);
+  for (int64_t i = 0; i < n_vec; ++i) {
+    __m512 ai = _mm512_mul_ps(cv, _mm512_loadu_ps(a + i * kLanes));
+    for (int j = 0; j < n; ++j) {
+      ai = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]),
+                           Load16<kKind>(vrows[j], i * kLanes, _mm512_set1_ps(vscale[j])), ai);
+    }
+    _mm512_storeu_ps(a + i * kLanes, ai);
+  }
+}
+
 // One (row b, query t): the query heads of KV heads [kh0, kh1), grouped by KV head.
 // `acc`, `qs`: G * H floats of scratch; `m`, `l`: G. Keys go in blocks of 16: their
 // scores, then one max, one vector exp and one rescale of the running sums per block.
@@ -92,7 +151,7 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
   const int64_t n_vec = h_dim / kLanes;
   alignas(64) float scores[kLanes];
   const uint8_t* vrows[kLanes];
-  float vscale[kLanes];
+  float kscale[kLanes], vscale[kLanes];
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     for (int64_t g = 0; g < group; ++g) {
       const float* qh = q + (kh * group + g) * h_dim;
@@ -103,47 +162,11 @@ XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k
     }
     for (int64_t s0 = lo; s0 < q_len; s0 += kLanes) {
       const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       const uint8_t* krows[kLanes];
-      for (int j = 0; j < n; ++j) {
-        const int64_t s = s0 + j;
-        const int64_t page = table[s / d.page_size];
-        const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
-        krows[j] = k_pages + entry * d.row_bytes;
-        vrows[j] = v_pages + entry * d.row_bytes;
-        vscale[j] = RowScale<kKind>(vrows[j], h_dim);
-      }
+      BlockRows<kKind>(d, table, kh, s0, n, k_pages, v_pages, krows, kscale, vrows, vscale);
       for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qs + g * h_dim;
-        for (int j = 0; j < n; ++j) {
-          const __m512 ks = _mm512_set1_ps(RowScale<kKind>(krows[j], h_dim));
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t i = 0; i < n_vec; ++i) {
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * kLanes),
-                                  Load16<kKind>(krows[j], i * kLanes, ks), dot);
-          }
-          float score = _mm512_reduce_add_ps(dot);
-          if (soft_cap > 0.0f) score = soft_cap * std::tanh(score / soft_cap);
-          scores[j] = score;
-        }
-        const __m512 sv = _mm512_maskz_loadu_ps(valid, scores);
-        const float block_max = _mm512_mask_reduce_max_ps(valid, sv);
-        const float m_new = std::max(m[g], block_max);
-        const float corr = m[g] == -INFINITY ? 0.0f : std::exp(m[g] - m_new);
-        const __m512 p = _mm512_maskz_mov_ps(valid, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-        l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
-        m[g] = m_new;
-        _mm512_store_ps(scores, p);
-        float* a = acc + g * h_dim;
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int64_t i = 0; i < n_vec; ++i) {
-          __m512 ai = _mm512_mul_ps(cv, _mm512_loadu_ps(a + i * kLanes));
-          for (int j = 0; j < n; ++j) {
-            ai = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]),
-                                 Load16<kKind>(vrows[j], i * kLanes, _mm512_set1_ps(vscale[j])), ai);
-          }
-          _mm512_storeu_ps(a + i * kLanes, ai);
-        }
+        AttendBlock<kKind>(qs + g * h_dim, n_vec, n, krows, kscale, vrows, vscale, soft_cap,
+                           scores, m[g], l[g], acc + g * h_dim);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -185,48 +208,13 @@ XLASERVE_TARGET void AttendQueries(const Dims& d, const float* q, int64_t q_stri
     }
     for (int64_t s0 = 0; s0 < max_len; s0 += kLanes) {
       const int n_all = static_cast<int>(std::min<int64_t>(kLanes, max_len - s0));
-      for (int j = 0; j < n_all; ++j) {
-        const int64_t s = s0 + j;
-        const int64_t page = table[s / d.page_size];
-        const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
-        krows[j] = k_pages + entry * d.row_bytes;
-        vrows[j] = v_pages + entry * d.row_bytes;
-        kscale[j] = RowScale<kKind>(krows[j], h_dim);
-        vscale[j] = RowScale<kKind>(vrows[j], h_dim);
-      }
+      BlockRows<kKind>(d, table, kh, s0, n_all, k_pages, v_pages, krows, kscale, vrows, vscale);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t q_len = q_lens[r / group];
         if (s0 >= q_len) continue;  // past this query's keys: AttendQuery never gets here
         const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-        const float* qg = qs + r * h_dim;
-        for (int j = 0; j < n; ++j) {
-          const __m512 ks = _mm512_set1_ps(kscale[j]);
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t i = 0; i < n_vec; ++i) {
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i * kLanes),
-                                  Load16<kKind>(krows[j], i * kLanes, ks), dot);
-          }
-          scores[j] = _mm512_reduce_add_ps(dot);
-        }
-        const __m512 sv = _mm512_maskz_loadu_ps(valid, scores);
-        const float block_max = _mm512_mask_reduce_max_ps(valid, sv);
-        const float m_new = std::max(m[r], block_max);
-        const float corr = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - m_new);
-        const __m512 p = _mm512_maskz_mov_ps(valid, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-        l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
-        m[r] = m_new;
-        _mm512_store_ps(scores, p);
-        float* a = acc + r * h_dim;
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int64_t i = 0; i < n_vec; ++i) {
-          __m512 ai = _mm512_mul_ps(cv, _mm512_loadu_ps(a + i * kLanes));
-          for (int j = 0; j < n; ++j) {
-            ai = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]),
-                                 Load16<kKind>(vrows[j], i * kLanes, _mm512_set1_ps(vscale[j])), ai);
-          }
-          _mm512_storeu_ps(a + i * kLanes, ai);
-        }
+        AttendBlock<kKind>(qs + r * h_dim, n_vec, n, krows, kscale, vrows, vscale, 0.0f, scores,
+                           m[r], l[r], acc + r * h_dim);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
