@@ -7,9 +7,9 @@ and only `import_chunk` is shared. Across processes (`xlaserve serve
 --kv_role=prefill|decode`, the HTTP contract in serving/entrypoints/kv_connector.py)
 a request's pages move like this:
 
-  1. **Offer** (prefill server, `KVSender.offer`): after the one-token
-     prefill, the prompt's cached full pages are pinned (`match_prefix`,
-     count=False) under a fresh offer id, for at most `timeout_s`.
+  1. **Offer** (prefill server, `KVSender.pin`): at the one-token prefill's
+     output, on the engine thread, the prompt's cached full pages are pinned
+     (`match_prefix`, count=False) under a fresh offer id, for at most `timeout_s`.
   2. **Handshake** (decode server, `KVReceiver`): the prefill server's
      `KVPageFormat` (model, page size, KV dtype, page shape, chunk size) must
      equal the decode server's own, or nothing moves.
@@ -155,15 +155,10 @@ class KVSender:
     self._lock = threading.Lock()
     self.offers_total = self.expired_total = self.chunks_total = self.bytes_total = 0
 
-  def offer(self, prompt_ids: list[int]) -> Offer | None:
-    """Pins the prompt's cached full pages (a blocking call: worker thread) -> the offer,
-    or None when none is cached (a prompt shorter than a page, or evicted meanwhile).
-    A request's own prefill leg pins with `pin` at its output instead: nothing can evict
-    its pages between its finish and the offer then."""
-    return self.engine.call_soon(lambda: self.pin(prompt_ids)).result()
-
   def pin(self, prompt_ids: list[int]) -> Offer | None:
-    """`offer`, on the engine thread."""
+    """On the engine thread, at the prefill leg's output (nothing can evict its pages
+    before): pins the prompt's cached full pages -> the offer, or None when none is
+    cached (a prompt shorter than a page)."""
     pages, hashes = self.engine.allocator.match_prefix(prompt_ids, count=False)
     if not pages:
       return None

@@ -119,7 +119,7 @@ def engines():
 def _offered(prefill: LLMEngine, **kw) -> tuple[KVSender, object]:
   sender = KVSender(prefill, _transport(prefill), **{"timeout_s": 30.0, **kw})
   _run(prefill, PROMPT, 1)
-  offer = sender.offer(PROMPT)
+  offer = prefill.call_soon(lambda: sender.pin(PROMPT)).result()
   assert offer is not None and len(offer.pages) == 4
   return sender, offer
 
