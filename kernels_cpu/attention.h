@@ -1,12 +1,7 @@
 // Paged attention of one query over a row's keys, read in place in the KV page
 // pool with a running (online) softmax: the building block of the paged
 // attention custom call (attention.cc) and the fused decoder layers
-// (decoder.cc).
-//
-// Pool storage (the last dimension of the K / V pools):
-//   kind 0: float32 [H];
-//   kind 1: bfloat16 stored as uint16 [H];
-//   kind 2: int8 rows: H one-byte codes, then the row's float32 scale.
+// (decoder.cc). Pool storage and page walks: attention_pages.h.
 
 #ifndef XLASERVE_KERNELS_CPU_ATTENTION_H_
 #define XLASERVE_KERNELS_CPU_ATTENTION_H_
@@ -19,11 +14,11 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_pages.h"
+
 namespace xlaserve {
 
 #define XLASERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
-
-constexpr int kLanes = 16;
 
 // 16 stored values of a key/value row as float32 (scale applied for int8 rows).
 template <int kKind>
@@ -39,22 +34,6 @@ XLASERVE_TARGET inline __m512 Load16(const uint8_t* row, int64_t i, __m512 row_s
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), row_scale);
   }
 }
-
-template <int kKind>
-inline float RowScale(const uint8_t* row, int64_t head_dim) {
-  if constexpr (kKind == 2) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof(s));
-    return s;
-  }
-  return 1.0f;
-}
-
-struct Dims {
-  int64_t batch, queries, heads, head_dim;  // B, T, N, H
-  int64_t page_size, kv_heads, row_bytes;   // ps, K, bytes of one stored [H] row
-  int64_t table_width;                      // W
-};
 
 // exp of 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, then
 // 2^n by scalef): ~1 ulp; arguments below -88 give ~0 (the caller masks empty lanes).
@@ -73,23 +52,6 @@ XLASERVE_TARGET inline __m512 Exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, n);
-}
-
-// The key and value rows (and their scales) of positions s0 .. s0 + n - 1 of KV head kh,
-// through the sequence's page table.
-template <int kKind>
-inline void BlockRows(const Dims& d, const int32_t* table, int64_t kh, int64_t s0, int n,
-                      const uint8_t* k_pages, const uint8_t* v_pages, const uint8_t** krows,
-                      float* kscale, const uint8_t** vrows, float* vscale) {
-  for (int j = 0; j < n; ++j) {
-    const int64_t s = s0 + j;
-    const int64_t page = table[s / d.page_size];
-    const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
-    krows[j] = k_pages + entry * d.row_bytes;
-    vrows[j] = v_pages + entry * d.row_bytes;
-    kscale[j] = RowScale<kKind>(krows[j], d.head_dim);
-    vscale[j] = RowScale<kKind>(vrows[j], d.head_dim);
-  }
 }
 
 // One block of n <= 16 keys for one query head: the scores of `qg` (scaled query) against

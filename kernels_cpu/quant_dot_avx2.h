@@ -36,10 +36,6 @@
 
 namespace xlaserve {
 
-// The instruction set a handler's loops use: the AVX-512 ones (quant_dot.h,
-// attention.h) or the AVX2 ones (quant_dot_avx2.h, attention_avx2.h).
-enum class Isa { kAvx512, kAvx2 };
-
 namespace avx2 {
 
 #define XLASERVE_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
