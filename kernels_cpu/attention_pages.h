@@ -11,8 +11,11 @@
 #ifndef XLASERVE_KERNELS_CPU_ATTENTION_PAGES_H_
 #define XLASERVE_KERNELS_CPU_ATTENTION_PAGES_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace xlaserve {
 
@@ -50,6 +53,37 @@ inline void BlockRows(const Dims& d, const int32_t* table, int64_t kh, int64_t s
     kscale[j] = RowScale<kKind>(krows[j], d.head_dim);
     vscale[j] = RowScale<kKind>(vrows[j], d.head_dim);
   }
+}
+
+// A query head's start: its query times `scale` into qs, the running max m and sum l
+// (a sink logit, sinks[n] when sinks is not nullptr, starts them at sink and 1), and a
+// zero accumulator (H floats each).
+inline void StartHead(const float* qh, int64_t h_dim, float scale, const float* sinks, int64_t n,
+                      float* qs, float* acc, float& m, float& l) {
+  for (int64_t i = 0; i < h_dim; ++i) qs[i] = qh[i] * scale;
+  m = sinks ? sinks[n] : -INFINITY;
+  l = sinks ? 1.0f : 0.0f;
+  std::fill(acc, acc + h_dim, 0.0f);
+}
+
+// A query head's output: acc / l (zeros when no key and no sink was seen).
+inline void FinishHead(const float* acc, int64_t h_dim, float l, float* out) {
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  for (int64_t i = 0; i < h_dim; ++i) out[i] = acc[i] * inv;
+}
+
+// This thread's scratch for `rows` query heads of H (the attention loops' acc, qs, m, l).
+struct HeadScratch {
+  std::vector<float> acc, qs, m, l;
+};
+
+inline HeadScratch& ThreadScratch(int64_t rows, int64_t h_dim) {
+  thread_local HeadScratch s;
+  s.acc.resize(rows * h_dim);
+  s.qs.resize(rows * h_dim);
+  s.m.resize(rows);
+  s.l.resize(rows);
+  return s;
 }
 
 }  // namespace xlaserve

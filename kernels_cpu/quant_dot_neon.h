@@ -37,9 +37,6 @@
 namespace xlaserve {
 namespace neon {
 
-// Functions that use SDOT (vdotq_s32); called only where SdotHardware().
-#define XLASERVE_SDOT_TARGET __attribute__((target("+dotprod")))
-
 constexpr int kNeonTileRows = 4;  // activation rows per pass (their register accumulators)
 constexpr int kIntCols = 4;       // output columns per integer tile (one int32 / float lane each)
 constexpr uint64_t kHwcapAsimdDp = 1u << 20;  // HWCAP_ASIMDDP (<asm/hwcap.h>)
@@ -293,13 +290,21 @@ inline void CodeBytes(const uint8_t* q, int8x16_t& w0, int8x16_t& w1) {
   }
 }
 
+// acc + SDOT(a, b): per int32 lane the sum of 4 int8 products. Inline assembly (as
+// vdotq_s32 would compile to) so that no function needs a dotprod target attribute:
+// the tiles are one template for both paths, run with SDOT only where SdotEnabled().
+inline int32x4_t Sdot(int32x4_t acc, int8x16_t a, int8x16_t b) {
+  asm(".arch armv8.2-a+dotprod\n\tsdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(a), "w"(b));
+  return acc;
+}
+
 // The 4 int32 lanes of a group's 32 code x activation byte products: SDOT (kSdot) or
 // SMULL and pairwise adds. Exact: |w x| <= 128 * 127.
 template <bool kSdot>
-XLASERVE_SDOT_TARGET inline int32x4_t DotBytes(int8x16_t w0, int8x16_t w1, int8x16_t x0,
+inline int32x4_t DotBytes(int8x16_t w0, int8x16_t w1, int8x16_t x0,
                                                int8x16_t x1) {
   if constexpr (kSdot) {
-    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, x0), w1, x1);
+    return Sdot(Sdot(vdupq_n_s32(0), w0, x0), w1, x1);
   } else {
     int32x4_t acc = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)));
     acc = vpadalq_s16(acc, vmull_high_s8(w0, x0));
@@ -316,7 +321,7 @@ inline int32x4_t Reduce4(int32x4_t d0, int32x4_t d1, int32x4_t d2, int32x4_t d3)
 // The exact int32 sums of one row's group (`x`: its 32 bytes of one rounding) with the
 // 4 columns' codes w (w[2c], w[2c + 1]: column c), one lane per column.
 template <bool kSdot>
-XLASERVE_SDOT_TARGET inline int32x4_t ColumnSums(const int8x16_t w[2 * kIntCols],
+inline int32x4_t ColumnSums(const int8x16_t w[2 * kIntCols],
                                                  const int8_t* x) {
   const int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
   int32x4_t d[kIntCols];
@@ -328,7 +333,7 @@ XLASERVE_SDOT_TARGET inline int32x4_t ColumnSums(const int8x16_t w[2 * kIntCols]
 // nibbles (Q4_1, Q4_0) or Q8_0 codes: quant_int.h's numerics, so the same bits as the
 // AVX-512 and AVX2 sets. dcol / mcol: the columns' scales / mins (ColumnHalves).
 template <Format kFmt, int kRows, bool kLo, bool kSdot>
-XLASERVE_SDOT_TARGET void ExactIntTile(const IntRows& r, int r0, int64_t groups,
+void ExactIntTile(const IntRows& r, int r0, int64_t groups,
                                        const uint8_t* codes, int64_t o, int n,
                                        const uint16_t* dcol, const uint16_t* mcol, float* out,
                                        int64_t out_dim) {
