@@ -50,7 +50,7 @@ def _check_report(out: str, expected: list[str]) -> None:
     assert line in out, f"{line!r} not in the harness's report:\n{out}"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the AVX2 set's bits: also test_int_exact.py (fast tier), through XLA
 @pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64"
                     or shutil.which("g++") is None, reason="needs g++ on x86-64 Linux")
 def test_harness_x86(tmp_path):
@@ -62,7 +62,6 @@ def test_harness_x86(tmp_path):
                       "float tiles avx2 q4_1: 15 cases", "attention avx2 kind 2: 56 cases"])
 
 
-@pytest.mark.slow
 @needs_cross
 def test_harness_neon_under_qemu(tmp_path):
   """NEON float and integer tiles (SDOT and SMULL) and attention against the references."""
@@ -83,7 +82,7 @@ def _ffi_include() -> Path:
   return Path(jaxlib.__file__).parent / "include"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~20 s: three sources against jaxlib's FFI headers
 @needs_cross
 def test_library_builds_for_aarch64_with_the_neon_targets(tmp_path):
   """setup.py's sources compile and link for aarch64, and the library exports the CPU check
