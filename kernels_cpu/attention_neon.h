@@ -95,35 +95,21 @@ inline void AttendBlock(const float* qg, int64_t h_dim, int n, const uint8_t* co
   }
 }
 
-// attention.h `AttendQuery` (same operands and scratch), keys in blocks of kLanes.
+// attention.h `AttendQuery` (same operands and scratch): attention_pages.h
+// `AttendQueryBlocks` with this AttendBlock.
 template <int kKind>
 void AttendQuery(const Dims& d, const float* q, const uint8_t* k_pages, const uint8_t* v_pages,
                  const int32_t* table, int64_t q_len, float scale, int64_t window, float soft_cap,
                  const float* sinks, float* out, float* acc, float* m, float* l, float* qs,
                  int64_t kh0, int64_t kh1) {
-  const int64_t h_dim = d.head_dim, group = d.heads / d.kv_heads;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, q_len - window) : 0;
-  alignas(16) float scores[kLanes];
-  const uint8_t* krows[kLanes];
-  const uint8_t* vrows[kLanes];
-  float kscale[kLanes], vscale[kLanes];
-  for (int64_t kh = kh0; kh < kh1; ++kh) {
-    for (int64_t g = 0; g < group; ++g) {
-      StartHead(q + (kh * group + g) * h_dim, h_dim, scale, sinks, kh * group + g,
-                qs + g * h_dim, acc + g * h_dim, m[g], l[g]);
-    }
-    for (int64_t s0 = lo; s0 < q_len; s0 += kLanes) {
-      const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
-      BlockRows<kKind>(d, table, kh, s0, n, k_pages, v_pages, krows, kscale, vrows, vscale);
-      for (int64_t g = 0; g < group; ++g) {
-        AttendBlock<kKind>(qs + g * h_dim, h_dim, n, krows, kscale, vrows, vscale, soft_cap,
-                           scores, m[g], l[g], acc + g * h_dim);
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      FinishHead(acc + g * h_dim, h_dim, l[g], out + (kh * group + g) * h_dim);
-    }
-  }
+  AttendQueryBlocks<kKind>(
+      d, q, k_pages, v_pages, table, q_len, scale, window, sinks, out, acc, m, l, qs, kh0, kh1,
+      [&](const float* qg, int n, const uint8_t* const* krows, const float* kscale,
+          const uint8_t* const* vrows, const float* vscale, float* scores, float& mg, float& lg,
+          float* a) {
+        AttendBlock<kKind>(qg, d.head_dim, n, krows, kscale, vrows, vscale, soft_cap, scores, mg,
+                           lg, a);
+      });
 }
 
 // AttendQuery with this thread's scratch: one query row, KV heads [kh0, kh1).

@@ -72,6 +72,44 @@ inline void FinishHead(const float* acc, int64_t h_dim, float l, float* out) {
   for (int64_t i = 0; i < h_dim; ++i) out[i] = acc[i] * inv;
 }
 
+// One (row b, query t): the query heads of KV heads [kh0, kh1), grouped by KV head, in
+// blocks of kLanes keys through the instruction set's step `block(qg, n, krows, kscale,
+// vrows, vscale, scores, m, l, a)` (attention.h `AttendBlock`: one block of n keys for
+// one query head; `scores`: kLanes floats of 64-byte-aligned scratch). `acc`, `qs`: G * H
+// floats of scratch; `m`, `l`: G. `window` <= 0: no window. `sinks` (nullptr: none): [N]
+// per-head sink logits (GPT-OSS), which join each head's softmax denominator with no
+// value: m starts at the sink and l at exp(sink - sink) = 1.
+template <int kKind, typename Block>
+inline void AttendQueryBlocks(const Dims& d, const float* q, const uint8_t* k_pages,
+                              const uint8_t* v_pages, const int32_t* table, int64_t q_len,
+                              float scale, int64_t window, const float* sinks, float* out,
+                              float* acc, float* m, float* l, float* qs, int64_t kh0,
+                              int64_t kh1, Block&& block) {
+  const int64_t h_dim = d.head_dim, group = d.heads / d.kv_heads;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, q_len - window) : 0;
+  alignas(64) float scores[kLanes];
+  const uint8_t* krows[kLanes];
+  const uint8_t* vrows[kLanes];
+  float kscale[kLanes], vscale[kLanes];
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    for (int64_t g = 0; g < group; ++g) {
+      StartHead(q + (kh * group + g) * h_dim, h_dim, scale, sinks, kh * group + g,
+                qs + g * h_dim, acc + g * h_dim, m[g], l[g]);
+    }
+    for (int64_t s0 = lo; s0 < q_len; s0 += kLanes) {
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
+      BlockRows<kKind>(d, table, kh, s0, n, k_pages, v_pages, krows, kscale, vrows, vscale);
+      for (int64_t g = 0; g < group; ++g) {
+        block(qs + g * h_dim, n, krows, kscale, vrows, vscale, scores, m[g], l[g],
+              acc + g * h_dim);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      FinishHead(acc + g * h_dim, h_dim, l[g], out + (kh * group + g) * h_dim);
+    }
+  }
+}
+
 // This thread's scratch for `rows` query heads of H (the attention loops' acc, qs, m, l).
 struct HeadScratch {
   std::vector<float> acc, qs, m, l;

@@ -145,21 +145,12 @@ template <Format kFmt>
 void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint8_t* codes,
              const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
              int64_t o0, int64_t o1) {
-  const int64_t groups = in / kGroup;
-  const int64_t group_bytes = GroupBytes(kFmt);
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* q = codes + o * groups * group_bytes;
-    const uint16_t* s_row = scale + o * groups;
-    const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
-    for (int r0 = 0; r0 < rows; r0 += kNeonTileRows) {
-      switch (std::min(kNeonTileRows, rows - r0)) {
-        case 1: Tile<kFmt, 1>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-        case 2: Tile<kFmt, 2>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-        case 3: Tile<kFmt, 3>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-        default: Tile<kFmt, 4>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-      }
-    }
-  }
+  ForColumnTiles<kFmt, kNeonTileRows>(
+      rows, in, codes, scale, offset, o0, o1,
+      [&](auto r, int r0, const uint8_t* q, const uint16_t* s_row, const uint16_t* m_row,
+          int64_t o) {
+        Tile<kFmt, decltype(r)::value>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o);
+      });
 }
 
 // ---- Integer activations: block-exact (quant_int.h's numerics) ----
@@ -197,7 +188,6 @@ inline int32_t SumLanes(const int32x4_t v[8]) {
 // the NEON tiles' fields (the input-order bytes and the per-group values).
 inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   const int64_t groups = in / kGroup;
-  r.has_lo = with_lo;
   r.nibble_order = false;
   r.plain_order = true;
   r.sdot = SdotEnabled();
@@ -208,11 +198,7 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   r.x16.clear();
   r.hi_plain.resize(rows * groups * kGroup);
   r.lo_plain.resize(with_lo ? rows * groups * kGroup : 0);
-  r.dx_group.resize(rows * groups);
-  r.xsum8.resize(rows * groups);
-  r.xint8.resize(rows * groups);
-  r.xsum16.resize(with_lo ? rows * groups : 0);
-  r.xint16.resize(with_lo ? rows * groups : 0);
+  SizeGroupFields(rows, groups, with_lo, r);
 }
 
 // Rows [b0, b1) of x rounded per group into `r` (sized by PrepareRows), with quant_dot.h
@@ -385,30 +371,17 @@ void IntColumns(const IntRows& r, bool lo, int r0, int r1, int64_t in, const uin
                 int64_t o0, int64_t o1) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
   const int64_t groups = in / kGroup;
-  thread_local std::vector<uint16_t> dcol, mcol;  // this thread's, reused across calls
-  dcol.resize(groups * kIntCols);
-  mcol.resize(HasMin(kFmt) ? groups * kIntCols : 0);
-  for (int64_t o = o0; o < o1; o += kIntCols) {
-    const int n = static_cast<int>(std::min<int64_t>(kIntCols, o1 - o));
-    ColumnHalves(scale, groups, o, n, dcol.data());
-    if (HasMin(kFmt)) ColumnHalves(offset, groups, o, n, mcol.data());
-    for (int b = r0; b < r1; b += kNeonTileRows) {
-#define XLASERVE_NEON_INT_TILE(R, LO, SDOT) \
-  ExactIntTile<kFmt, R, LO, SDOT>(r, b, groups, codes, o, n, dcol.data(), mcol.data(), out, out_dim)
-#define XLASERVE_NEON_INT_ROWS(R)                                                            \
-  (lo ? (r.sdot ? XLASERVE_NEON_INT_TILE(R, true, true) : XLASERVE_NEON_INT_TILE(R, true, false)) \
-      : (r.sdot ? XLASERVE_NEON_INT_TILE(R, false, true)                                      \
-                : XLASERVE_NEON_INT_TILE(R, false, false)))
-      switch (std::min(kNeonTileRows, r1 - b)) {
-        case 1: XLASERVE_NEON_INT_ROWS(1); break;
-        case 2: XLASERVE_NEON_INT_ROWS(2); break;
-        case 3: XLASERVE_NEON_INT_ROWS(3); break;
-        default: XLASERVE_NEON_INT_ROWS(4); break;
-      }
-#undef XLASERVE_NEON_INT_ROWS
-#undef XLASERVE_NEON_INT_TILE
-    }
-  }
+  ForIntColumnTiles<kFmt, kIntCols, kNeonTileRows>(
+      r0, r1, in, scale, offset, o0, o1, ColumnHalves,
+      [&](auto rows, int b, int64_t o, int n, const uint16_t* dcol, const uint16_t* mcol) {
+        WithFlag(lo, [&](auto lo16) {
+          WithFlag(r.sdot, [&](auto sdot) {
+            constexpr int kRows = decltype(rows)::value;
+            ExactIntTile<kFmt, kRows, decltype(lo16)::value, decltype(sdot)::value>(
+                r, b, groups, codes, o, n, dcol, mcol, out, out_dim);
+          });
+        });
+      });
 }
 
 }  // namespace neon

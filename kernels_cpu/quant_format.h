@@ -7,7 +7,9 @@
 #ifndef XLASERVE_KERNELS_CPU_QUANT_FORMAT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_FORMAT_H_
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace xlaserve {
@@ -80,6 +82,79 @@ struct IntRows {
     case 7: { constexpr int R = 7; call; } break;   \
     default: { constexpr int R = 8; call; } break;  \
   }
+
+// fn(std::integral_constant<int, n>{}) for 1 <= n <= kMax: a tile's row count as a
+// template argument (the loops below; the AVX-512 tiles use XLASERVE_WITH_TILE_ROWS).
+template <int kMax, typename Fn>
+inline void WithRows(int n, Fn&& fn) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) return WithRows<kMax - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, kMax>{});
+}
+
+// fn(std::true_type{}) or fn(std::false_type{}): a run-time flag as a template argument.
+template <typename Fn>
+inline void WithFlag(bool flag, Fn&& fn) {
+  if (flag) {
+    fn(std::true_type{});
+  } else {
+    fn(std::false_type{});
+  }
+}
+
+// The float tiles' column loop of the unblocked sets (AVX2, NEON): per output column o
+// in [o0, o1) of a groups-of-32 weight, its codes q, scales s_row and mins m_row
+// (nullptr without), and rows [0, rows) in tiles of up to kMaxRows:
+// tile(R, r0, q, s_row, m_row, o), R a std::integral_constant row count.
+template <Format kFmt, int kMaxRows, typename Tile>
+inline void ForColumnTiles(int rows, int64_t in, const uint8_t* codes, const uint16_t* scale,
+                           const uint16_t* offset, int64_t o0, int64_t o1, Tile&& tile) {
+  const int64_t groups = in / kGroup;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* q = codes + o * groups * GroupBytes(kFmt);
+    const uint16_t* s_row = scale + o * groups;
+    const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
+    for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
+      WithRows<kMaxRows>(std::min(kMaxRows, rows - r0),
+                         [&](auto r) { tile(r, r0, q, s_row, m_row, o); });
+    }
+  }
+}
+
+// The integer tiles' column loop of the unblocked sets (AVX2, NEON): output columns
+// [o0, o1) in blocks of kCols, each block's float16 scales (and mins) as [groups][kCols]
+// (`halves(values, groups, o, n, dst)`, this thread's buffers), then rows [r0, r1) in
+// tiles of up to kMaxRows: tile(R, b, o, n, dcol, mcol), n <= kCols the block's columns.
+template <Format kFmt, int kCols, int kMaxRows, typename Halves, typename Tile>
+inline void ForIntColumnTiles(int r0, int r1, int64_t in, const uint16_t* scale,
+                              const uint16_t* offset, int64_t o0, int64_t o1, Halves halves,
+                              Tile&& tile) {
+  const int64_t groups = in / kGroup;
+  thread_local std::vector<uint16_t> dcol, mcol;  // this thread's, reused across calls
+  dcol.resize(groups * kCols);
+  mcol.resize(HasMin(kFmt) ? groups * kCols : 0);
+  for (int64_t o = o0; o < o1; o += kCols) {
+    const int n = static_cast<int>(std::min<int64_t>(kCols, o1 - o));
+    halves(scale, groups, o, n, dcol.data());
+    if (HasMin(kFmt)) halves(offset, groups, o, n, mcol.data());
+    for (int b = r0; b < r1; b += kMaxRows) {
+      WithRows<kMaxRows>(std::min(kMaxRows, r1 - b),
+                         [&](auto r) { tile(r, b, o, n, dcol.data(), mcol.data()); });
+    }
+  }
+}
+
+// Sizes the per-group fields of `r` (the group scales, the sums of the rounded values,
+// and with `with_lo` their 16-bit versions) for `rows` rows of `groups` groups.
+inline void SizeGroupFields(int rows, int64_t groups, bool with_lo, IntRows& r) {
+  r.has_lo = with_lo;
+  r.dx_group.resize(rows * groups);
+  r.xsum8.resize(rows * groups);
+  r.xint8.resize(rows * groups);
+  r.xsum16.resize(with_lo ? rows * groups : 0);
+  r.xint16.resize(with_lo ? rows * groups : 0);
+}
 
 }  // namespace xlaserve
 
