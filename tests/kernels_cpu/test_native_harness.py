@@ -106,3 +106,11 @@ def test_library_builds_for_aarch64_with_the_neon_targets(tmp_path):
   assert not missing, f"handlers library.py registers but the aarch64 build lacks: {missing}"
   for x86_set in ("avx512", "avx2"):
     assert library.SETS[x86_set][0] not in exported
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64" or library.library_path() is None,
+                    reason="needs the library built on x86-64")
+def test_x86_library_has_no_neon_set():
+  """An x86-64 build exports no NEON check, so `neon` is never usable (nor forced) there."""
+  assert "neon" not in library.usable_isas()
+  assert library.usable_isas() <= {"avx512", "avx2"}
