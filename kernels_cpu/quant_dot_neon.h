@@ -276,26 +276,30 @@ inline void CodeBytes(const uint8_t* q, int8x16_t& w0, int8x16_t& w1) {
   }
 }
 
-// acc + SDOT(a, b): per int32 lane the sum of 4 int8 products. Inline assembly (as
-// vdotq_s32 would compile to) so that no function needs a dotprod target attribute:
-// the tiles are one template for both paths, run with SDOT only where SdotEnabled().
-inline int32x4_t Sdot(int32x4_t acc, int8x16_t a, int8x16_t b) {
-  asm(".arch armv8.2-a+dotprod\n\tsdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(a), "w"(b));
-  return acc;
+// The dotprod extension (ARMv8.2-A+): only the SDOT tiles' functions carry it, so
+// the rest of the library stays baseline ARMv8-A code.
+#define XLASERVE_SDOT_TARGET __attribute__((target("arch=armv8.2-a+dotprod")))
+
+// The 4 int32 lanes of a group's 32 code x activation byte products with SDOT.
+XLASERVE_SDOT_TARGET inline int32x4_t SdotBytes(int8x16_t w0, int8x16_t w1, int8x16_t x0,
+                                                int8x16_t x1) {
+  return vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, x0), w1, x1);
 }
 
-// The 4 int32 lanes of a group's 32 code x activation byte products: SDOT (kSdot) or
-// SMULL and pairwise adds. Exact: |w x| <= 128 * 127.
+// The same with SMULL (int8 x int8 -> int16) and pairwise adds. Exact: |w x| <= 128 * 127.
+inline int32x4_t SmullBytes(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
+  int32x4_t acc = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)));
+  acc = vpadalq_s16(acc, vmull_high_s8(w0, x0));
+  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(w1), vget_low_s8(x1)));
+  return vpadalq_s16(acc, vmull_high_s8(w1, x1));
+}
+
 template <bool kSdot>
-inline int32x4_t DotBytes(int8x16_t w0, int8x16_t w1, int8x16_t x0,
-                                               int8x16_t x1) {
+inline int32x4_t DotBytes(int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
   if constexpr (kSdot) {
-    return Sdot(Sdot(vdupq_n_s32(0), w0, x0), w1, x1);
+    return SdotBytes(w0, w1, x0, x1);
   } else {
-    int32x4_t acc = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)));
-    acc = vpadalq_s16(acc, vmull_high_s8(w0, x0));
-    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(w1), vget_low_s8(x1)));
-    return vpadalq_s16(acc, vmull_high_s8(w1, x1));
+    return SmullBytes(w0, w1, x0, x1);
   }
 }
 
@@ -319,7 +323,7 @@ inline int32x4_t ColumnSums(const int8x16_t w[2 * kIntCols],
 // nibbles (Q4_1, Q4_0) or Q8_0 codes: quant_int.h's numerics, so the same bits as the
 // AVX-512 and AVX2 sets. dcol / mcol: the columns' scales / mins (ColumnHalves).
 template <Format kFmt, int kRows, bool kLo, bool kSdot>
-void ExactIntTile(const IntRows& r, int r0, int64_t groups,
+inline void ExactIntTile(const IntRows& r, int r0, int64_t groups,
                                        const uint8_t* codes, int64_t o, int n,
                                        const uint16_t* dcol, const uint16_t* mcol, float* out,
                                        int64_t out_dim) {
@@ -362,6 +366,15 @@ void ExactIntTile(const IntRows& r, int r0, int64_t groups,
   }
 }
 
+// ExactIntTile with SDOT: compiled for the dotprod target, with the tile's helpers
+// inlined into it (`flatten`), so SDOT runs in the loop while the template stays one.
+template <Format kFmt, int kRows, bool kLo>
+XLASERVE_SDOT_TARGET __attribute__((flatten)) void ExactIntTileSdot(
+    const IntRows& r, int r0, int64_t groups, const uint8_t* codes, int64_t o, int n,
+    const uint16_t* dcol, const uint16_t* mcol, float* out, int64_t out_dim) {
+  ExactIntTile<kFmt, kRows, kLo, true>(r, r0, groups, codes, o, n, dcol, mcol, out, out_dim);
+}
+
 // Output columns [o0, o1) of nibbles or Q8_0 codes for rows [r0, r1) of `r`
 // (neon::QuantizeRows; `lo`: its 16-bit rounding, else its 8-bit one), in blocks of
 // 4 columns x tiles of up to kNeonTileRows rows; SDOT where r.sdot.
@@ -375,11 +388,15 @@ void IntColumns(const IntRows& r, bool lo, int r0, int r1, int64_t in, const uin
       r0, r1, in, scale, offset, o0, o1, ColumnHalves,
       [&](auto rows, int b, int64_t o, int n, const uint16_t* dcol, const uint16_t* mcol) {
         WithFlag(lo, [&](auto lo16) {
-          WithFlag(r.sdot, [&](auto sdot) {
-            constexpr int kRows = decltype(rows)::value;
-            ExactIntTile<kFmt, kRows, decltype(lo16)::value, decltype(sdot)::value>(
-                r, b, groups, codes, o, n, dcol, mcol, out, out_dim);
-          });
+          constexpr int kRows = decltype(rows)::value;
+          constexpr bool kLo = decltype(lo16)::value;
+          if (r.sdot) {
+            ExactIntTileSdot<kFmt, kRows, kLo>(r, b, groups, codes, o, n, dcol, mcol, out,
+                                               out_dim);
+          } else {
+            ExactIntTile<kFmt, kRows, kLo, false>(r, b, groups, codes, o, n, dcol, mcol, out,
+                                                  out_dim);
+          }
         });
       });
 }
