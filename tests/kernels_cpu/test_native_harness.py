@@ -59,7 +59,8 @@ def test_harness_x86(tmp_path):
   _run(["g++", *FLAGS, str(HARNESS), "-o", str(exe)], timeout=300)
   out = _run([str(exe)], timeout=120)
   _check_report(out, ["integer tiles avx2: 60 cases bitwise equal",
-                      "float tiles avx2 q4_1: 15 cases", "attention avx2 kind 2: 56 cases"])
+                      "float tiles avx2 q4_1: 15 cases", "attention avx2 kind 2: 56 cases",
+                      "exp avx2: 1880 values"])
 
 
 @needs_cross
@@ -73,7 +74,7 @@ def test_harness_neon_under_qemu(tmp_path):
                       "float tiles neon u8: 15 cases", "float tiles neon q8_0: 15 cases",
                       "float tiles neon q4_1: 15 cases", "float tiles neon q4_0: 15 cases",
                       "attention neon kind 0: 56 cases", "attention neon kind 1: 56 cases",
-                      "attention neon kind 2: 56 cases"])
+                      "attention neon kind 2: 56 cases", "exp neon: 1880 values"])
 
 
 def _ffi_include() -> Path:

@@ -10,7 +10,8 @@
 //   order with fused multiply-adds), so every set gives the same bits.
 // - Float activations (U8, Q8_0, Q4_1, Q4_0): within 1e-5 of the float64 product.
 // - Paged attention (float32, bfloat16, int8 pages; window, soft cap, sinks): within
-//   2e-5 of a float64 softmax.
+//   2e-5 of a float64 softmax; the vector exp behind it (and the decoder's SwiGLU)
+//   within 4e-7 of exp.
 // Prints one line per check and "ok" at the end; exits 1 on the first mismatch.
 // Compile with -ffp-contract=off (the references' roundings are written out).
 
@@ -176,11 +177,8 @@ void FloatReference(const Weight& w, const float* x, int64_t o, double* y, doubl
   *y = *mag = 0;
   for (int64_t i = 0; i < w.in; ++i) {
     const int64_t g = i / 32;
-    const double wi = static_cast<double>(w.Code(o, i) - 0) * HalfValue(w.scale[o * w.Groups() + g]) +
-                      (w.fmt == xs::kQ4_0 ? 0.0 : w.Min(o, g));
-    const double wq = w.fmt == xs::kQ4_0
-                          ? (w.Code(o, i) - 8.0) * HalfValue(w.scale[o * w.Groups() + g])
-                          : wi;
+    const double wq = w.Code(o, i) * static_cast<double>(HalfValue(w.scale[o * w.Groups() + g])) +
+                      w.Min(o, g);  // Q4_0: the min is -8 * scale
     *y += wq * x[i];
     *mag += std::fabs(wq * x[i]);
   }
@@ -220,6 +218,9 @@ void FloatMatvec(const Weight& w, const float* x, int rows, float* y) {
   xs::neon::Columns<kFmt>(x, xsum.data(), rows, w.in, w.codes.data(), w.scale.data(),
                           xs::HasMin(kFmt) ? w.offset.data() : nullptr, y, w.out, 0, w.out);
 }
+
+// The set's vector exp (attention's softmax, the decoder's SwiGLU) of 4 values.
+void VectorExp(const float* x, float* y) { vst1q_f32(y, xs::neon::Exp4(vld1q_f32(x))); }
 
 template <int kKind>
 void Attend(const xs::Dims& d, const float* q, const uint8_t* k, const uint8_t* v,
@@ -281,6 +282,13 @@ void FloatMatvec(const Weight& w, const float* x, int rows, float* y) {
                           xs::HasMin(kFmt) ? w.offset.data() : nullptr, y, w.out, 0, w.out);
 }
 
+// The set's vector exp (attention's softmax, the decoder's SwiGLU) of 4 values.
+XLASERVE_AVX2_TARGET void VectorExp(const float* x, float* y) {
+  float in[8] = {x[0], x[1], x[2], x[3]}, out[8];
+  _mm256_storeu_ps(out, xs::avx2::Exp8(_mm256_loadu_ps(in)));
+  std::memcpy(y, out, 4 * sizeof(float));
+}
+
 template <int kKind>
 void Attend(const xs::Dims& d, const float* q, const uint8_t* k, const uint8_t* v,
             const int32_t* table, int64_t q_len, float scale, int64_t window, float soft_cap,
@@ -314,7 +322,8 @@ void CheckIntegerTiles(bool alt) {
           for (int64_t i = 0; i < rows * w.Groups(); ++i) {
             if (Bits(r.dx_group[i]) != Bits(ref[i].d) || r.xint8[i] != ref[i].xint8 ||
                 Bits(r.xsum8[i]) != Bits(ref[i].xsum8) ||
-                (lo && (r.xint16[i] != ref[i].xint16 || Bits(r.xsum16[i]) != Bits(ref[i].xsum16)))) {
+                (lo && (r.xint16[i] != ref[i].xint16 ||
+                        Bits(r.xsum16[i]) != Bits(ref[i].xsum16)))) {
               Fail(at + ": rounded group " + std::to_string(i));
             }
             if (kNativeBytes && !alt) {
@@ -470,6 +479,35 @@ void CheckAttention() {
   std::printf("attention %s kind %d: %d cases within 2e-5\n", SetName(false), kKind, checked);
 }
 
+// The vector exp within 2 ulp-ish (4e-7 relative) of exp on [-87, 87], and ~0 below.
+void CheckExp() {
+  int checked = 0;
+  for (float x0 = -87.0f; x0 < 86.6f; x0 += 0.37f) {  // every lane in [-87, 87]
+    const float x[4] = {x0, x0 + 0.1f, x0 + 0.2f, x0 + 0.3f};
+    float y[4];
+    VectorExp(x, y);
+    for (int j = 0; j < 4; ++j) {
+      const double want = std::exp(static_cast<double>(x[j]));
+      if (!(std::fabs(y[j] - want) <= 4e-7 * want)) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "exp %s(%.7g) = %.9g, not %.9g", SetName(false), x[j],
+                      y[j], want);
+        Fail(buf);
+      }
+      ++checked;
+    }
+  }
+  const float low[4] = {-100.0f, -1000.0f, -88.5f, -INFINITY};
+  float y[4];
+  VectorExp(low, y);
+  for (int j = 0; j < 4; ++j) {
+    if (!(y[j] >= 0.0f && y[j] < 1e-37f)) {
+      Fail(std::string("exp below the range: ") + SetName(false));
+    }
+  }
+  std::printf("exp %s: %d values within 4e-7\n", SetName(false), checked);
+}
+
 }  // namespace
 
 int main() {
@@ -486,6 +524,7 @@ int main() {
   CheckAttention<0>();
   CheckAttention<1>();
   CheckAttention<2>();
+  CheckExp();
   std::printf("ok\n");
   return 0;
 }
