@@ -22,9 +22,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention_pages.h"
+#include "parallel.h"
+#include "quant_format.h"
+#if defined(__x86_64__)
 #include "attention.h"
 #include "attention_avx2.h"
-#include "parallel.h"
+#elif defined(__aarch64__)
+#include "attention_neon.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,6 +38,17 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace xlaserve;  // NOLINT: AttendQuery and the pool kinds (attention.h)
+
+// The per-query loop of the instruction set: attention.h, attention_avx2.h or (the
+// only one on aarch64) attention_neon.h.
+template <Isa kIsa, int kKind>
+constexpr auto QueryLoop() {
+#if defined(__aarch64__)
+  return &neon::AttendWithScratch<kKind>;
+#else
+  return kIsa == Isa::kAvx2 ? &avx2::AttendWithScratch<kKind> : &AttendWithScratch<kKind>;
+#endif
+}
 
 template <Isa kIsa, int kKind>
 void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
@@ -42,12 +59,9 @@ void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uin
   xlaserve::ParallelFor(pool, d.batch * d.queries, [=, &d](int64_t row) {
     const int64_t b = row / d.queries;
     const int64_t q_len = std::clamp<int64_t>(q_lens[row], 0, max_keys);
-    // The per-query loop of the instruction set: attention.h or attention_avx2.h.
-    auto* attend = kIsa == Isa::kAvx2 ? &avx2::AttendWithScratch<kKind>
-                                      : &AttendWithScratch<kKind>;
-    attend(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
-           tables + b * d.table_width, q_len, scale, window, soft_cap, sinks,
-           out + row * d.heads * d.head_dim, 0, d.kv_heads);
+    QueryLoop<kIsa, kKind>()(d, q + row * d.heads * d.head_dim, k_pages, v_pages,
+                             tables + b * d.table_width, q_len, scale, window, soft_cap, sinks,
+                             out + row * d.heads * d.head_dim, 0, d.kv_heads);
   });
 }
 
@@ -131,8 +145,14 @@ static auto AttentionBinding() {
       .Attr<int64_t>("kind");
 }
 
+#if defined(__x86_64__)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinks, PagedAttentionImpl<Isa::kAvx512>,
                               AttentionBinding());
 // The same for CPUs with AVX2 + FMA + F16C (kernels_cpu/library.py picks one).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinksAvx2, PagedAttentionImpl<Isa::kAvx2>,
                               AttentionBinding());
+#elif defined(__aarch64__)
+// The NEON set (attention_neon.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionSinksNeon, PagedAttentionImpl<Isa::kNeon>,
+                              AttentionBinding());
+#endif
