@@ -16,9 +16,10 @@ Lifecycle, on the engine thread:
      `kv_transfer_pages`: nothing compiles after warm-up). A chunk that fails
      names its sequences; the engine takes them out of the step and they
      recompute that prefix (`Scheduler.drop_reload`).
-  3. `after_dispatch()`, once the step is dispatched: the copies started by
-     earlier steps land in the host pool. The copy of step N's evictions thus
-     overlaps step N+1.
+  3. `after_dispatch()`, once the step is dispatched and the previous step's
+     tokens are out: the copies started by earlier steps land in the host pool.
+     The copy of step N's evictions thus overlaps step N+1, and no token waits
+     for a host copy.
   4. Prefetch (`prefetch`, from the scheduler when a request arrives and while it
      waits at the head of the queue): the sequence's prefix pages that only the disk
      tier holds are read by a reader thread, off the engine thread, into a staging
@@ -440,7 +441,7 @@ class KVOffload(CacheListener):
     failed: list[KVReload] = []
     for i in range(0, len(items), self.chunk_pages):
       chunk = items[i:i + self.chunk_pages]
-      k, v = (np.stack([a[j] for _, _, a in chunk], axis=1) for j in (0, 1))
+      k, v = (self._chunk_array([a[j] for _, _, a in chunk], j) for j in (0, 1))
       try:
         self.runner.import_pages([p for _, p, _ in chunk], k, v)
       except RunnerDeadError:
@@ -455,6 +456,17 @@ class KVOffload(CacheListener):
     s.reload_seconds += time.perf_counter() - start
     s.reload_steps += 1
     return failed
+
+  def _chunk_array(self, pages: list[np.ndarray], j: int) -> np.ndarray:
+    """Stored array j of `pages` as one transfer chunk [L, chunk_pages, ...]: each page
+    copied once, straight into its slot; the unused slots zero (they go to the dummy
+    page)."""
+    shape, dtype = self.host.buffers[j].shape[1:], self.host.buffers[j].dtype
+    out = np.empty((shape[0], self.chunk_pages, *shape[1:]), dtype)
+    for slot, page in enumerate(pages):
+      out[:, slot] = page
+    out[:, len(pages):] = 0
+    return out
 
   # ---- shutdown ----
 

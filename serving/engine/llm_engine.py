@@ -369,8 +369,6 @@ class LLMEngine:
         inflight = (plan, self.runner.execute(plan=plan))
       except Exception as e:  # the plan was not (fully) dispatched
         self._fail_step(plan, e)
-    if self.offload is not None:
-      self.offload.after_dispatch()
     previous, self._inflight = self._inflight, inflight
     if previous is not None:
       self._postprocess(*previous)
@@ -378,6 +376,8 @@ class LLMEngine:
       self.offload.wait_for_reads(0.005)
     if inflight is not None and needs_masks:
       self._sample_constrained(*inflight)
+    if self.offload is not None:  # after the outputs: host copies never delay a token
+      self.offload.after_dispatch()
 
   def _sample_constrained(self, plan: StepPlan, handle: Any) -> None:
     """Fills the token masks of the step's constrained requests and lets the runner sample.

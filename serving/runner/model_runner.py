@@ -424,17 +424,18 @@ class ModelRunner:
     into page pages[i]; a 0 skips the slot (it goes to the dummy page). Device arrays
     move straight to this runner's device(s) (`jax.device_put`: device to device
     where the backend can, e.g. between GPUs: `_to_pool_device`); host arrays may
-    hold just len(pages) slots. Fixed shapes: nothing compiles after warm-up."""
+    hold just len(pages) slots (zero-padded here to the chunk) or the whole chunk.
+    Fixed shapes: nothing compiles after warm-up."""
     padded = self._chunk(pages)
     kv = self.state.kv
-    slots = len(padded) if isinstance(k, jax.Array) else len(pages)
+    allowed = {len(padded)} if isinstance(k, jax.Array) else {len(pages), len(padded)}
+    slots = k.shape[1] if k.ndim > 1 and k.shape[1] in allowed else len(padded)
     expect = (kv.k.shape[0] // kv.num_pages, slots, *kv.k.shape[1:])
     if k.shape != expect or v.shape != expect:
       raise ValueError(f"KV pages of shape {k.shape} / {v.shape} do not fit this cache "
                        f"(expected {expect}): a different model or layout")
-    if not isinstance(k, jax.Array):
-      pad = ((0, 0), (0, len(padded) - slots)) + ((0, 0),) * (k.ndim - 2)
-      k, v = np.pad(k, pad), np.pad(v, pad)
+    if slots < len(padded):
+      k, v = (_pad_slots(a, len(padded)) for a in (k, v))
     with self._device_errors():
       k, v = (self._to_pool_device(a) for a in (k, v))
       kv = self._write_pages(kv, padded, k, v)
@@ -799,3 +800,11 @@ def _sampled(token, logprob, top_ids, top_logprobs, n: int | None) -> SampledTok
     return SampledToken(token_id=token)
   top = [(int(i), float(lp)) for i, lp in zip(top_ids[:n], top_logprobs[:n], strict=True)]
   return SampledToken(token_id=token, logprob=TokenLogprob(token, float(logprob), top))
+
+
+def _pad_slots(a: np.ndarray, slots: int) -> np.ndarray:
+  """Host pages [L, n, ...] zero-padded to [L, slots, ...] (the padding goes to the dummy
+  page: zeros, never stale memory that a masked read could turn into NaN)."""
+  out = np.zeros((a.shape[0], slots, *a.shape[2:]), a.dtype)
+  out[:, :a.shape[1]] = a
+  return out

@@ -1,4 +1,5 @@
-"""Tests for serving.runner.kv_cache: the page pool's creation and its host memory."""
+"""Tests for serving.runner.kv_cache: the page pool's creation, its host memory, and the
+page export / import that moves pages between pools."""
 
 import ctypes
 import mmap
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from serving.models.model_config import ModelConfig
-from serving.runner.kv_cache import create_kv_cache, release_zero_pages
+from serving.runner.kv_cache import create_kv_cache, read_pages, release_zero_pages, write_pages
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=256,
                   num_layers=8, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -66,3 +67,29 @@ def test_release_of_a_written_pool_zeroes_whole_pages_only():
   assert 0 < released <= pool.nbytes
   assert released % 4096 == 0
   assert int(jnp.count_nonzero(pool == 0)) * 4 == released
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_write_pages_puts_each_slot_in_its_page_of_every_layer(dtype):
+  """write_pages against a numpy reference: slot i lands in page pages[i] of every layer,
+  a page named twice (the dummy page 0 taking padding) keeps its last slot, and no other
+  page changes; read_pages gives the slots back."""
+  kv = create_kv_cache(CFG, num_pages=7, page_size=4, dtype=dtype)
+  rng = np.random.default_rng(0)
+  fill = (lambda shape: rng.integers(-100, 100, shape).astype(kv.k.dtype)) if dtype == "int8" \
+      else (lambda shape: rng.standard_normal(shape).astype(kv.k.dtype))
+  kv = kv.__class__(k=jnp.asarray(fill(kv.k.shape)), v=jnp.asarray(fill(kv.v.shape)),
+                    num_pages=kv.num_pages, dtype=kv.dtype, layout=kv.layout)
+  before_k, before_v = np.asarray(kv.k), np.asarray(kv.v)
+  layers = kv.k.shape[0] // kv.num_pages
+  pages = np.array([5, 2, 0, 0], np.int32)
+  new_k, new_v = (fill((layers, 4, *kv.k.shape[1:])) for _ in range(2))
+  out = write_pages(kv, jnp.asarray(pages), jnp.asarray(new_k), jnp.asarray(new_v))
+  for got, before, new in ((out.k, before_k, new_k), (out.v, before_v, new_v)):
+    want = before.reshape(layers, kv.num_pages, *before.shape[1:]).copy()
+    for slot, page in enumerate(pages):
+      want[:, page] = new[:, slot]
+    np.testing.assert_array_equal(np.asarray(got), want.reshape(before.shape))
+  k, v = read_pages(out, jnp.asarray(pages[:2]))
+  np.testing.assert_array_equal(np.asarray(k), new_k[:, :2])
+  np.testing.assert_array_equal(np.asarray(v), new_v[:, :2])
