@@ -3,9 +3,11 @@
 Everything else is declared in pyproject.toml. The kernels are an XLA FFI
 library compiled against jaxlib's FFI headers (a build requirement) with
 per-function target attributes, so it loads on any x86-64 CPU and checks the
-instructions it needs at run time. The extension is optional: where it does
-not compile (no C++17 compiler, not x86-64) the install still succeeds and
-the engine uses the XLA path (kernels_cpu.available() is False).
+instructions it needs at run time. On aarch64 the same sources build the NEON
+set (Advanced SIMD, the aarch64 baseline; SDOT chosen at run time). The
+extension is optional: where it does not compile (no C++17 compiler, another
+architecture) the install still succeeds and the engine uses the XLA path
+(kernels_cpu.available() is False).
 """
 
 import os
@@ -43,14 +45,23 @@ class BuildNative(build_ext):
     return os.path.join(*fullname.split(".")) + ".so"
 
 
-NATIVE = []
-if platform.machine().lower() in ("x86_64", "amd64"):
-  NATIVE.append(Extension(
-      "kernels_cpu._native", sources=["kernels_cpu/matvec.cc", "kernels_cpu/attention.cc",
-                                  "kernels_cpu/decoder.cc"],
-      depends=["kernels_cpu/parallel.h", "kernels_cpu/quant_dot.h", "kernels_cpu/quant_gemm.h",
-               "kernels_cpu/quant_int.h", "kernels_cpu/kquant_dot.h", "kernels_cpu/attention.h",
+SOURCES = ["kernels_cpu/matvec.cc", "kernels_cpu/attention.cc", "kernels_cpu/decoder.cc"]
+COMMON_HEADERS = ["kernels_cpu/parallel.h", "kernels_cpu/quant_format.h",
+                  "kernels_cpu/attention_pages.h"]
+# machine -> the headers of its instruction sets (the sources pick them with #if).
+HEADERS = {
+    "x86_64": ["kernels_cpu/quant_dot.h", "kernels_cpu/quant_gemm.h", "kernels_cpu/quant_int.h",
+               "kernels_cpu/kquant_dot.h", "kernels_cpu/attention.h",
                "kernels_cpu/quant_dot_avx2.h", "kernels_cpu/attention_avx2.h"],
+    "aarch64": ["kernels_cpu/quant_dot_neon.h", "kernels_cpu/attention_neon.h"],
+}
+MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(),
+                                                      platform.machine().lower())
+
+NATIVE = []
+if MACHINE in HEADERS:
+  NATIVE.append(Extension(
+      "kernels_cpu._native", sources=SOURCES, depends=COMMON_HEADERS + HEADERS[MACHINE],
       language="c++",
       extra_compile_args=["-O3", "-std=c++17", "-Wno-attributes",
                           "-Wno-return-type"],

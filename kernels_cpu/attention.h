@@ -1,12 +1,7 @@
 // Paged attention of one query over a row's keys, read in place in the KV page
 // pool with a running (online) softmax: the building block of the paged
 // attention custom call (attention.cc) and the fused decoder layers
-// (decoder.cc).
-//
-// Pool storage (the last dimension of the K / V pools):
-//   kind 0: float32 [H];
-//   kind 1: bfloat16 stored as uint16 [H];
-//   kind 2: int8 rows: H one-byte codes, then the row's float32 scale.
+// (decoder.cc). Pool storage and page walks: attention_pages.h.
 
 #ifndef XLASERVE_KERNELS_CPU_ATTENTION_H_
 #define XLASERVE_KERNELS_CPU_ATTENTION_H_
@@ -19,11 +14,11 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_pages.h"
+
 namespace xlaserve {
 
 #define XLASERVE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
-
-constexpr int kLanes = 16;
 
 // 16 stored values of a key/value row as float32 (scale applied for int8 rows).
 template <int kKind>
@@ -39,22 +34,6 @@ XLASERVE_TARGET inline __m512 Load16(const uint8_t* row, int64_t i, __m512 row_s
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), row_scale);
   }
 }
-
-template <int kKind>
-inline float RowScale(const uint8_t* row, int64_t head_dim) {
-  if constexpr (kKind == 2) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof(s));
-    return s;
-  }
-  return 1.0f;
-}
-
-struct Dims {
-  int64_t batch, queries, heads, head_dim;  // B, T, N, H
-  int64_t page_size, kv_heads, row_bytes;   // ps, K, bytes of one stored [H] row
-  int64_t table_width;                      // W
-};
 
 // exp of 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, then
 // 2^n by scalef): ~1 ulp; arguments below -88 give ~0 (the caller masks empty lanes).
@@ -73,23 +52,6 @@ XLASERVE_TARGET inline __m512 Exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, n);
-}
-
-// The key and value rows (and their scales) of positions s0 .. s0 + n - 1 of KV head kh,
-// through the sequence's page table.
-template <int kKind>
-inline void BlockRows(const Dims& d, const int32_t* table, int64_t kh, int64_t s0, int n,
-                      const uint8_t* k_pages, const uint8_t* v_pages, const uint8_t** krows,
-                      float* kscale, const uint8_t** vrows, float* vscale) {
-  for (int j = 0; j < n; ++j) {
-    const int64_t s = s0 + j;
-    const int64_t page = table[s / d.page_size];
-    const int64_t entry = (page * d.page_size + s % d.page_size) * d.kv_heads + kh;
-    krows[j] = k_pages + entry * d.row_bytes;
-    vrows[j] = v_pages + entry * d.row_bytes;
-    kscale[j] = RowScale<kKind>(krows[j], d.head_dim);
-    vscale[j] = RowScale<kKind>(vrows[j], d.head_dim);
-  }
 }
 
 // One block of n <= 16 keys for one query head: the scores of `qg` (scaled query) against
@@ -123,58 +85,40 @@ XLASERVE_TARGET inline void AttendBlock(const float* qg, int64_t n_vec, int n,
   l = l * corr + _mm512_reduce_add_ps(p);
   m = m_new;
   _mm512_store_ps(scores, p);
+  // Four accumulators at a time, keys innermost: four independent chains of FMAs rather
+  // than one at a time (each element still sums its keys in order j = 0, 1, ...). Twice
+  // the speed of a prefill chunk's attention over a long context (docs/performance.md).
   const __m512 cv = _mm512_set1_ps(corr);
-  for (int64_t i = 0; i < n_vec; ++i) {
-    __m512 ai = _mm512_mul_ps(cv, _mm512_loadu_ps(a + i * kLanes));
+  for (int64_t i0 = 0; i0 < n_vec; i0 += 4) {
+    const int u_n = static_cast<int>(std::min<int64_t>(4, n_vec - i0));
+    __m512 acc[4];
+    for (int u = 0; u < u_n; ++u) acc[u] = _mm512_mul_ps(cv, _mm512_loadu_ps(a + (i0 + u) * kLanes));
     for (int j = 0; j < n; ++j) {
-      ai = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]),
-                           Load16<kKind>(vrows[j], i * kLanes, _mm512_set1_ps(vscale[j])), ai);
+      const __m512 pj = _mm512_set1_ps(scores[j]), vs = _mm512_set1_ps(vscale[j]);
+      for (int u = 0; u < u_n; ++u) {
+        acc[u] = _mm512_fmadd_ps(pj, Load16<kKind>(vrows[j], (i0 + u) * kLanes, vs), acc[u]);
+      }
     }
-    _mm512_storeu_ps(a + i * kLanes, ai);
+    for (int u = 0; u < u_n; ++u) _mm512_storeu_ps(a + (i0 + u) * kLanes, acc[u]);
   }
 }
 
-// One (row b, query t): the query heads of KV heads [kh0, kh1), grouped by KV head.
-// `acc`, `qs`: G * H floats of scratch; `m`, `l`: G. Keys go in blocks of 16: their
-// scores, then one max, one vector exp and one rescale of the running sums per block.
-// `window` <= 0: no window. `sinks` (nullptr: none): [N] per-head sink logits (GPT-OSS),
-// which join each head's softmax denominator with no value: m starts at the sink and
-// l at exp(sink - sink) = 1.
+// One (row b, query t): attention_pages.h `AttendQueryBlocks` with `AttendBlock`.
 template <int kKind>
 XLASERVE_TARGET void AttendQuery(const Dims& d, const float* q, const uint8_t* k_pages,
                                  const uint8_t* v_pages, const int32_t* table, int64_t q_len,
                                  float scale, int64_t window, float soft_cap, const float* sinks,
                                  float* out, float* acc, float* m, float* l, float* qs,
                                  int64_t kh0, int64_t kh1) {
-  const int64_t h_dim = d.head_dim, group = d.heads / d.kv_heads;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, q_len - window) : 0;
-  const int64_t n_vec = h_dim / kLanes;
-  alignas(64) float scores[kLanes];
-  const uint8_t* vrows[kLanes];
-  float kscale[kLanes], vscale[kLanes];
-  for (int64_t kh = kh0; kh < kh1; ++kh) {
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qh = q + (kh * group + g) * h_dim;
-      for (int64_t i = 0; i < h_dim; ++i) qs[g * h_dim + i] = qh[i] * scale;
-      m[g] = sinks ? sinks[kh * group + g] : -INFINITY;
-      l[g] = sinks ? 1.0f : 0.0f;
-      std::fill(acc + g * h_dim, acc + (g + 1) * h_dim, 0.0f);
-    }
-    for (int64_t s0 = lo; s0 < q_len; s0 += kLanes) {
-      const int n = static_cast<int>(std::min<int64_t>(kLanes, q_len - s0));
-      const uint8_t* krows[kLanes];
-      BlockRows<kKind>(d, table, kh, s0, n, k_pages, v_pages, krows, kscale, vrows, vscale);
-      for (int64_t g = 0; g < group; ++g) {
-        AttendBlock<kKind>(qs + g * h_dim, n_vec, n, krows, kscale, vrows, vscale, soft_cap,
-                           scores, m[g], l[g], acc + g * h_dim);
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      float* o = out + (kh * group + g) * h_dim;
-      const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-      for (int64_t i = 0; i < h_dim; ++i) o[i] = acc[g * h_dim + i] * inv;
-    }
-  }
+  const int64_t n_vec = d.head_dim / kLanes;
+  AttendQueryBlocks<kKind>(
+      d, q, k_pages, v_pages, table, q_len, scale, window, sinks, out, acc, m, l, qs, kh0, kh1,
+      [&](const float* qg, int n, const uint8_t* const* krows, const float* kscale,
+          const uint8_t* const* vrows, const float* vscale, float* scores, float& mg, float& lg,
+          float* a) XLASERVE_TARGET {
+        AttendBlock<kKind>(qg, n_vec, n, krows, kscale, vrows, vscale, soft_cap, scores, mg, lg,
+                           a);
+      });
 }
 
 // Queries [0, nq) of one sequence (one page table), KV heads [kh0, kh1), no window, soft
@@ -200,11 +144,8 @@ XLASERVE_TARGET void AttendQueries(const Dims& d, const float* q, int64_t q_stri
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = r / group, g = r % group;
-      const float* qh = q + t * q_stride + (kh * group + g) * h_dim;
-      for (int64_t i = 0; i < h_dim; ++i) qs[r * h_dim + i] = qh[i] * scale;
-      m[r] = -INFINITY;
-      l[r] = 0.0f;
-      std::fill(acc + r * h_dim, acc + (r + 1) * h_dim, 0.0f);
+      StartHead(q + t * q_stride + (kh * group + g) * h_dim, h_dim, scale, nullptr, 0,
+                qs + r * h_dim, acc + r * h_dim, m[r], l[r]);
     }
     for (int64_t s0 = 0; s0 < max_len; s0 += kLanes) {
       const int n_all = static_cast<int>(std::min<int64_t>(kLanes, max_len - s0));
@@ -219,9 +160,7 @@ XLASERVE_TARGET void AttendQueries(const Dims& d, const float* q, int64_t q_stri
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = r / group, g = r % group;
-      float* o = out + t * out_stride + (kh * group + g) * h_dim;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      for (int64_t i = 0; i < h_dim; ++i) o[i] = acc[r * h_dim + i] * inv;
+      FinishHead(acc + r * h_dim, h_dim, l[r], out + t * out_stride + (kh * group + g) * h_dim);
     }
   }
 }
@@ -232,14 +171,9 @@ void AttendQueriesWithScratch(const Dims& d, const float* q, int64_t q_stride, i
                               const int64_t* q_lens, const uint8_t* k_pages,
                               const uint8_t* v_pages, const int32_t* table, float scale,
                               float* out, int64_t out_stride, int64_t kh0, int64_t kh1) {
-  const int64_t rows = nq * (d.heads / d.kv_heads);
-  thread_local std::vector<float> acc, qs, m, l;
-  acc.resize(rows * d.head_dim);
-  qs.resize(rows * d.head_dim);
-  m.resize(rows);
-  l.resize(rows);
+  HeadScratch& s = ThreadScratch(nq * (d.heads / d.kv_heads), d.head_dim);
   AttendQueries<kKind>(d, q, q_stride, nq, q_lens, k_pages, v_pages, table, scale, out,
-                       out_stride, acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
+                       out_stride, s.acc.data(), s.m.data(), s.l.data(), s.qs.data(), kh0, kh1);
 }
 
 // AttendQuery with this thread's scratch: one query row, KV heads [kh0, kh1).
@@ -248,14 +182,9 @@ void AttendWithScratch(const Dims& d, const float* q, const uint8_t* k_pages,
                        const uint8_t* v_pages, const int32_t* table, int64_t q_len, float scale,
                        int64_t window, float soft_cap, const float* sinks, float* out,
                        int64_t kh0, int64_t kh1) {
-  const int64_t group = d.heads / d.kv_heads;
-  thread_local std::vector<float> acc, qs, m, l;
-  acc.resize(group * d.head_dim);
-  qs.resize(group * d.head_dim);
-  m.resize(group);
-  l.resize(group);
-  AttendQuery<kKind>(d, q, k_pages, v_pages, table, q_len, scale, window, soft_cap, sinks,
-                     out, acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
+  HeadScratch& s = ThreadScratch(d.heads / d.kv_heads, d.head_dim);
+  AttendQuery<kKind>(d, q, k_pages, v_pages, table, q_len, scale, window, soft_cap, sinks, out,
+                     s.acc.data(), s.m.data(), s.l.data(), s.qs.data(), kh0, kh1);
 }
 
 }  // namespace xlaserve

@@ -73,11 +73,8 @@ XLASERVE_AVX2_TARGET void AttendQuery(const Dims& d, const float* q, const uint8
   float vscale[kLanes8];
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     for (int64_t g = 0; g < group; ++g) {
-      const float* qh = q + (kh * group + g) * h_dim;
-      for (int64_t i = 0; i < h_dim; ++i) qs[g * h_dim + i] = qh[i] * scale;
-      m[g] = sinks ? sinks[kh * group + g] : -INFINITY;
-      l[g] = sinks ? 1.0f : 0.0f;
-      std::fill(acc + g * h_dim, acc + (g + 1) * h_dim, 0.0f);
+      StartHead(q + (kh * group + g) * h_dim, h_dim, scale, sinks, kh * group + g,
+                qs + g * h_dim, acc + g * h_dim, m[g], l[g]);
     }
     for (int64_t s0 = lo; s0 < q_len; s0 += kLanes8) {
       const int n = static_cast<int>(std::min<int64_t>(kLanes8, q_len - s0));
@@ -119,21 +116,25 @@ XLASERVE_AVX2_TARGET void AttendQuery(const Dims& d, const float* q, const uint8
         _mm256_store_ps(scores, p);
         float* a = acc + g * h_dim;
         const __m256 cv = _mm256_set1_ps(corr);
-        for (int64_t i = 0; i < n_vec; ++i) {
-          __m256 ai = _mm256_mul_ps(cv, _mm256_loadu_ps(a + i * kLanes8));
-          for (int j = 0; j < n; ++j) {
-            ai = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]),
-                                 Load8<kKind>(vrows[j], i * kLanes8, _mm256_set1_ps(vscale[j])),
-                                 ai);
+        // Four accumulators at a time, keys innermost (attention.h AttendBlock).
+        for (int64_t i0 = 0; i0 < n_vec; i0 += 4) {
+          const int u_n = static_cast<int>(std::min<int64_t>(4, n_vec - i0));
+          __m256 ai[4];
+          for (int u = 0; u < u_n; ++u) {
+            ai[u] = _mm256_mul_ps(cv, _mm256_loadu_ps(a + (i0 + u) * kLanes8));
           }
-          _mm256_storeu_ps(a + i * kLanes8, ai);
+          for (int j = 0; j < n; ++j) {
+            const __m256 pj = _mm256_set1_ps(scores[j]), vs = _mm256_set1_ps(vscale[j]);
+            for (int u = 0; u < u_n; ++u) {
+              ai[u] = _mm256_fmadd_ps(pj, Load8<kKind>(vrows[j], (i0 + u) * kLanes8, vs), ai[u]);
+            }
+          }
+          for (int u = 0; u < u_n; ++u) _mm256_storeu_ps(a + (i0 + u) * kLanes8, ai[u]);
         }
       }
     }
     for (int64_t g = 0; g < group; ++g) {
-      float* o = out + (kh * group + g) * h_dim;
-      const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-      for (int64_t i = 0; i < h_dim; ++i) o[i] = acc[g * h_dim + i] * inv;
+      FinishHead(acc + g * h_dim, h_dim, l[g], out + (kh * group + g) * h_dim);
     }
   }
 }
@@ -144,14 +145,9 @@ void AttendWithScratch(const Dims& d, const float* q, const uint8_t* k_pages,
                        const uint8_t* v_pages, const int32_t* table, int64_t q_len, float scale,
                        int64_t window, float soft_cap, const float* sinks, float* out,
                        int64_t kh0, int64_t kh1) {
-  const int64_t group = d.heads / d.kv_heads;
-  thread_local std::vector<float> acc, qs, m, l;
-  acc.resize(group * d.head_dim);
-  qs.resize(group * d.head_dim);
-  m.resize(group);
-  l.resize(group);
+  HeadScratch& s = ThreadScratch(d.heads / d.kv_heads, d.head_dim);
   avx2::AttendQuery<kKind>(d, q, k_pages, v_pages, table, q_len, scale, window, soft_cap, sinks,
-                           out, acc.data(), m.data(), l.data(), qs.data(), kh0, kh1);
+                           out, s.acc.data(), s.m.data(), s.l.data(), s.qs.data(), kh0, kh1);
 }
 
 }  // namespace avx2

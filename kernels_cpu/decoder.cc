@@ -44,8 +44,6 @@
 //   num_heads, num_pages (P), window (0: none), kind (0 f32, 1 bf16 pages),
 //   eps, scale.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -54,13 +52,24 @@
 #include <thread>
 #include <vector>
 
-#include "attention.h"
-#include "kquant_dot.h"
-#include "attention_avx2.h"
+#include "attention_pages.h"
 #include "parallel.h"
+#include "quant_format.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "attention.h"
+#include "attention_avx2.h"
+#include "kquant_dot.h"
 #include "quant_dot.h"
-#include "quant_int.h"
 #include "quant_dot_avx2.h"
+#include "quant_int.h"
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+
+#include "attention_neon.h"
+#include "quant_dot_neon.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -68,6 +77,14 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace xlaserve;  // NOLINT: the building blocks (quant_dot.h, attention.h)
+
+// The column loops beside the AVX-512 set: AVX2 on x86-64, NEON on aarch64 (the same
+// entry points; matvec.cc).
+#if defined(__x86_64__)
+namespace narrow = xlaserve::avx2;
+#elif defined(__aarch64__)
+namespace narrow = xlaserve::neon;
+#endif
 
 constexpr int kWeights = 7;  // wq, wk, wv, wo, w_gate, w_up, w_down
 constexpr int kOperands = 6;   // per weight: codes, scale, offset, q_high, super scale, offset
@@ -88,144 +105,6 @@ struct Weight {
   Format format;
   int activation_bits;  // 32: float tiles; 8 or 16: integer tiles (not U8)
 };
-
-// A K-quant weight's column block (float tiles or integer ones).
-template <Format kFmt>
-void KDotBlock(const Weight& w, const float* x, const IntRows* xq, int rows, float* y,
-               int64_t o0, int64_t o1) {
-  if (w.activation_bits != 32) {
-    KIntColumns<kFmt>(*xq, w.activation_bits == 16, rows, w.in, w.k, y, w.out, o0, o1);
-  } else {
-    KColumns<kFmt>(x, rows, w.in, w.k, y, w.out, o0, o1);
-  }
-}
-
-// y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
-// `xsum`) or their integer rounding `xq` (QuantizeRows of the same instruction set).
-template <Isa kIsa>
-void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows* xq, int rows,
-              float* y, int64_t o0, int64_t o1) {
-  const bool lo = w.activation_bits == 16;
-  if constexpr (kIsa == Isa::kAvx2) {
-    const bool ints = w.activation_bits != 32;
-    switch (w.format) {
-      case kU8:
-        avx2::Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
-        return;
-      case kS8:
-        if (ints) {
-          avx2::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
-                                o1);
-        } else {
-          avx2::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
-        }
-        return;
-      case kQ4_1:
-        if (ints) {
-          avx2::IntColumns<kQ4_1>(*xq, lo, 0, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
-                                  o1);
-        } else {
-          avx2::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
-        }
-        return;
-      case kQ4_0:
-        if (ints) {
-          avx2::IntColumns<kQ4_0>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
-                                  o1);
-        } else {
-          avx2::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
-        }
-        return;
-    }
-    return;
-  }
-  switch (w.format) {
-    case kU8:
-      Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
-      return;
-    case kS8:
-      if (w.activation_bits != 32) {
-        S8IntColumns(*xq, lo, rows, w.in, w.codes, w.scale, y, w.out, o0, o1);
-      } else {
-        Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
-      }
-      return;
-    case kQ4_1:
-      if (w.activation_bits != 32) {
-        IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
-      } else {
-        Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
-      }
-      return;
-    case kQ4_0:
-      if (w.activation_bits != 32) {
-        IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
-      } else {
-        Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
-      }
-      return;
-    case kQ4_K:
-      KDotBlock<kQ4_K>(w, x, xq, rows, y, o0, o1);
-      return;
-    case kQ5_K:
-      KDotBlock<kQ5_K>(w, x, xq, rows, y, o0, o1);
-      return;
-    case kQ6_K:
-      KDotBlock<kQ6_K>(w, x, xq, rows, y, o0, o1);
-      return;
-  }
-}
-
-// Several projections of the same rows (Q/K/V; gate/up) as one parallel loop.
-struct Projection {
-  const Weight* w;
-  float* y;  // [rows, w->out]
-};
-
-template <Isa kIsa>
-void Project(Team& team, const std::vector<Projection>& ps, const float* x, const IntRows* xq,
-             int rows) {
-  // The group sums of x, for the float tiles (the integer ones carry their own).
-  std::vector<float> xsum;
-  if (std::any_of(ps.begin(), ps.end(),
-                  [](const Projection& p) { return p.w->activation_bits == 32; })) {
-    xsum.resize(rows * (ps[0].w->in / kGroup));
-    if constexpr (kIsa == Isa::kAvx2) {
-      avx2::GroupSums(x, rows, ps[0].w->in, xsum.data());
-    } else {
-      GroupSums(x, rows, ps[0].w->in, xsum.data());
-    }
-  }
-  std::vector<int64_t> first(ps.size() + 1, 0);  // first work item of each projection
-  for (size_t i = 0; i < ps.size(); ++i) {
-    first[i + 1] = first[i] + (ps[i].w->out + kColumnBlock - 1) / kColumnBlock;
-  }
-  team.For(first.back(), [&](int64_t item) {
-    size_t p = 0;
-    while (item >= first[p + 1]) ++p;
-    const int64_t o0 = (item - first[p]) * kColumnBlock;
-    DotBlock<kIsa>(*ps[p].w, x, xsum.data(), xq, rows, ps[p].y, o0,
-             std::min(o0 + kColumnBlock, ps[p].w->out));
-  });
-}
-
-// out[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, for B rows of D.
-__attribute__((target("avx512f,fma"))) void RmsNorm(const float* x, const float* w, int rows,
-                                                    int64_t dim, float eps, float* out) {
-  for (int b = 0; b < rows; ++b) {
-    const float* xb = x + b * dim;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= dim; i += 16) {
-      const __m512 v = _mm512_loadu_ps(xb + i);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    float ss = _mm512_reduce_add_ps(acc);
-    for (; i < dim; ++i) ss += xb[i] * xb[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    for (int64_t j = 0; j < dim; ++j) out[b * dim + j] = w[j] * (xb[j] * inv);
-  }
-}
 
 // Rotate-half RoPE of `heads` heads of H at one position, in place.
 void Rope(float* x, int64_t heads, int64_t head_dim, int32_t position, const float* inv_freq) {
@@ -261,6 +140,36 @@ void WriteKV(uint8_t* pool, int kind, int64_t entry_rows, const float* x, int64_
   }
 }
 
+// RmsNorm's end for one row of D: the squares of x from `i` on added to `ss` (the
+// vector loop's sum), then out = w * (x * rsqrt(ss / D + eps)).
+inline void FinishRmsRow(const float* xb, const float* w, int64_t dim, int64_t i, float ss,
+                         float eps, float* out) {
+  for (; i < dim; ++i) ss += xb[i] * xb[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  for (int64_t j = 0; j < dim; ++j) out[j] = w[j] * (xb[j] * inv);
+}
+
+// SwiGLU's scalar end: out[i] = silu(g[i]) * u[i] for i in [i0, n).
+inline void SwiGLUTail(const float* g, const float* u, float* out, int64_t i0, int64_t n) {
+  for (int64_t i = i0; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+#if defined(__x86_64__)
+// out[b] = x[b] * rsqrt(mean(x[b]^2) + eps) * w, for B rows of D.
+__attribute__((target("avx512f,fma"))) void RmsNorm(const float* x, const float* w, int rows,
+                                                    int64_t dim, float eps, float* out) {
+  for (int b = 0; b < rows; ++b) {
+    const float* xb = x + b * dim;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+      const __m512 v = _mm512_loadu_ps(xb + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    FinishRmsRow(xb, w, dim, i, _mm512_reduce_add_ps(acc), eps, out + b * dim);
+  }
+}
+
 __attribute__((target("avx512f"))) void AddInPlace(float* h, const float* d, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] += d[i];
 }
@@ -274,13 +183,13 @@ XLASERVE_TARGET void SwiGLU(const float* g, const float* u, float* out, int64_t 
     const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
   }
-  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  SwiGLUTail(g, u, out, i, n);
 }
 
 // RmsNorm, AddInPlace and SwiGLU for AVX2 + FMA (the same operations, 8 lanes).
 
 XLASERVE_AVX2_TARGET void RmsNormAvx2(const float* x, const float* w, int rows, int64_t dim,
-                                  float eps, float* out) {
+                                      float eps, float* out) {
   for (int b = 0; b < rows; ++b) {
     const float* xb = x + b * dim;
     __m256 acc = _mm256_setzero_ps();
@@ -289,10 +198,7 @@ XLASERVE_AVX2_TARGET void RmsNormAvx2(const float* x, const float* w, int rows, 
       const __m256 v = _mm256_loadu_ps(xb + i);
       acc = _mm256_fmadd_ps(v, v, acc);
     }
-    float ss = avx2::Sum8(acc);
-    for (; i < dim; ++i) ss += xb[i] * xb[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-    for (int64_t j = 0; j < dim; ++j) out[b * dim + j] = w[j] * (xb[j] * inv);
+    FinishRmsRow(xb, w, dim, i, avx2::Sum8(acc), eps, out + b * dim);
   }
 }
 
@@ -308,7 +214,212 @@ XLASERVE_AVX2_TARGET void SwiGLUAvx2(const float* g, const float* u, float* out,
     const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
   }
-  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  SwiGLUTail(g, u, out, i, n);
+}
+#elif defined(__aarch64__)
+// RmsNorm, AddInPlace and SwiGLU for NEON (the same operations, 4 lanes; attention_neon.h
+// Exp4).
+
+void RmsNormNeon(const float* x, const float* w, int rows, int64_t dim, float eps, float* out) {
+  for (int b = 0; b < rows; ++b) {
+    const float* xb = x + b * dim;
+    float32x4_t acc = vdupq_n_f32(0.0f);
+    int64_t i = 0;
+    for (; i + 4 <= dim; i += 4) {
+      const float32x4_t v = vld1q_f32(xb + i);
+      acc = vfmaq_f32(acc, v, v);
+    }
+    FinishRmsRow(xb, w, dim, i, vaddvq_f32(acc), eps, out + b * dim);
+  }
+}
+
+void AddInPlaceNeon(float* h, const float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += d[i];
+}
+
+void SwiGLUNeon(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + neon::kLanes4 <= n; i += neon::kLanes4) {
+    const float32x4_t gv = vld1q_f32(g + i);
+    const float32x4_t e = neon::Exp4(vnegq_f32(gv));
+    const float32x4_t silu = vdivq_f32(gv, vaddq_f32(vdupq_n_f32(1.0f), e));
+    vst1q_f32(out + i, vmulq_f32(silu, vld1q_f32(u + i)));
+  }
+  SwiGLUTail(g, u, out, i, n);
+}
+#endif
+
+// The instruction set's steps of a layer besides the weights' column loops: the
+// elementwise functions, the group sums and row rounding of the activations, and the
+// per-query attention loop (float32 and bfloat16 pages). kGroupsQueries: rows of one
+// sequence attend together (attention.h AttendQueries, the AVX-512 set only).
+template <Isa kIsa>
+struct Steps;
+#if defined(__x86_64__)
+template <>
+struct Steps<Isa::kAvx512> {
+  static constexpr auto rms_norm = &RmsNorm;
+  static constexpr auto add_in_place = &AddInPlace;
+  static constexpr auto swiglu = &SwiGLU;
+  static constexpr auto group_sums = &GroupSums;
+  static constexpr auto quantize_rows = &QuantizeRows;
+  static constexpr auto attend_f32 = &AttendWithScratch<0>;
+  static constexpr auto attend_bf16 = &AttendWithScratch<1>;
+  static constexpr bool kGroupsQueries = true;
+};
+template <>
+struct Steps<Isa::kAvx2> {
+  static constexpr auto rms_norm = &RmsNormAvx2;
+  static constexpr auto add_in_place = &AddInPlaceAvx2;
+  static constexpr auto swiglu = &SwiGLUAvx2;
+  static constexpr auto group_sums = &avx2::GroupSums;
+  static constexpr auto quantize_rows = &avx2::QuantizeRows;
+  static constexpr auto attend_f32 = &avx2::AttendWithScratch<0>;
+  static constexpr auto attend_bf16 = &avx2::AttendWithScratch<1>;
+  static constexpr bool kGroupsQueries = false;
+};
+#elif defined(__aarch64__)
+template <>
+struct Steps<Isa::kNeon> {
+  static constexpr auto rms_norm = &RmsNormNeon;
+  static constexpr auto add_in_place = &AddInPlaceNeon;
+  static constexpr auto swiglu = &SwiGLUNeon;
+  static constexpr auto group_sums = &neon::GroupSums;
+  static constexpr auto quantize_rows = &neon::QuantizeRows;
+  static constexpr auto attend_f32 = &neon::AttendWithScratch<0>;
+  static constexpr auto attend_bf16 = &neon::AttendWithScratch<1>;
+  static constexpr bool kGroupsQueries = false;
+};
+#endif
+
+#if defined(__x86_64__)
+// A K-quant weight's column block (float tiles or integer ones).
+template <Format kFmt>
+void KDotBlock(const Weight& w, const float* x, const IntRows* xq, int rows, float* y,
+               int64_t o0, int64_t o1) {
+  if (w.activation_bits != 32) {
+    KIntColumns<kFmt>(*xq, w.activation_bits == 16, rows, w.in, w.k, y, w.out, o0, o1);
+  } else {
+    KColumns<kFmt>(x, rows, w.in, w.k, y, w.out, o0, o1);
+  }
+}
+#endif
+
+// DotBlock of the set beside AVX-512 (AVX2 on x86-64, NEON on aarch64; no K-quants).
+inline void NarrowDotBlock(const Weight& w, const float* x, const float* xsum,
+                           const IntRows* xq, int rows, float* y, int64_t o0, int64_t o1) {
+  const bool lo = w.activation_bits == 16, ints = w.activation_bits != 32;
+  switch (w.format) {
+    case kU8:
+      narrow::Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      return;
+    case kS8:
+      if (ints) {
+        narrow::IntColumns<kS8>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out,
+                                o0, o1);
+      } else {
+        narrow::Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      }
+      return;
+    case kQ4_1:
+      if (ints) {
+        narrow::IntColumns<kQ4_1>(*xq, lo, 0, rows, w.in, w.codes, w.scale, w.offset, y, w.out,
+                                  o0, o1);
+      } else {
+        narrow::Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0,
+                               o1);
+      }
+      return;
+    case kQ4_0:
+      if (ints) {
+        narrow::IntColumns<kQ4_0>(*xq, lo, 0, rows, w.in, w.codes, w.scale, nullptr, y, w.out,
+                                  o0, o1);
+      } else {
+        narrow::Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0,
+                               o1);
+      }
+      return;
+    default:  // K-quants: DecodeLayersImpl refuses them on this set
+      return;
+  }
+}
+
+// y[B, out) = x[B, in] @ W^T, one column block: float rows (with their GroupSums
+// `xsum`) or their integer rounding `xq` (QuantizeRows of the same instruction set).
+template <Isa kIsa>
+void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows* xq, int rows,
+              float* y, int64_t o0, int64_t o1) {
+  if constexpr (kIsa != Isa::kAvx512) {
+    NarrowDotBlock(w, x, xsum, xq, rows, y, o0, o1);
+    return;
+  }
+#if defined(__x86_64__)
+  const bool lo = w.activation_bits == 16;
+  switch (w.format) {
+    case kU8:
+      Columns<kU8>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      return;
+    case kS8:
+      if (w.activation_bits != 32) {
+        S8IntColumns(*xq, lo, rows, w.in, w.codes, w.scale, y, w.out, o0, o1);
+      } else {
+        Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      }
+      return;
+    case kQ4_1:
+      if (w.activation_bits != 32) {
+        IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      } else {
+        Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+      }
+      return;
+    case kQ4_0:
+      if (w.activation_bits != 32) {
+        IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      } else {
+        Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+      }
+      return;
+    case kQ4_K:
+      KDotBlock<kQ4_K>(w, x, xq, rows, y, o0, o1);
+      return;
+    case kQ5_K:
+      KDotBlock<kQ5_K>(w, x, xq, rows, y, o0, o1);
+      return;
+    case kQ6_K:
+      KDotBlock<kQ6_K>(w, x, xq, rows, y, o0, o1);
+      return;
+  }
+#endif
+}
+
+// Several projections of the same rows (Q/K/V; gate/up) as one parallel loop.
+struct Projection {
+  const Weight* w;
+  float* y;  // [rows, w->out]
+};
+
+template <Isa kIsa>
+void Project(Team& team, const std::vector<Projection>& ps, const float* x, const IntRows* xq,
+             int rows) {
+  // The group sums of x, for the float tiles (the integer ones carry their own).
+  std::vector<float> xsum;
+  if (std::any_of(ps.begin(), ps.end(),
+                  [](const Projection& p) { return p.w->activation_bits == 32; })) {
+    xsum.resize(rows * (ps[0].w->in / kGroup));
+    Steps<kIsa>::group_sums(x, rows, ps[0].w->in, xsum.data());
+  }
+  std::vector<int64_t> first(ps.size() + 1, 0);  // first work item of each projection
+  for (size_t i = 0; i < ps.size(); ++i) {
+    first[i + 1] = first[i] + (ps[i].w->out + kColumnBlock - 1) / kColumnBlock;
+  }
+  team.For(first.back(), [&](int64_t item) {
+    size_t p = 0;
+    while (item >= first[p + 1]) ++p;
+    const int64_t o0 = (item - first[p]) * kColumnBlock;
+    DotBlock<kIsa>(*ps[p].w, x, xsum.data(), xq, rows, ps[p].y, o0,
+             std::min(o0 + kColumnBlock, ps[p].w->out));
+  });
 }
 
 struct Shapes {
@@ -382,45 +493,6 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
   return ffi::Error::Success();
 }
 
-// A run of consecutive rows that attend together (attention.h AttendQueries).
-struct QuerySpan {
-  int64_t first, count;
-};
-
-// The attention work of a step: consecutive rows with the same block table (a verify
-// step's positions of one sequence) in one span when `group` (the AVX-512 set, no
-// window), so that their keys are read once, not once per row; a span is cut into at
-// most as many pieces as keep `threads` busy (2 items per thread over the KV heads).
-// Otherwise one span per row. Rows of a span keep their own key counts (`q_lens`).
-std::vector<QuerySpan> AttentionSpans(const int32_t* table, const std::vector<int64_t>& q_lens,
-                                      int64_t width, bool group, int64_t threads,
-                                      int64_t kv_heads) {
-  const int64_t rows = static_cast<int64_t>(q_lens.size());
-  std::vector<QuerySpan> runs;
-  for (int64_t b = 0; b < rows; ++b) {
-    if (group && !runs.empty() &&
-        std::memcmp(table + runs.back().first * width, table + b * width,
-                    width * sizeof(int32_t)) == 0) {
-      ++runs.back().count;
-    } else {
-      runs.push_back({b, 1});
-    }
-  }
-  if (static_cast<int64_t>(runs.size()) == rows) return runs;
-  const int64_t wanted = (2 * threads + kv_heads - 1) / kv_heads;  // spans for 2 per thread
-  const int64_t pieces = std::max<int64_t>(1, (wanted + static_cast<int64_t>(runs.size()) - 1) /
-                                                  static_cast<int64_t>(runs.size()));
-  std::vector<QuerySpan> spans;
-  for (const QuerySpan& run : runs) {
-    const int64_t n = std::min(pieces, run.count);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t lo = run.first + run.count * i / n, hi = run.first + run.count * (i + 1) / n;
-      spans.push_back({lo, hi - lo});
-    }
-  }
-  return spans;
-}
-
 template <Isa kIsa>
 ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_index,
@@ -455,7 +527,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<Weight> ws(s.layers * kWeights);
   for (int64_t i = 0; i < s.layers * kWeights; ++i) {
     if (ffi::Error err = ParseWeight(weights, i, formats[i], ws[i]); err.failure()) return err;
-    if (kIsa == Isa::kAvx2 && IsKQuant(ws[i].format)) {  // no AVX2 K-quant tiles yet
+    if (kIsa != Isa::kAvx512 && IsKQuant(ws[i].format)) {  // no AVX2 / NEON K-quant tiles
       return ffi::Error::InvalidArgument("decoder layers: K-quants need the AVX-512 set");
     }
   }
@@ -502,8 +574,8 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<int64_t> q_lens(s.rows);
   for (int64_t b = 0; b < s.rows; ++b) q_lens[b] = std::clamp<int64_t>(lens[b], 0, max_keys);
   const std::vector<QuerySpan> spans = AttentionSpans(
-      table, q_lens, s.width, kIsa == Isa::kAvx512 && window <= 0,
-      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads);
+      table, s.rows, s.width, Steps<kIsa>::kGroupsQueries && window <= 0,
+      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads, s.rows);
 
   std::vector<float> xn(s.rows * std::max(s.dim, s.mlp)), q(s.rows * qdim), k(s.rows * kvdim),
       v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
@@ -520,22 +592,14 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                                       : std::max(bits, w->activation_bits);
     }
     if (bits == 32) return;
-    if constexpr (kIsa == Isa::kAvx2) {
-      avx2::QuantizeRows(src, rows, in, bits == 16, xq);
-    } else {
-      QuantizeRows(src, rows, in, bits == 16, xq);
-    }
+    Steps<kIsa>::quantize_rows(src, rows, in, bits == 16, xq);
   };
 
   for (int64_t l = 0; l < s.layers; ++l) {
     const Weight* w = &ws[l * kWeights];
     const float* norm = norms.typed_data() + l * 2 * s.dim;
     // Attention.
-    if constexpr (kIsa == Isa::kAvx2) {
-      RmsNormAvx2(h, norm, rows, s.dim, eps, xn.data());
-    } else {
-      RmsNorm(h, norm, rows, s.dim, eps, xn.data());
-    }
+    Steps<kIsa>::rms_norm(h, norm, rows, s.dim, eps, xn.data());
     quantize(xn.data(), s.dim, {&w[0], &w[1], &w[2]});
     Project<kIsa>(team, {{&w[0], q.data()}, {&w[1], k.data()}, {&w[2], v.data()}}, xn.data(), &xq,
             rows);
@@ -553,46 +617,29 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     team.For(static_cast<int64_t>(spans.size()) * s.kv_heads, [&](int64_t item) {
       const QuerySpan& span = spans[item / s.kv_heads];
       const int64_t b = span.first, kh = item % s.kv_heads;
+#if defined(__x86_64__)
       if (span.count > 1) {  // rows of one sequence: its keys read once for all of them
         auto* attend = kind == 0 ? &AttendQueriesWithScratch<0> : &AttendQueriesWithScratch<1>;
         attend(d, q.data() + b * qdim, qdim, span.count, q_lens.data() + b, kp, vp,
                table + b * s.width, scale, attn.data() + b * qdim, qdim, kh, kh + 1);
         return;
       }
-      auto* attend = kIsa == Isa::kAvx2 ? (kind == 0 ? &avx2::AttendWithScratch<0>
-                                                     : &avx2::AttendWithScratch<1>)
-                                        : (kind == 0 ? &AttendWithScratch<0>
-                                                     : &AttendWithScratch<1>);
+#endif
+      auto* attend = kind == 0 ? Steps<kIsa>::attend_f32 : Steps<kIsa>::attend_bf16;
       attend(d, q.data() + b * qdim, kp, vp, table + b * s.width, q_lens[b], scale, window, 0.0f,
              nullptr, attn.data() + b * qdim, kh, kh + 1);
     });
     quantize(attn.data(), qdim, {&w[3]});
     Project<kIsa>(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
-    if constexpr (kIsa == Isa::kAvx2) {
-      AddInPlaceAvx2(h, proj.data(), s.rows * s.dim);
-    } else {
-      AddInPlace(h, proj.data(), s.rows * s.dim);
-    }
+    Steps<kIsa>::add_in_place(h, proj.data(), s.rows * s.dim);
     // MLP.
-    if constexpr (kIsa == Isa::kAvx2) {
-      RmsNormAvx2(h, norm + s.dim, rows, s.dim, eps, xn.data());
-    } else {
-      RmsNorm(h, norm + s.dim, rows, s.dim, eps, xn.data());
-    }
+    Steps<kIsa>::rms_norm(h, norm + s.dim, rows, s.dim, eps, xn.data());
     quantize(xn.data(), s.dim, {&w[4], &w[5]});
     Project<kIsa>(team, {{&w[4], gate.data()}, {&w[5], up.data()}}, xn.data(), &xq, rows);
-    if constexpr (kIsa == Isa::kAvx2) {
-      SwiGLUAvx2(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
-    } else {
-      SwiGLU(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
-    }
+    Steps<kIsa>::swiglu(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
     quantize(xn.data(), s.mlp, {&w[6]});
     Project<kIsa>(team, {{&w[6], proj.data()}}, xn.data(), &xq, rows);
-    if constexpr (kIsa == Isa::kAvx2) {
-      AddInPlaceAvx2(h, proj.data(), s.rows * s.dim);
-    } else {
-      AddInPlace(h, proj.data(), s.rows * s.dim);
-    }
+    Steps<kIsa>::add_in_place(h, proj.data(), s.rows * s.dim);
   }
   return ffi::Error::Success();
 }
@@ -624,8 +671,14 @@ static auto DecoderBinding() {
       .Attr<float>("scale");
 }
 
+#if defined(__x86_64__)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersK, DecodeLayersImpl<Isa::kAvx512>,
                               DecoderBinding());
 // The same stack for CPUs with AVX2 + FMA + F16C (float and integer activations; no K-quants).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersKAvx2, DecodeLayersImpl<Isa::kAvx2>,
                               DecoderBinding());
+#elif defined(__aarch64__)
+// The same stack on aarch64 (NEON: float and integer activations; no K-quants).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeLayersKNeon, DecodeLayersImpl<Isa::kNeon>,
+                              DecoderBinding());
+#endif

@@ -36,26 +36,6 @@
 
 namespace xlaserve {
 
-constexpr int64_t kSuper = 256;  // inputs per K-quant super-block
-
-constexpr bool IsKQuant(Format f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
-
-// The operands of one K-quant matrix (pointers to its first output row).
-struct KWeight {
-  const uint8_t* q = nullptr;       // [O, I/2] nibbles
-  const uint8_t* q_high = nullptr;  // [O, I/8] (Q5_K), [O, I/4] (Q6_K); Q4_K: unused
-  const uint8_t* scale = nullptr;   // [O, I/32] uint8 (Q4_K, Q5_K) | [O, I/16] int8 (Q6_K)
-  const uint8_t* offset = nullptr;  // [O, I/32] uint8 min codes (Q4_K, Q5_K)
-  const uint16_t* super_scale = nullptr;   // f16 [O, I/256]: d
-  const uint16_t* super_offset = nullptr;  // f16 [O, I/256]: -dmin (Q4_K, Q5_K)
-};
-
-// Bytes per input row of each operand (scale codes: one byte per sub-block).
-constexpr int64_t KHighBytes(Format f, int64_t in) {
-  return f == kQ5_K ? in / 8 : f == kQ6_K ? in / 4 : 0;
-}
-constexpr int64_t KScaleCount(Format f, int64_t in) { return f == kQ6_K ? in / 16 : in / kGroup; }
-
 // Output row o's operands.
 template <Format kFmt>
 inline KWeight KRow(const KWeight& w, int64_t in, int64_t o) {

@@ -1,13 +1,19 @@
 """Loads the native kernels' library, picks its instruction set and registers its FFI targets.
 
 `setup.py` compiles `matvec.cc`, `attention.cc` and `decoder.cc` into one shared library
-(`_native*.so`) during `pip install`; it is loaded with ctypes on first use. The library
-holds each kernel twice, for two instruction sets, each with its own handler symbols:
+(`_native*.so`) during `pip install`; it is loaded with ctypes on first use. On x86-64
+the library holds each kernel twice, for two instruction sets, each with its own handler
+symbols; on aarch64 it holds one set:
 
 - `avx512`: AVX-512 F/BW/VL + F16C + FMA (`xlaserve_native_isa()`); the
   integer-activation matvec tiles need AVX-512 VNNI as well (`vnni()`);
 - `avx2`: AVX2 + FMA + F16C (`xlaserve_native_avx2()`); its integer-activation
-  tiles use AVX2 int16 products (VPMADDWD, or AVX-VNNI where present), so they always run.
+  tiles use AVX2 int16 products (VPMADDWD, or AVX-VNNI where present), so they always run;
+- `neon` (aarch64): Advanced SIMD (`xlaserve_native_neon()`); its integer-activation
+  tiles use SDOT where the CPU has it and SMULL products otherwise, so they always run.
+
+The AVX2 and NEON sets have no K-quant kernels: K-quant weights take the XLA path there
+(`kquant_isa()`), and the fused decoder refuses them.
 
 `isa()` is the set the kernels run with: by default the first of `ISAS` this CPU has
 and the library exports; `XLASERVE_NATIVE_ISA=avx2` (or `avx512`) forces one (read
@@ -28,7 +34,7 @@ import os
 
 import jax
 
-ISAS = ("avx512", "avx2")  # in order of preference
+ISAS = ("avx512", "avx2", "neon")  # in order of preference (a library has x86 or ARM sets)
 # FFI target name -> the AVX-512 handler symbol the library exports. A symbol is renamed
 # when its operands change, so a library built from older sources fails `available()`
 # (every caller takes the XLA path) instead of failing a call.
@@ -55,15 +61,20 @@ TARGETS = {
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
     "xlaserve_decode_layers": "XlaserveDecodeLayersK",  # up to 1024 rows
 }
-# K-quant matvec targets: AVX-512 only (kquant_dot.h); on the AVX2 set they take the XLA
-# path (`kquant_isa()`), and its fused decoder refuses them.
+# K-quant matvec targets: AVX-512 only (kquant_dot.h); on the AVX2 and NEON sets they take
+# the XLA path (`kquant_isa()`), and their fused decoders refuse them.
 KQUANT_TARGETS = frozenset(name for name in TARGETS if "_k_matvec" in name)
-# The AVX2 handlers: the same kernels and operands, symbols with an `Avx2` suffix.
+# The AVX2 and NEON handlers: the same kernels and operands, symbols with an `Avx2` /
+# `Neon` suffix.
 AVX2_TARGETS = {name: symbol + "Avx2" for name, symbol in TARGETS.items()
                 if name not in KQUANT_TARGETS}
-# isa -> (the library's CPU check, its targets)
+NEON_TARGETS = {name: symbol + "Neon" for name, symbol in TARGETS.items()
+                if name not in KQUANT_TARGETS}
+# isa -> (the library's CPU check, its targets). A library built for x86-64 exports the
+# first two, one built for aarch64 the last.
 SETS = {"avx512": ("xlaserve_native_isa", TARGETS),
-         "avx2": ("xlaserve_native_avx2", AVX2_TARGETS)}
+        "avx2": ("xlaserve_native_avx2", AVX2_TARGETS),
+        "neon": ("xlaserve_native_neon", NEON_TARGETS)}
 
 
 def library_path() -> str | None:
@@ -157,6 +168,7 @@ def _cpu_vnni() -> bool:
 
 def vnni() -> bool:
   """True when the integer-activation tiles run here: on the AVX-512 set where this CPU
-  has AVX-512 VNNI, always on the AVX2 set (int16 products, quant_dot_avx2.h)."""
+  has AVX-512 VNNI, always on the AVX2 set (int16 products, quant_dot_avx2.h) and the
+  NEON set (SDOT or SMULL products, quant_dot_neon.h)."""
   chosen = isa()
-  return chosen == "avx2" or (chosen == "avx512" and _cpu_vnni())
+  return chosen in ("avx2", "neon") or (chosen == "avx512" and _cpu_vnni())

@@ -23,8 +23,10 @@
 // Built by the package's own build (setup.py) with per-function target
 // attributes, so the library loads on any x86-64 CPU; `xlaserve_native_isa()`
 // says at run time whether this CPU has what the kernels use (AVX-512 F/BW/VL,
-// F16C, FMA). Python (kernels_cpu/matvec.py) falls back to the XLA path
-// otherwise. Docs: docs/performance.md, "Native CPU kernels".
+// F16C, FMA), `xlaserve_native_avx2()` the same for the AVX2 set. On aarch64 the
+// same file builds the NEON set alone (quant_dot_neon.h: the `...Neon` handlers of
+// the groups-of-32 formats; no K-quant handlers). Python (kernels_cpu/library.py)
+// falls back to the XLA path otherwise. Docs: docs/performance.md, "Native CPU kernels".
 
 #include <algorithm>
 #include <cstdint>
@@ -32,11 +34,16 @@
 #include <vector>
 
 #include "parallel.h"
+#include "quant_format.h"
+#if defined(__x86_64__)
 #include "kquant_dot.h"
 #include "quant_dot.h"
-#include "quant_int.h"
-#include "quant_gemm.h"
 #include "quant_dot_avx2.h"
+#include "quant_gemm.h"
+#include "quant_int.h"
+#elif defined(__aarch64__)
+#include "quant_dot_neon.h"
+#endif
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,6 +51,26 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace xlaserve;  // NOLINT: the kernels' building blocks (quant_dot.h)
+
+// The unblocked column loops beside the AVX-512 set: AVX2 on x86-64, NEON on aarch64
+// (the same entry points: GroupSums, Columns, PrepareRows, QuantizeRowRange,
+// IntColumns, kIntCols).
+#if defined(__x86_64__)
+namespace narrow = xlaserve::avx2;
+#elif defined(__aarch64__)
+namespace narrow = xlaserve::neon;
+#endif
+
+// The AVX-512 set's blocked drivers (x86-64 only; defined below): float activations,
+// and activations rounded to 8 or 16 bits (kLo).
+template <Format kFmt>
+void BlockedMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, int64_t in,
+                   const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
+                   int64_t out_dim);
+template <Format kFmt, bool kLo>
+void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, int64_t in,
+                      const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
+                      int64_t out_dim);
 
 // Activation rows one call takes (matvec.py's MAX_ROWS): prefill chunks and large
 // decode batches; the drivers block any count into row tiles (quant_gemm.h).
@@ -102,28 +129,17 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
-  if constexpr (kIsa == Isa::kAvx2) {  // unblocked column loops (quant_dot_avx2.h)
-    auto sums = std::make_shared<std::vector<float>>(rows * (in / kGroup));
-    avx2::GroupSums(xs, static_cast<int>(rows), in, sums->data());
-    const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
-    xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-      avx2::Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim,
-                          out_dim * i / parts, out_dim * (i + 1) / parts);
-    });
+  if constexpr (kIsa == Isa::kAvx512) {
+    BlockedMatvec<kFmt>(pool, xs, rows, in, q, s, m, y, out_dim);
     return ffi::Error::Success();
   }
-  const int64_t groups = in / kGroup;
-  auto sums = std::make_shared<std::vector<float>>(rows * groups);
-  GroupSums(xs, static_cast<int>(rows), in, sums->data());
-  // Row blocks x column ranges over the caller and XLA's intra-op threads
-  // (quant_gemm.h, parallel.h).
-  const Plan plan = PlanBlocks(rows, out_dim, in * sizeof(float), ThreadLimit(pool));
-  xlaserve::ParallelFor(pool, plan.items(), [=](int64_t i) {
-    const int64_t rb = i / plan.col_parts, cp = i % plan.col_parts;
-    const int r0 = static_cast<int>(rb * plan.row_block);
-    const int r1 = static_cast<int>(std::min(rows, r0 + plan.row_block));
-    BlockColumns<kFmt>(xs, sums->data(), r0, r1, in, q, s, m, y, out_dim,
-                       out_dim * cp / plan.col_parts, out_dim * (cp + 1) / plan.col_parts);
+  // Unblocked column loops (quant_dot_avx2.h, quant_dot_neon.h).
+  auto sums = std::make_shared<std::vector<float>>(rows * (in / kGroup));
+  narrow::GroupSums(xs, static_cast<int>(rows), in, sums->data());
+  const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
+  xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+    narrow::Columns<kFmt>(xs, sums->data(), static_cast<int>(rows), in, q, s, m, y, out_dim,
+                          out_dim * i / parts, out_dim * (i + 1) / parts);
   });
   return ffi::Error::Success();
 }
@@ -147,40 +163,70 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     return ffi::Error::InvalidArgument("quantized matvec (integer activations): odd group count");
   }
   constexpr bool kLo = kBits == 16;
-  auto r = std::make_shared<IntRows>();
-  if constexpr (kIsa == Isa::kAvx2) {  // 8-column exact tiles (quant_dot_avx2.h)
-    const float* xs = x.typed_data();
-    avx2::PrepareRows(static_cast<int>(rows), in, kLo, *r);
-    constexpr int64_t kQuantizeRows = 64;
-    xlaserve::ParallelFor(pool, (rows + kQuantizeRows - 1) / kQuantizeRows, [=](int64_t i) {
-      avx2::QuantizeRowRange(xs, static_cast<int>(i * kQuantizeRows),
-                             static_cast<int>(std::min(rows, (i + 1) * kQuantizeRows)), in, *r);
-    });
-    const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
-    const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
-    float* y = out->typed_data();
-    // Row blocks (their int16 activations stay in L2 while a column range passes) x
-    // column ranges of whole 8-column tiles.
-    constexpr int64_t kRowBlock = 64;
-    const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
-    const int64_t parts = std::max<int64_t>(
-        1, std::min<int64_t>(out_dim / avx2::kIntCols, 4 * (pool.num_threads() + 1)));
-    auto edge = [=](int64_t k) {
-      return k == parts ? out_dim : out_dim * k / parts / avx2::kIntCols * avx2::kIntCols;
-    };
-    xlaserve::ParallelFor(pool, row_blocks * parts, [=](int64_t i) {
-      const int64_t rb = i / parts, cp = i % parts;
-      const int b0 = static_cast<int>(rb * kRowBlock);
-      const int b1 = static_cast<int>(std::min(rows, b0 + kRowBlock));
-      avx2::IntColumns<kFmt>(*r, kLo, b0, b1, in, q, s, m, y, out_dim, edge(cp), edge(cp + 1));
-    });
+  const float* xs = x.typed_data();
+  const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
+  const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  float* y = out->typed_data();
+  if constexpr (kIsa == Isa::kAvx512) {
+    BlockedIntMatvec<kFmt, kLo>(pool, xs, rows, in, q, s, m, y, out_dim);
     return ffi::Error::Success();
   }
+  // Exact tiles of kIntCols columns (quant_dot_avx2.h, quant_dot_neon.h).
+  auto r = std::make_shared<IntRows>();
+  narrow::PrepareRows(static_cast<int>(rows), in, kLo, *r);
+  constexpr int64_t kQuantizeRows = 64;
+  xlaserve::ParallelFor(pool, (rows + kQuantizeRows - 1) / kQuantizeRows, [=](int64_t i) {
+    narrow::QuantizeRowRange(xs, static_cast<int>(i * kQuantizeRows),
+                             static_cast<int>(std::min(rows, (i + 1) * kQuantizeRows)), in, *r);
+  });
+  // Row blocks (their rounded activations stay in L2 while a column range passes) x
+  // column ranges of whole kIntCols-column tiles.
+  constexpr int64_t kRowBlock = 64;
+  const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(out_dim / narrow::kIntCols, 4 * (pool.num_threads() + 1)));
+  auto edge = [=](int64_t k) {
+    return k == parts ? out_dim : out_dim * k / parts / narrow::kIntCols * narrow::kIntCols;
+  };
+  xlaserve::ParallelFor(pool, row_blocks * parts, [=](int64_t i) {
+    const int64_t rb = i / parts, cp = i % parts;
+    const int b0 = static_cast<int>(rb * kRowBlock);
+    const int b1 = static_cast<int>(std::min(rows, b0 + kRowBlock));
+    narrow::IntColumns<kFmt>(*r, kLo, b0, b1, in, q, s, m, y, out_dim, edge(cp), edge(cp + 1));
+  });
+  return ffi::Error::Success();
+}
+
+#if defined(__x86_64__)
+template <Format kFmt>
+void BlockedMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, int64_t in,
+                   const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
+                   int64_t out_dim) {
+  const int64_t groups = in / kGroup;
+  auto sums = std::make_shared<std::vector<float>>(rows * groups);
+  GroupSums(xs, static_cast<int>(rows), in, sums->data());
+  // Row blocks x column ranges over the caller and XLA's intra-op threads
+  // (quant_gemm.h, parallel.h).
+  const Plan plan = PlanBlocks(rows, out_dim, in * sizeof(float), ThreadLimit(pool));
+  xlaserve::ParallelFor(pool, plan.items(), [=](int64_t i) {
+    const int64_t rb = i / plan.col_parts, cp = i % plan.col_parts;
+    const int r0 = static_cast<int>(rb * plan.row_block);
+    const int r1 = static_cast<int>(std::min(rows, r0 + plan.row_block));
+    BlockColumns<kFmt>(xs, sums->data(), r0, r1, in, q, s, m, y, out_dim,
+                       out_dim * cp / plan.col_parts, out_dim * (cp + 1) / plan.col_parts);
+  });
+}
+
+template <Format kFmt, bool kLo>
+void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, int64_t in,
+                      const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
+                      int64_t out_dim) {
+  const int64_t groups = in / kGroup;
+  auto r = std::make_shared<IntRows>();
   // Only the layouts this format's tiles read: the nibble tiles' order (VNNI) and the
   // input order (Q8_0's VNNI tiles, every format's AMX tiles; quant_int.h).
   r->nibble_order = kFmt != kS8;
   r->plain_order = kFmt == kS8 || rows >= kAmxRows;
-  const float* xs = x.typed_data();
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
   constexpr int64_t kQuantizeRows = 64;
@@ -188,9 +234,6 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     QuantizeRowRange(xs, static_cast<int>(i * kQuantizeRows),
                      static_cast<int>(std::min(rows, (i + 1) * kQuantizeRows)), in, *r);
   });
-  const auto* q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
-  const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
-  float* y = out->typed_data();
   // A row's int8 bytes, 16-float lane scales per pair and sums (quant_dot.h).
   const int64_t row_bytes = in * (kLo ? 2 : 1) + (groups / 2) * 64 + groups * 4;
   // Row blocks of whole 16-row tiles (the AMX tiles', quant_int.h), up to 256 rows and
@@ -208,7 +251,6 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     };
     BlockIntColumns<kFmt, kLo>(*r, r0, r1, in, q, s, m, y, out_dim, edge(cp), edge(cp + 1));
   });
-  return ffi::Error::Success();
 }
 
 // K-quants (kquant_dot.h): the operands of `kFmt` checked against x [B, I] (I a
@@ -303,6 +345,7 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   return ffi::Error::Success();
 }
+#endif  // defined(__x86_64__)
 
 }  // namespace
 
@@ -311,6 +354,51 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // XLA path) rather than failing calls of more rows.
 extern "C" int64_t xlaserve_matvec_max_rows() { return kMaxCallRows; }
 
+// Every handler takes x, codes, scales and an offset operand, and returns [B, O].
+inline auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
+#if defined(__aarch64__)
+// Whether this CPU runs the NEON handlers (the `...Neon` symbols): Advanced SIMD, the
+// aarch64 baseline (HWCAP_ASIMD), with float16 conversions (HWCAP_FP).
+extern "C" int xlaserve_native_neon() {
+  constexpr uint64_t kHwcapFp = 1u << 0, kHwcapAsimd = 1u << 1;
+  const uint64_t hw = getauxval(AT_HWCAP);
+  return (hw & kHwcapFp) && (hw & kHwcapAsimd) ? 1 : 0;
+}
+
+// Whether the NEON integer tiles use SDOT here (HWCAP_ASIMDDP; XLASERVE_NATIVE_SDOT=0
+// turns it off). Same results either way.
+extern "C" int xlaserve_native_sdot() { return neon::SdotEnabled() ? 1 : 0; }
+
+// The NEON set (quant_dot_neon.h): the same operands and numerics as the x86 sets'
+// handlers below; kernels_cpu/library.py registers them under `..._neon` targets.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecU8Neon, (MatvecImpl<Isa::kNeon, kU8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Neon, (MatvecImpl<Isa::kNeon, kS8>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Neon, (MatvecImpl<Isa::kNeon, kQ4_1>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Neon, (MatvecImpl<Isa::kNeon, kQ4_0>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Neon, (MatvecIntImpl<Isa::kNeon, kQ4_1, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8Neon, (MatvecIntImpl<Isa::kNeon, kQ4_0, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8Neon, (MatvecIntImpl<Isa::kNeon, kS8, 8>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16Neon, (MatvecIntImpl<Isa::kNeon, kQ4_1, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16Neon, (MatvecIntImpl<Isa::kNeon, kQ4_0, 16>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16Neon, (MatvecIntImpl<Isa::kNeon, kS8, 16>),
+                              Binding());
+#endif  // defined(__aarch64__)
+
+#if defined(__x86_64__)
 extern "C" int xlaserve_native_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni") ? 1 : 0;
@@ -334,17 +422,6 @@ extern "C" int xlaserve_native_avx2() {
   const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                   __builtin_cpu_supports("f16c");
   return ok ? 1 : 0;
-}
-
-// Every handler takes x, codes, scales and an offset operand, and returns [B, O].
-inline auto Binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<xla::ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Arg<ffi::Buffer<ffi::F16>>()
-      .Ret<ffi::Buffer<ffi::F32>>();
 }
 
 // Formats with a min (U8: xlaserve's int8 groups; Q4_1) take the mins as the offset
@@ -411,3 +488,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ8, (KMatvecImpl<kQ6_K, 8>), KBin
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ16, (KMatvecImpl<kQ4_K, 16>), KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ5KQ16, (KMatvecImpl<kQ5_K, 16>), KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ16, (KMatvecImpl<kQ6_K, 16>), KBinding());
+#endif  // defined(__x86_64__)

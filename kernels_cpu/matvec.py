@@ -11,7 +11,7 @@ check that when tracing and otherwise use the XLA path.
 
 `activation_bits=8` or `16` (nibbles or Q8_0, an even number of groups,
 `vnni()`): the activations are rounded per group of 32 to that many bits and
-multiplied with integer dot products (AVX-512 VNNI, or AVX2 int16 products). 8 is
+multiplied with integer dot products (AVX-512 VNNI, AVX2 int16 products, or NEON SDOT). 8 is
 llama.cpp's Q4 x Q8 / Q8_0 x Q8 scheme (the activations' 8-bit rounding shows in
 the result, ~0.5% of its range); 16 keeps 2^-16 of each group's largest activation, at one more dot
 instruction per 64 weights, and is still ~1.5x fewer instructions than the

@@ -29,11 +29,18 @@
 #include <mutex>
 #include <thread>
 
-#include <immintrin.h>
-
 #include "xla/ffi/api/ffi.h"
 
 namespace xlaserve {
+
+// A spin-wait hint to the core (x86 PAUSE, ARM YIELD).
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 
 struct ParallelWork {
   std::function<void(int64_t)> fn;
@@ -111,7 +118,7 @@ class Team {
     // mid-item (the host thread shares these cores) needs a core to finish on.
     for (int spins = 0; work->done.load(std::memory_order_acquire) < count; ++spins) {
       if (spins < 2048) {
-        _mm_pause();
+        CpuRelax();
       } else {
         std::this_thread::yield();
       }
@@ -133,7 +140,7 @@ class Team {
         if (e == seen) {
           // Spin between loops (microseconds apart); yield the core when it drags on.
           if (++idle < 2048) {
-            _mm_pause();
+            CpuRelax();
           } else {
             std::this_thread::yield();
           }

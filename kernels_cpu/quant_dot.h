@@ -24,17 +24,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "quant_format.h"
+
 namespace xlaserve {
-
-constexpr int kGroup = 32;
-constexpr int kMaxRows = 32;  // rows of one fused decode step (decoder.cc, decoder.py)
-constexpr int kTileRows = 8;  // activation rows per pass (their register accumulators)
-
-// Q4_K, Q5_K, Q6_K: GGUF K-quants, with super-block scales (kquant_dot.h).
-enum Format { kU8, kS8, kQ4_1, kQ4_0, kQ4_K, kQ5_K, kQ6_K };
-
-constexpr bool HasMin(Format f) { return f == kU8 || f == kQ4_1; }
-constexpr int64_t GroupBytes(Format f) { return f == kQ4_1 || f == kQ4_0 ? kGroup / 2 : kGroup; }
 
 // The 32 codes of a group as two float32 vectors (inputs 0-15, 16-31).
 template <Format kFmt>
@@ -117,19 +109,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) void Tile(
   }
 }
 
-// `call` with the compile-time constant R = rows (1..kTileRows): tiles keep their
-// accumulators in registers only when the row count is known to the compiler.
-#define XLASERVE_WITH_TILE_ROWS(rows, call)        \
-  switch (rows) {                                   \
-    case 1: { constexpr int R = 1; call; } break;   \
-    case 2: { constexpr int R = 2; call; } break;   \
-    case 3: { constexpr int R = 3; call; } break;   \
-    case 4: { constexpr int R = 4; call; } break;   \
-    case 5: { constexpr int R = 5; call; } break;   \
-    case 6: { constexpr int R = 6; call; } break;   \
-    case 7: { constexpr int R = 7; call; } break;   \
-    default: { constexpr int R = 8; call; } break;  \
-  }
 
 // Output columns [o0, o1) for all `rows` activation rows (xsum: their GroupSums):
 // each column's codes are read from memory once and converted once per tile of
@@ -170,21 +149,6 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // back, so int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies
 // unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
 // The AMX tiles (quant_int.h) read the input-order bytes too, whatever the format.
-struct IntRows {
-  bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
-  bool nibble_order = true;      // fill hi, lo, dx (the nibble tiles read them)
-  bool plain_order = true;       // fill hi_plain, lo_plain (the exact and AMX tiles)
-  std::vector<int8_t> hi, lo;    // [rows, pairs, 64] nibble order
-  std::vector<int8_t> hi_plain, lo_plain;  // [rows, groups * 32] input order
-  std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
-  std::vector<int16_t> x8, x16;  // [rows, groups * 32] input order: hi, 256 hi + lo (AVX2 tiles)
-  bool avx_vnni = false;         // the AVX2 tiles use AVX-VNNI (avx2::PrepareRows)
-  std::vector<float> xsum8;      // [rows, groups] sums of x rounded to 8 bits
-  std::vector<float> xsum16;     // [rows, groups] sums of x rounded to 16 bits (has_lo)
-  std::vector<float> dx_group;   // [rows, groups] each group's dx (the exact tiles)
-  std::vector<int32_t> xint8;    // [rows, groups] sum of hi (exact)
-  std::vector<int32_t> xint16;   // [rows, groups] 256 * sum of hi + sum of lo (has_lo)
-};
 
 // 16 activations of a group as int8 bytes (saturating; the values are in range).
 inline __attribute__((target("avx512f"))) void StoreBytes(int8_t* dst, __m512i v) {

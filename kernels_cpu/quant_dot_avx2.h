@@ -36,10 +36,6 @@
 
 namespace xlaserve {
 
-// The instruction set a handler's loops use: the AVX-512 ones (quant_dot.h,
-// attention.h) or the AVX2 ones (quant_dot_avx2.h, attention_avx2.h).
-enum class Isa { kAvx512, kAvx2 };
-
 namespace avx2 {
 
 #define XLASERVE_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -142,21 +138,12 @@ template <Format kFmt>
 void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint8_t* codes,
              const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
              int64_t o0, int64_t o1) {
-  const int64_t groups = in / kGroup;
-  const int64_t group_bytes = GroupBytes(kFmt);
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* q = codes + o * groups * group_bytes;
-    const uint16_t* s_row = scale + o * groups;
-    const uint16_t* m_row = offset == nullptr ? nullptr : offset + o * groups;
-    for (int r0 = 0; r0 < rows; r0 += kAvx2TileRows) {
-      switch (std::min(kAvx2TileRows, rows - r0)) {
-        case 1: Tile<kFmt, 1>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-        case 2: Tile<kFmt, 2>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-        case 3: Tile<kFmt, 3>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-        default: Tile<kFmt, 4>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o); break;
-      }
-    }
-  }
+  ForColumnTiles<kFmt, kAvx2TileRows>(
+      rows, in, codes, scale, offset, o0, o1,
+      [&](auto r, int r0, const uint8_t* q, const uint16_t* s_row, const uint16_t* m_row,
+          int64_t o) {
+        Tile<kFmt, decltype(r)::value>(x, xsum, r0, in, q, s_row, m_row, out, out_dim, o);
+      });
 }
 
 // ---- Integer activations: block-exact (quant_int.h's numerics) ----
@@ -191,7 +178,6 @@ XLASERVE_AVX2_TARGET inline int32_t SumEpi32(__m256i v) {
 // the AVX2 tiles' fields (x8, x16 and the per-group values of quant_dot.h IntRows).
 inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   const int64_t groups = in / kGroup;
-  r.has_lo = with_lo;
   r.avx_vnni = AvxVnniEnabled();
   r.hi.clear();
   r.lo.clear();
@@ -200,11 +186,7 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   r.lo_plain.clear();
   r.x8.resize(rows * groups * kGroup);
   r.x16.resize(with_lo ? rows * groups * kGroup : 0);
-  r.dx_group.resize(rows * groups);
-  r.xsum8.resize(rows * groups);
-  r.xint8.resize(rows * groups);
-  r.xsum16.resize(with_lo ? rows * groups : 0);
-  r.xint16.resize(with_lo ? rows * groups : 0);
+  SizeGroupFields(rows, groups, with_lo, r);
 }
 
 // Rows [b0, b1) of x rounded per group into `r` (sized by PrepareRows), with quant_dot.h
@@ -434,32 +416,17 @@ void IntColumns(const IntRows& r, bool lo, int r0, int r1, int64_t in, const uin
                 int64_t o0, int64_t o1) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
   const int64_t groups = in / kGroup;
-  thread_local std::vector<uint16_t> dcol, mcol;  // this thread's, reused across calls
-  dcol.resize(groups * kIntCols);
-  mcol.resize(HasMin(kFmt) ? groups * kIntCols : 0);
-  const bool vnni = r.avx_vnni;
-  for (int64_t o = o0; o < o1; o += kIntCols) {
-    const int n = static_cast<int>(std::min<int64_t>(kIntCols, o1 - o));
-    ColumnHalves(scale, groups, o, n, dcol.data());
-    if (HasMin(kFmt)) ColumnHalves(offset, groups, o, n, mcol.data());
-    for (int b = r0; b < r1; b += kAvx2TileRows) {
-#define XLASERVE_AVX2_INT_TILE(R, LO, VNNI)                                                     \
-  ExactIntTile<kFmt, R, LO, VNNI>(r, b, groups, codes, o, n, dcol.data(), mcol.data(), out, \
-                                   out_dim)
-#define XLASERVE_AVX2_INT_ROWS(R)                                                  \
-  (lo ? (vnni ? XLASERVE_AVX2_INT_TILE(R, true, true) : XLASERVE_AVX2_INT_TILE(R, true, false)) \
-      : (vnni ? XLASERVE_AVX2_INT_TILE(R, false, true)                             \
-              : XLASERVE_AVX2_INT_TILE(R, false, false)))
-      switch (std::min(kAvx2TileRows, r1 - b)) {
-        case 1: XLASERVE_AVX2_INT_ROWS(1); break;
-        case 2: XLASERVE_AVX2_INT_ROWS(2); break;
-        case 3: XLASERVE_AVX2_INT_ROWS(3); break;
-        default: XLASERVE_AVX2_INT_ROWS(4); break;
-      }
-#undef XLASERVE_AVX2_INT_ROWS
-#undef XLASERVE_AVX2_INT_TILE
-    }
-  }
+  ForIntColumnTiles<kFmt, kIntCols, kAvx2TileRows>(
+      r0, r1, in, scale, offset, o0, o1, ColumnHalves,
+      [&](auto rows, int b, int64_t o, int n, const uint16_t* dcol, const uint16_t* mcol) {
+        WithFlag(lo, [&](auto lo16) {
+          WithFlag(r.avx_vnni, [&](auto vnni) {
+            constexpr int kRows = decltype(rows)::value;
+            ExactIntTile<kFmt, kRows, decltype(lo16)::value, decltype(vnni)::value>(
+                r, b, groups, codes, o, n, dcol, mcol, out, out_dim);
+          });
+        });
+      });
 }
 
 }  // namespace avx2
