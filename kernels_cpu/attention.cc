@@ -50,11 +50,41 @@ constexpr auto QueryLoop() {
 #endif
 }
 
+// Rows of one page table that attend together at most (AttentionSpans): 16 queries' scratch
+// (accumulators, scaled queries) stays in L1 beside a block of keys.
+constexpr int64_t kSpanRows = 16;
+
 template <Isa kIsa, int kKind>
 void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
             const uint8_t* v_pages, const int32_t* tables, const int32_t* q_lens, float scale,
             int64_t window, float soft_cap, const float* sinks, float* out) {
   const int64_t max_keys = d.table_width * d.page_size;
+#if !defined(__aarch64__)
+  if constexpr (kIsa == Isa::kAvx512) {
+    // One-query rows sharing a table (a prefill chunk's, packed) attend a span at a time:
+    // each block of keys is read once for the span, not once per row, and every row's
+    // output is bitwise the per-row loop's (AttendQueries).
+    if (d.queries == 1 && window <= 0 && soft_cap == 0.0f && sinks == nullptr) {
+      const std::vector<QuerySpan> spans = AttentionSpans(
+          tables, d.batch, d.table_width, true, ThreadLimit(pool), d.kv_heads, kSpanRows);
+      if (static_cast<int64_t>(spans.size()) < d.batch) {
+        std::vector<int64_t> lens(d.batch);
+        for (int64_t b = 0; b < d.batch; ++b) lens[b] = std::clamp<int64_t>(q_lens[b], 0, max_keys);
+        const int64_t stride = d.heads * d.head_dim;
+        xlaserve::ParallelFor(
+            pool, static_cast<int64_t>(spans.size()) * d.kv_heads, [&](int64_t item) {
+              const QuerySpan& span = spans[item / d.kv_heads];
+              const int64_t kh = item % d.kv_heads;
+              AttendQueriesWithScratch<kKind>(d, q + span.first * stride, stride, span.count,
+                                              lens.data() + span.first, k_pages, v_pages,
+                                              tables + span.first * d.table_width, scale,
+                                              out + span.first * stride, stride, kh, kh + 1);
+            });
+        return;
+      }
+    }
+  }
+#endif
   // One query row per work item, over the caller and XLA's intra-op threads.
   xlaserve::ParallelFor(pool, d.batch * d.queries, [=, &d](int64_t row) {
     const int64_t b = row / d.queries;

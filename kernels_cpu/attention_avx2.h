@@ -116,14 +116,20 @@ XLASERVE_AVX2_TARGET void AttendQuery(const Dims& d, const float* q, const uint8
         _mm256_store_ps(scores, p);
         float* a = acc + g * h_dim;
         const __m256 cv = _mm256_set1_ps(corr);
-        for (int64_t i = 0; i < n_vec; ++i) {
-          __m256 ai = _mm256_mul_ps(cv, _mm256_loadu_ps(a + i * kLanes8));
-          for (int j = 0; j < n; ++j) {
-            ai = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]),
-                                 Load8<kKind>(vrows[j], i * kLanes8, _mm256_set1_ps(vscale[j])),
-                                 ai);
+        // Four accumulators at a time, keys innermost (attention.h AttendBlock).
+        for (int64_t i0 = 0; i0 < n_vec; i0 += 4) {
+          const int u_n = static_cast<int>(std::min<int64_t>(4, n_vec - i0));
+          __m256 ai[4];
+          for (int u = 0; u < u_n; ++u) {
+            ai[u] = _mm256_mul_ps(cv, _mm256_loadu_ps(a + (i0 + u) * kLanes8));
           }
-          _mm256_storeu_ps(a + i * kLanes8, ai);
+          for (int j = 0; j < n; ++j) {
+            const __m256 pj = _mm256_set1_ps(scores[j]), vs = _mm256_set1_ps(vscale[j]);
+            for (int u = 0; u < u_n; ++u) {
+              ai[u] = _mm256_fmadd_ps(pj, Load8<kKind>(vrows[j], (i0 + u) * kLanes8, vs), ai[u]);
+            }
+          }
+          for (int u = 0; u < u_n; ++u) _mm256_storeu_ps(a + (i0 + u) * kLanes8, ai[u]);
         }
       }
     }

@@ -124,6 +124,46 @@ inline HeadScratch& ThreadScratch(int64_t rows, int64_t h_dim) {
   return s;
 }
 
+// A run of consecutive rows that attend together (attention.h AttendQueries).
+struct QuerySpan {
+  int64_t first, count;
+};
+
+// The attention work of a call: consecutive rows with the same page table (row b's at
+// table + b * width: a prefill chunk's rows, a verify step's positions of one sequence)
+// in one span when `group`, so that their keys are read once, not once per row. A run is
+// cut into pieces of at most `max_rows` rows (their scratch stays in cache) and into at
+// least as many as keep `threads` busy (2 items per thread over the KV heads). Otherwise
+// one span per row.
+inline std::vector<QuerySpan> AttentionSpans(const int32_t* table, int64_t rows, int64_t width,
+                                             bool group, int64_t threads, int64_t kv_heads,
+                                             int64_t max_rows) {
+  std::vector<QuerySpan> runs;
+  for (int64_t b = 0; b < rows; ++b) {
+    if (group && !runs.empty() &&
+        std::memcmp(table + runs.back().first * width, table + b * width,
+                    width * sizeof(int32_t)) == 0) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({b, 1});
+    }
+  }
+  if (static_cast<int64_t>(runs.size()) == rows) return runs;
+  const int64_t wanted = (2 * threads + kv_heads - 1) / kv_heads;  // spans for 2 per thread
+  const int64_t pieces = std::max<int64_t>(1, (wanted + static_cast<int64_t>(runs.size()) - 1) /
+                                                  static_cast<int64_t>(runs.size()));
+  std::vector<QuerySpan> spans;
+  for (const QuerySpan& run : runs) {
+    const int64_t n =
+        std::min(run.count, std::max(pieces, (run.count + max_rows - 1) / max_rows));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lo = run.first + run.count * i / n, hi = run.first + run.count * (i + 1) / n;
+      spans.push_back({lo, hi - lo});
+    }
+  }
+  return spans;
+}
+
 }  // namespace xlaserve
 
 #endif  // XLASERVE_KERNELS_CPU_ATTENTION_PAGES_H_

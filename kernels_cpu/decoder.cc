@@ -493,45 +493,6 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
   return ffi::Error::Success();
 }
 
-// A run of consecutive rows that attend together (attention.h AttendQueries).
-struct QuerySpan {
-  int64_t first, count;
-};
-
-// The attention work of a step: consecutive rows with the same block table (a verify
-// step's positions of one sequence) in one span when `group` (the AVX-512 set, no
-// window), so that their keys are read once, not once per row; a span is cut into at
-// most as many pieces as keep `threads` busy (2 items per thread over the KV heads).
-// Otherwise one span per row. Rows of a span keep their own key counts (`q_lens`).
-std::vector<QuerySpan> AttentionSpans(const int32_t* table, const std::vector<int64_t>& q_lens,
-                                      int64_t width, bool group, int64_t threads,
-                                      int64_t kv_heads) {
-  const int64_t rows = static_cast<int64_t>(q_lens.size());
-  std::vector<QuerySpan> runs;
-  for (int64_t b = 0; b < rows; ++b) {
-    if (group && !runs.empty() &&
-        std::memcmp(table + runs.back().first * width, table + b * width,
-                    width * sizeof(int32_t)) == 0) {
-      ++runs.back().count;
-    } else {
-      runs.push_back({b, 1});
-    }
-  }
-  if (static_cast<int64_t>(runs.size()) == rows) return runs;
-  const int64_t wanted = (2 * threads + kv_heads - 1) / kv_heads;  // spans for 2 per thread
-  const int64_t pieces = std::max<int64_t>(1, (wanted + static_cast<int64_t>(runs.size()) - 1) /
-                                                  static_cast<int64_t>(runs.size()));
-  std::vector<QuerySpan> spans;
-  for (const QuerySpan& run : runs) {
-    const int64_t n = std::min(pieces, run.count);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t lo = run.first + run.count * i / n, hi = run.first + run.count * (i + 1) / n;
-      spans.push_back({lo, hi - lo});
-    }
-  }
-  return spans;
-}
-
 template <Isa kIsa>
 ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> kv_index,
@@ -613,8 +574,8 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   std::vector<int64_t> q_lens(s.rows);
   for (int64_t b = 0; b < s.rows; ++b) q_lens[b] = std::clamp<int64_t>(lens[b], 0, max_keys);
   const std::vector<QuerySpan> spans = AttentionSpans(
-      table, q_lens, s.width, Steps<kIsa>::kGroupsQueries && window <= 0,
-      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads);
+      table, s.rows, s.width, Steps<kIsa>::kGroupsQueries && window <= 0,
+      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads, s.rows);
 
   std::vector<float> xn(s.rows * std::max(s.dim, s.mlp)), q(s.rows * qdim), k(s.rows * kvdim),
       v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
