@@ -135,9 +135,12 @@ def test_matches_op_by_op(kv_dtype, activation_bits, rows):
   got_h, got_kv = jax.jit(native_decode.run_layers, static_argnums=1)(layers, CFG, x,
                                                                       positions, meta, kv)
   real = np.array([r is not None for r in rows])
-  # Integer activations: a rounding of a code may differ with the summation order, and
-  # then (bfloat16 pools) a K/V value's rounding to bfloat16.
-  tol = {32: 2e-5, 16: 1e-4 if kv_dtype == "float32" else 5e-4, 8: 2e-3}[activation_bits]
+  # Integer activations: a rounding of a code may differ with the summation order. bfloat16
+  # pools: a K/V value whose float32 bits differ between the paths (RMSNorm, RoPE and the
+  # sums run in C++ here, in XLA there) may round to the neighbouring bfloat16 (2^-8
+  # relative), which the next layers' attention carries into h (~1e-4).
+  bf16 = kv_dtype == "bfloat16"
+  tol = {32: 5e-4 if bf16 else 2e-5, 16: 5e-4 if bf16 else 1e-4, 8: 2e-3}[activation_bits]
   np.testing.assert_allclose(np.asarray(got_h)[real], np.asarray(want_h)[real], rtol=tol,
                              atol=tol)
   # Every pool entry: the rows' new K/V (and the dummy page's padding write) as the
