@@ -91,6 +91,18 @@ class Placement:
     """Every leaf replicated over the mesh."""
     return jax.tree.map(lambda x: place(x, self.replicated), tree)
 
+  def replicated_jit(self, fn, *, donate_argnums=()):
+    """jit(fn) over a one-axis mesh of the same devices, every input and output replicated.
+
+    The program does not name this mesh's axes, so layouts over the same devices share
+    it through the compilation cache (the samplers: tp=2, ep=2 and pp=2 differed only in
+    the mesh line of their modules). Arrays replicated on this mesh are accepted as they
+    are; the outputs come back on the flat mesh, and `jax.device_put` onto this mesh's
+    replicated sharding re-labels them without a copy."""
+    flat = NamedSharding(jax.sharding.Mesh(self.mesh.devices.reshape(-1), ("devices",)),
+                         jax.sharding.PartitionSpec())
+    return jax.jit(fn, donate_argnums=donate_argnums, in_shardings=flat, out_shardings=flat)
+
   def jit(self, fn, state: Any, *, donate_argnums=()):
     """jit(fn) -> (state, out): state pinned to `state`'s shardings, out replicated."""
     state_shardings = jax.tree.map(lambda a: a.sharding, state)

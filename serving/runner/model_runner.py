@@ -239,8 +239,12 @@ class ModelRunner:
     kw = dict(cfg=self.model_cfg, backend=self.backend, act_dtype=jnp.dtype(self.dtype_name),
               block_tokens=self.engine_cfg.cache.attention_block_tokens)
     jit = jax.jit if placement is None else functools.partial(placement.jit, state=self.state)
-    slot_jit = jax.jit if placement is None else functools.partial(
-        placement.jit, state=self.state.slot_state())
+    # On a mesh the samplers run over a flat mesh of the same devices (their inputs are all
+    # replicated), so every layout over those devices shares them through the compilation
+    # cache; their slot state is put back on this mesh's shardings (no copy).
+    slot_jit = jax.jit if placement is None else placement.replicated_jit
+    self._slot_shardings = None if placement is None else jax.tree.map(
+        lambda a: a.sharding, self.state.slot_state())
     static = repr(sorted(kw.items()))
 
     def forward(name: str, step) -> StepProgram:
@@ -544,6 +548,8 @@ class ModelRunner:
     """Runs a sampler program on the state's slot part (donated) and `args`; returns its
     output."""
     slots, out = program(self.state.slot_state(), *args)
+    if self._slot_shardings is not None:  # back from the sampler's flat mesh
+      slots = jax.device_put(slots, self._slot_shardings)
     self.state = self.state.with_slot_state(slots)
     return out
 

@@ -9,6 +9,17 @@ prefill chunk (32 tokens: a long prompt's linear-layer states carry across steps
 chunks through its state slot) and, in a second configuration taking whole
 prompts per step, longer than the delta rule's 64-token block (the state carries
 across blocks within a chunk).
+
+Two configurations compile only the buckets their runs call (recorded on the
+default buckets). Whole prompts per step: one 256-token prefill, then 4-row
+decodes, so the 16- to 128-token prefill buckets and the 1- and 2-row decode
+buckets never ran; it keeps the one bucket of each and plans the same steps.
+Unrolled layers with multi-step decoding: the multi-step program ran at 4 rows
+only (14 calls); its 1- and 2-row programs, 8 unrolled layers x 4 steps each,
+were 41 of the 110 CPU-seconds its warm-up compiled. It keeps the 4-row decode
+bucket, so its six single-step decode calls of 1-2 rows (and its prefill
+chunks) are padded to 4 rows, the padding every serving batch takes; the
+other configurations run 1- and 2-row decodes.
 """
 
 import numpy as np
@@ -39,8 +50,11 @@ def prompts() -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("family,options", [
     ("qwen3_next", {}), ("qwen3_next_dense", {}), ("qwen3_5", {}),
-    ("qwen3_next", dict(max_num_batched_tokens=256)),  # whole prompts: 2 blocks of 64
-    ("qwen3_next", dict(unroll_layers=True, num_decode_steps=4))])  # per-block dicts
+    # whole prompts: 2 blocks of 64; the buckets its run calls (module doc)
+    ("qwen3_next", dict(max_num_batched_tokens=256, prefill_buckets=(256,),
+                        decode_buckets=(4,))),
+    # per-block dicts; one decode bucket (module doc)
+    ("qwen3_next", dict(unroll_layers=True, num_decode_steps=4, decode_buckets=(4,)))])
 def test_qwen3_next_matches_transformers(family, options, tmp_path):
   model = save_tiny_model(family, str(tmp_path))
   engine = build_engine(str(tmp_path), engine_config(**options))
