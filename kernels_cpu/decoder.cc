@@ -106,15 +106,25 @@ struct Weight {
   int activation_bits;  // 32: float tiles; 8 or 16: integer tiles (not U8)
 };
 
-// Rotate-half RoPE of `heads` heads of H at one position, in place.
-void Rope(float* x, int64_t heads, int64_t head_dim, int32_t position, const float* inv_freq) {
+// cos / sin of each row's RoPE angles, [rows, H/2] each: the same for every layer.
+void RopeTables(const int32_t* positions, int64_t b0, int64_t b1, int64_t half,
+                const float* inv_freq, float* cos_t, float* sin_t) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float f = static_cast<float>(positions[b]) * inv_freq[i];
+      cos_t[b * half + i] = std::cos(f);
+      sin_t[b * half + i] = std::sin(f);
+    }
+  }
+}
+
+// Rotate-half RoPE of `heads` heads of H at one position (its RopeTables row), in place.
+void Rope(float* x, int64_t heads, int64_t head_dim, const float* cos_row, const float* sin_row) {
   const int64_t half = head_dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float f = static_cast<float>(position) * inv_freq[i];
-    const float c = std::cos(f), s = std::sin(f);
-    for (int64_t n = 0; n < heads; ++n) {
-      float* xh = x + n * head_dim;
-      const float a = xh[i], b = xh[i + half];
+  for (int64_t n = 0; n < heads; ++n) {
+    float* xh = x + n * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = xh[i], b = xh[i + half], c = cos_row[i], s = sin_row[i];
       xh[i] = a * c - b * s;
       xh[i + half] = b * c + a * s;
     }
@@ -262,7 +272,8 @@ struct Steps<Isa::kAvx512> {
   static constexpr auto add_in_place = &AddInPlace;
   static constexpr auto swiglu = &SwiGLU;
   static constexpr auto group_sums = &GroupSums;
-  static constexpr auto quantize_rows = &QuantizeRows;
+  static constexpr auto prepare_rows = &PrepareRows;
+  static constexpr auto quantize_row_range = &QuantizeRowRange;
   static constexpr auto attend_f32 = &AttendWithScratch<0>;
   static constexpr auto attend_bf16 = &AttendWithScratch<1>;
   static constexpr bool kGroupsQueries = true;
@@ -273,7 +284,8 @@ struct Steps<Isa::kAvx2> {
   static constexpr auto add_in_place = &AddInPlaceAvx2;
   static constexpr auto swiglu = &SwiGLUAvx2;
   static constexpr auto group_sums = &avx2::GroupSums;
-  static constexpr auto quantize_rows = &avx2::QuantizeRows;
+  static constexpr auto prepare_rows = &avx2::PrepareRows;
+  static constexpr auto quantize_row_range = &avx2::QuantizeRowRange;
   static constexpr auto attend_f32 = &avx2::AttendWithScratch<0>;
   static constexpr auto attend_bf16 = &avx2::AttendWithScratch<1>;
   static constexpr bool kGroupsQueries = false;
@@ -285,7 +297,8 @@ struct Steps<Isa::kNeon> {
   static constexpr auto add_in_place = &AddInPlaceNeon;
   static constexpr auto swiglu = &SwiGLUNeon;
   static constexpr auto group_sums = &neon::GroupSums;
-  static constexpr auto quantize_rows = &neon::QuantizeRows;
+  static constexpr auto prepare_rows = &neon::PrepareRows;
+  static constexpr auto quantize_row_range = &neon::QuantizeRowRange;
   static constexpr auto attend_f32 = &neon::AttendWithScratch<0>;
   static constexpr auto attend_bf16 = &neon::AttendWithScratch<1>;
   static constexpr bool kGroupsQueries = false;
@@ -583,6 +596,20 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   IntRows xq;
   const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
   Team team(pool, cpus);
+  // The row-wise steps between the column loops (norms, rounding, RoPE and the K/V
+  // write, SwiGLU, the residual adds): fn(b0, b1) over blocks of rows on the team
+  // where a call has many rows (a prefill chunk's), on the caller otherwise. Each row
+  // is computed alone, so the split does not change a bit.
+  constexpr int64_t kRowBlock = 32;
+  auto for_rows = [&](auto&& fn) {
+    if (s.rows < 2 * kRowBlock) {
+      fn(int64_t{0}, s.rows);
+      return;
+    }
+    team.For((s.rows + kRowBlock - 1) / kRowBlock, [&](int64_t i) {
+      fn(i * kRowBlock, std::min(s.rows, (i + 1) * kRowBlock));
+    });
+  };
   // Rounds a phase's input once for its integer tiles: to 16 bits if any of them
   // takes 16 (the 8-bit rounding is its high byte, so 8-bit tiles read the same).
   auto quantize = [&](const float* src, int64_t in, std::initializer_list<const Weight*> ws) {
@@ -592,25 +619,47 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                                       : std::max(bits, w->activation_bits);
     }
     if (bits == 32) return;
-    Steps<kIsa>::quantize_rows(src, rows, in, bits == 16, xq);
+    Steps<kIsa>::prepare_rows(rows, in, bits == 16, xq);
+    for_rows([&](int64_t b0, int64_t b1) {
+      Steps<kIsa>::quantize_row_range(src, static_cast<int>(b0), static_cast<int>(b1), in, xq);
+    });
   };
+  auto norm_rows = [&](const float* w, float* out) {
+    for_rows([&](int64_t b0, int64_t b1) {
+      Steps<kIsa>::rms_norm(h + b0 * s.dim, w, static_cast<int>(b1 - b0), s.dim, eps,
+                            out + b0 * s.dim);
+    });
+  };
+  auto add_rows = [&](const float* d) {
+    for_rows([&](int64_t b0, int64_t b1) {
+      Steps<kIsa>::add_in_place(h + b0 * s.dim, d + b0 * s.dim, (b1 - b0) * s.dim);
+    });
+  };
+  const int64_t half = s.head_dim / 2;
+  std::vector<float> rope_cos(s.rows * half), rope_sin(s.rows * half);
+  for_rows([&](int64_t b0, int64_t b1) {
+    RopeTables(pos, b0, b1, half, inv_freq.typed_data(), rope_cos.data(), rope_sin.data());
+  });
 
   for (int64_t l = 0; l < s.layers; ++l) {
     const Weight* w = &ws[l * kWeights];
     const float* norm = norms.typed_data() + l * 2 * s.dim;
     // Attention.
-    Steps<kIsa>::rms_norm(h, norm, rows, s.dim, eps, xn.data());
+    norm_rows(norm, xn.data());
     quantize(xn.data(), s.dim, {&w[0], &w[1], &w[2]});
     Project<kIsa>(team, {{&w[0], q.data()}, {&w[1], k.data()}, {&w[2], v.data()}}, xn.data(), &xq,
             rows);
     const int64_t layer_entry = l * s.num_pages * s.page_size;
-    for (int64_t b = 0; b < s.rows; ++b) {
-      Rope(q.data() + b * qdim, s.heads, s.head_dim, pos[b], inv_freq.typed_data());
-      Rope(k.data() + b * kvdim, s.kv_heads, s.head_dim, pos[b], inv_freq.typed_data());
-      const int64_t row0 = (layer_entry + kv_idx[b]) * kvdim;  // values before the token's K
-      WriteKV(k_pool, static_cast<int>(kind), row0, k.data() + b * kvdim, kvdim);
-      WriteKV(v_pool, static_cast<int>(kind), row0, v.data() + b * kvdim, kvdim);
-    }
+    for_rows([&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float *c = rope_cos.data() + b * half, *sn = rope_sin.data() + b * half;
+        Rope(q.data() + b * qdim, s.heads, s.head_dim, c, sn);
+        Rope(k.data() + b * kvdim, s.kv_heads, s.head_dim, c, sn);
+        const int64_t row0 = (layer_entry + kv_idx[b]) * kvdim;  // values before the token's K
+        WriteKV(k_pool, static_cast<int>(kind), row0, k.data() + b * kvdim, kvdim);
+        WriteKV(v_pool, static_cast<int>(kind), row0, v.data() + b * kvdim, kvdim);
+      }
+    });
     // Layer l's pages: the pool from entry layer_entry on (tables are per layer).
     const uint8_t* kp = k_pool + layer_entry * d.kv_heads * d.row_bytes;
     const uint8_t* vp = v_pool + layer_entry * d.kv_heads * d.row_bytes;
@@ -631,15 +680,18 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     });
     quantize(attn.data(), qdim, {&w[3]});
     Project<kIsa>(team, {{&w[3], proj.data()}}, attn.data(), &xq, rows);
-    Steps<kIsa>::add_in_place(h, proj.data(), s.rows * s.dim);
+    add_rows(proj.data());
     // MLP.
-    Steps<kIsa>::rms_norm(h, norm + s.dim, rows, s.dim, eps, xn.data());
+    norm_rows(norm + s.dim, xn.data());
     quantize(xn.data(), s.dim, {&w[4], &w[5]});
     Project<kIsa>(team, {{&w[4], gate.data()}, {&w[5], up.data()}}, xn.data(), &xq, rows);
-    Steps<kIsa>::swiglu(gate.data(), up.data(), xn.data(), s.rows * s.mlp);
+    for_rows([&](int64_t b0, int64_t b1) {
+      Steps<kIsa>::swiglu(gate.data() + b0 * s.mlp, up.data() + b0 * s.mlp,
+                          xn.data() + b0 * s.mlp, (b1 - b0) * s.mlp);
+    });
     quantize(xn.data(), s.mlp, {&w[6]});
     Project<kIsa>(team, {{&w[6], proj.data()}}, xn.data(), &xq, rows);
-    Steps<kIsa>::add_in_place(h, proj.data(), s.rows * s.dim);
+    add_rows(proj.data());
   }
   return ffi::Error::Success();
 }

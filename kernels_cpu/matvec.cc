@@ -223,10 +223,10 @@ void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
                       int64_t out_dim) {
   const int64_t groups = in / kGroup;
   auto r = std::make_shared<IntRows>();
-  // Only the layouts this format's tiles read: the nibble tiles' order (VNNI) and the
-  // input order (Q8_0's VNNI tiles, every format's AMX tiles; quant_int.h).
+  // Only the layouts this format's tiles read: the nibble tiles' order (VNNI), the
+  // input order (Q8_0's VNNI tiles) and the AMX A tiles (every format's; quant_int.h).
   r->nibble_order = kFmt != kS8;
-  r->plain_order = kFmt == kS8 || rows >= kAmxRows;
+  r->plain_order = kFmt == kS8;
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
   constexpr int64_t kQuantizeRows = 64;

@@ -18,10 +18,15 @@
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_H_
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "quant_format.h"
@@ -150,6 +155,30 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
 // The AMX tiles (quant_int.h) read the input-order bytes too, whatever the format.
 
+// Rows from which a call of the column functions uses AMX tiles (16-row tiles; the
+// rest of the rows take the VNNI tiles).
+constexpr int kAmxRows = 16;
+
+// Whether this CPU has AMX-TILE and AMX-INT8 and Linux lets the process use the
+// tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once.
+inline bool AmxHardware() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// AmxHardware() unless XLASERVE_NATIVE_AMX=0 (read at each call: tests compare both).
+inline bool AmxEnabled() {
+  const char* env = std::getenv("XLASERVE_NATIVE_AMX");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  return AmxHardware();
+}
+
 // 16 activations of a group as int8 bytes (saturating; the values are in range).
 inline __attribute__((target("avx512f"))) void StoreBytes(int8_t* dst, __m512i v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(v));
@@ -175,6 +204,10 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   size(r.x8, false, 0);  // the AVX2 tiles' (quant_dot_avx2.h)
   size(r.x16, false, 0);
   size(r.lo_plain, r.plain_order && with_lo, rows * groups * kGroup);
+  const bool amx = r.amx_order && rows >= kAmxRows && AmxEnabled();
+  const int64_t tiles = rows / kAmxRows;
+  size(r.amx_a, amx, tiles * groups * (with_lo ? 1024 : 512));
+  size(r.amx_dx, amx, tiles * groups * 16);
   size(r.xsum8, true, rows * groups);
   size(r.xsum16, with_lo, rows * groups);
   size(r.dx_group, true, rows * groups);
@@ -188,6 +221,9 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
     const float* x, int b0, int b1, int64_t in, IntRows& r) {
   const int64_t groups = in / kGroup, pairs = groups / 2;
   const bool with_lo = r.has_lo, nibbles = r.nibble_order, plain = r.plain_order;
+  // Rows of whole 16-row tiles also go into their AMX A tile (PrepareRows sized them).
+  const int64_t amx_rows = static_cast<int64_t>(r.amx_dx.size()) / (groups * 16) * kAmxRows;
+  const int64_t tile_bytes = with_lo ? 1024 : 512;
   const __m512i lo_max = _mm512_set1_epi32(127), lo_min = _mm512_set1_epi32(-127);
   for (int b = b0; b < b1; ++b) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -205,6 +241,15 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
       r.xsum8[b * groups + g] = d * static_cast<float>(sum8);
       r.xint8[b * groups + g] = sum8;
       r.dx_group[b * groups + g] = d;
+      // This row's place in its AMX A tile (quant_format.h IntRows amx_a).
+      const bool amx = b < amx_rows;
+      const int64_t tile_at = (b / kAmxRows * groups + g) * tile_bytes +
+                              (with_lo ? (b % 16) / 8 * 512 + (b % 8) * kGroup : (b % 16) * kGroup);
+      if (amx) {
+        r.amx_dx[(b / kAmxRows * groups + g) * 16 + b % 16] = d;
+        StoreBytes(r.amx_a.data() + tile_at, qlo);
+        StoreBytes(r.amx_a.data() + tile_at + 16, qhi);
+      }
       const int64_t p = g / 2, half = g % 2;
       const int64_t pair_at = (b * pairs + p) * 64, plain_at = (b * groups + g) * kGroup;
       if (nibbles) {
@@ -232,6 +277,10 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
         if (plain) {
           StoreBytes(r.lo_plain.data() + plain_at, rlo);
           StoreBytes(r.lo_plain.data() + plain_at + 16, rhi);
+        }
+        if (amx) {  // 8 rows' hi bytes, then their lo bytes
+          StoreBytes(r.amx_a.data() + tile_at + 8 * kGroup, rlo);
+          StoreBytes(r.amx_a.data() + tile_at + 8 * kGroup + 16, rhi);
         }
       }
       if (nibbles) {

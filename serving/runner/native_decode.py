@@ -1,22 +1,24 @@
-"""A decode step's layers in one native call (kernels_cpu.decoder), where they fit.
+"""A step's layers in one native call (kernels_cpu.decoder), where they fit.
 
-`runs_native(layers, cfg, kv, rows, lora)` says whether a decode step of
-`rows` rows (up to kernels_cpu.decoder.MAX_ROWS) takes the fused custom call instead of
+`runs_native(layers, cfg, kv, rows, lora)` says whether a decode, verify or prefill step
+of `rows` rows (up to kernels_cpu.decoder.MAX_ROWS) takes the fused custom call instead of
 `causal_lm.run_layers`: on CPU,
 one device, the native kernels enabled, a dense Llama-family model without
 QKV bias, Q/K norms or hybrid attention (one window for every layer), with
 RoPE on whole heads and unscaled cos / sin, no LoRA, unrolled layers whose
 seven linear weights the native matvec reads (quantized blocks as stored: GGUF
 Q4_1 / Q4_0 / Q8_0 and our int8 in groups of 32, GGUF Q4_K / Q5_K / Q6_K), float32
-activations and a float32 or bfloat16 KV pool. Everything else (prefill,
-larger batches, other models) runs op by op, as before; both paths compute
-the same values (tests/serving/runner/test_native_decode.py).
+activations and a float32 or bfloat16 KV pool. Everything else (larger steps, other
+models, meshes) runs op by op; both paths compute the same values up to summation
+order (tests/serving/runner/test_native_decode.py).
 
 A verify step (speculative decoding) is decode rows too: its B sequences of
 S positions are B * S rows, each with its own position, K/V index, the
 sequence's block table and `seq_len = position + 1` (`verify_rows`). The
 kernel writes the K/V of every row of a layer before any row of it attends,
 so position j sees the drafts before it, as `attention.verify_attention` does.
+A prefill step is the same: each packed token a row with its chunk's block table
+(`prefill_rows`); rows sharing a table attend together (kernels_cpu attention spans).
 
 `run_layers(...)` has `causal_lm.run_layers`' contract for a decode step:
 h [B, D] -> (h, kv), the K/V of each row written at its `kv_index`.
@@ -81,6 +83,18 @@ def verify_rows(meta: dict) -> dict:
   q_lens = meta["q_lens"]
   return dict(kv_index=meta["kv_index"], seq_lens=q_lens.reshape(-1),
               block_tables=jnp.repeat(meta["block_tables"], q_lens.shape[1], axis=0))
+
+
+def prefill_rows(meta: dict, positions: jax.Array) -> dict:
+  """A prefill step's attention metadata (steps.prefill_meta: kv_index [T], the chunks'
+  block_tables [C, W] and cu_q_lens [C+1]) as the decode rows `run_layers` takes: each
+  packed token a row with its chunk's table, attending to the keys up to its own
+  position (seq_len = position + 1; 0 for the padding after the last chunk)."""
+  cu = meta["cu_q_lens"]
+  t = jnp.arange(positions.shape[0], dtype=cu.dtype)
+  chunk = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, cu.shape[0] - 2)
+  return dict(kv_index=meta["kv_index"], block_tables=meta["block_tables"][chunk],
+              seq_lens=jnp.where(t < cu[-1], positions + 1, 0).astype(jnp.int32))
 
 
 def _format(w) -> int:

@@ -192,8 +192,8 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
   """`causal_lm.forward` with the attention of a `kind` step over its `meta`
   -> (final-normed hidden [T, D], kv).
 
-  The layers run through `sharding.pipeline_layers`: plain on one stage (a decode or verify
-  step there in one native call where it fits, native_decode.py); over
+  The layers run through `sharding.pipeline_layers`: plain on one stage (a step there in
+  one native call where it fits, native_decode.py); over
   the mesh's `pp` stages otherwise, with the step's rows cut into microbatches.
   Decode and verify metadata is per row (cut with the rows); a prefill step's
   chunk metadata is shared by its microbatches, each writing its own rows' K/V
@@ -208,9 +208,11 @@ def model_forward(params, lora, kv: KVCache, tokens: jax.Array, positions: jax.A
 
   def stage(layers, x, rows, shared, kv, active, start):
     positions, meta, lora_rows = rows
-    if (kind in ("decode", "verify") and active is True and backend == "xla"
+    if (active is True and backend == "xla" and x.shape[0] == total
         and native_decode.runs_native(layers, cfg, kv, x, lora)):
-      rows_meta = meta if kind == "decode" else native_decode.verify_rows(meta)
+      rows_meta = (meta if kind == "decode" else native_decode.verify_rows(meta)
+                   if kind == "verify" else native_decode.prefill_rows({**shared, **meta},
+                                                                      positions))
       return native_decode.run_layers(layers, cfg, x, positions, rows_meta, kv)
     if active is not True:  # an idle pipeline tick writes only the dummy page
       meta = {**meta, "kv_index": jnp.where(active, meta["kv_index"], 0)}

@@ -8,7 +8,8 @@ rows, a sliding window and a context over several pages. The fused call must
 leave every pool entry it does not own untouched, refuse page ids outside the
 pool, and be chosen exactly where it fits. A verify step (speculative decoding:
 S positions per sequence, causal among them) runs as B * S decode rows and
-matches the op-by-op verify attention. Through `LLM`, greedy tokens are the
+matches the op-by-op verify attention; so does a prefill step (its packed chunks as rows
+with their chunk's table, `prefill_rows`) against the op-by-op prefill. Through `LLM`, greedy tokens are the
 same with it on and off, with and without ngram speculation, and nothing
 compiles after warm-up. The AVX2 stack (forced with `XLASERVE_NATIVE_ISA=avx2`)
 must match the op-by-op path too, keep a row's bits in any batch with integer
@@ -26,9 +27,12 @@ import kernels_cpu
 from checkpoints import quantizers
 from kernels_cpu import decoder
 from serving.models import causal_lm, quantized
+from serving.config import EngineConfig
 from serving.models.model_config import LongRopeScaling, ModelConfig
 from serving.runner import native_decode, steps
+from serving.runner.inputs import build_prefill_input
 from serving.runner.kv_cache import KVCache, create_kv_cache
+from serving.types import PrefillChunk, SamplingParams, Sequence
 
 needs_native = pytest.mark.skipif(not kernels_cpu.available(),
                                   reason="native kernels not built or CPU lacks AVX-512")
@@ -107,9 +111,9 @@ def _op_by_op(layers, cfg, x, positions, meta, kv):
 ROWS = [(6, [3, 5]), None, (13, [1, 2, 7, 9]), (0, [4])]
 
 
-def _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits):
+def _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits, rtol=None):
   """Every pool entry past the dummy page as the reference wrote it (bfloat16 pools: one
-  ulp, 2^-7 relative, where an input differs in its last bits)."""
+  ulp, 2^-7 relative, where an input differs in its last bits; `rtol` overrides)."""
   for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
     got, want = np.asarray(got), np.asarray(want)
     if kv_dtype == "bfloat16":
@@ -117,7 +121,8 @@ def _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits):
                    for a in (got, want))
     per_layer = got.reshape(CFG.num_layers, PAGES, *got.shape[1:])
     ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
-    rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
+    if rtol is None:
+      rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
     np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
 
 
@@ -339,6 +344,55 @@ def test_verify_positions_attending_together_give_the_bits_of_each_alone(kv_dtyp
   written = np.arange(together_kv.k.shape[0]) % PAGES != 0
   for a, b in ((together_kv.k, alone_kv.k), (together_kv.v, alone_kv.v)):
     np.testing.assert_array_equal(np.asarray(a)[written], np.asarray(b)[written])
+
+
+# Prefill chunks as (cached tokens before the chunk, chunk tokens, pages): one continuing a
+# context over four pages, one from position 0, one single token; padding after them.
+PREFILL_CHUNKS = [(6, 9, [3, 5, 8, 9]), (0, 7, [1, 2]), (0, 1, [4])]
+
+
+@needs_native
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("activation_bits", [32, 16])
+def test_prefill_rows_match_op_by_op_prefill(kv_dtype, activation_bits):
+  config = EngineConfig.of(page_size=PAGE_SIZE, max_model_len=WIDTH * PAGE_SIZE,
+                           max_num_batched_tokens=64, max_num_seqs=4, attention_block_tokens=8)
+  chunks = []
+  for i, (cached, n, pages) in enumerate(PREFILL_CHUNKS):
+    seq = Sequence(request_id=str(i), prompt_ids=list(range(cached + n)),
+                   params=SamplingParams(), pages=pages, decode_slot=i)
+    chunks.append(PrefillChunk(seq, cached, cached + n, sample=True))
+  inp, _ = build_prefill_input(chunks, config, bucket=64)  # 64 rows: room for 4 chunks
+  meta = jax.tree.map(jnp.asarray, steps.prefill_meta(inp))
+  positions = jnp.asarray(inp.positions)
+  total = int(inp.cu_q_lens[-1])
+  assert inp.tokens.shape[0] > total  # padding rows after the chunks
+  layers = _layers(activation_bits=activation_bits)
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((inp.tokens.shape[0], 128)),
+                  jnp.float32)
+  kv = _pool(kv_dtype)
+  assert native_decode.runs_native(layers, CFG, kv, x, None)
+
+  def op_by_op(layers, x, positions, meta, kv):
+    attend = steps.attend_fn("xla", CFG, "prefill", meta, 8)
+    return causal_lm.run_layers(layers, CFG, x, positions, kv, attend)
+
+  def fused(layers, x, positions, meta, kv):
+    return native_decode.run_layers(layers, CFG, x, positions,
+                                    native_decode.prefill_rows(meta, positions), kv)
+
+  want_h, want_kv = jax.jit(op_by_op)(layers, x, positions, meta, kv)
+  assert "xlaserve_decode_layers" in str(jax.make_jaxpr(fused)(layers, x, positions, meta, kv))
+  got_h, got_kv = jax.jit(fused)(layers, x, positions, meta, kv)
+  # As test_matches_op_by_op, over 17 rows instead of 3: more values whose last bits
+  # differ between the paths and round to a neighbouring integer (16-bit activations) or
+  # bfloat16 (the pools) before the later layers carry them.
+  bf16 = kv_dtype == "bfloat16"
+  tol = {32: 5e-4 if bf16 else 2e-5, 16: 2e-3 if bf16 else 5e-4}[activation_bits]
+  np.testing.assert_allclose(np.asarray(got_h)[:total], np.asarray(want_h)[:total], rtol=tol,
+                             atol=tol)
+  _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits,  # bfloat16: two ulps
+                      rtol=2e-2 if bf16 and activation_bits == 16 else None)
 
 
 @needs_native
