@@ -9,8 +9,8 @@ leave every pool entry it does not own untouched, refuse page ids outside the
 pool, and be chosen exactly where it fits. A verify step (speculative decoding:
 S positions per sequence, causal among them) runs as B * S decode rows and
 matches the op-by-op verify attention; so does a prefill step (its packed chunks as rows
-with their chunk's table, `prefill_rows`) against the op-by-op prefill. Through `LLM`, greedy tokens are the
-same with it on and off, with and without ngram speculation, and nothing
+with their chunk's table, `prefill_rows`) against the op-by-op prefill. Through `LLM`,
+greedy tokens are the same with it on and off, with and without ngram speculation, and nothing
 compiles after warm-up. The AVX2 stack (forced with `XLASERVE_NATIVE_ISA=avx2`)
 must match the op-by-op path too, keep a row's bits in any batch with integer
 activations (with and without AVX-VNNI), and an engine on it give the XLA path's tokens.
@@ -26,8 +26,8 @@ import pytest
 import kernels_cpu
 from checkpoints import quantizers
 from kernels_cpu import decoder
-from serving.models import causal_lm, quantized
 from serving.config import EngineConfig
+from serving.models import causal_lm, quantized
 from serving.models.model_config import LongRopeScaling, ModelConfig
 from serving.runner import native_decode, steps
 from serving.runner.inputs import build_prefill_input
