@@ -50,10 +50,6 @@ constexpr auto QueryLoop() {
 #endif
 }
 
-// Rows of one page table that attend together at most (AttentionSpans): 16 queries' scratch
-// (accumulators, scaled queries) stays in L1 beside a block of keys.
-constexpr int64_t kSpanRows = 16;
-
 template <Isa kIsa, int kKind>
 void Attend(xla::ffi::ThreadPool& pool, const Dims& d, const float* q, const uint8_t* k_pages,
             const uint8_t* v_pages, const int32_t* tables, const int32_t* q_lens, float scale,

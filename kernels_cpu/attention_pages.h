@@ -129,6 +129,11 @@ struct QuerySpan {
   int64_t first, count;
 };
 
+// Rows of one page table that attend together at most (AttentionSpans' max_rows, for the
+// paged attention and the fused decoder): 16 queries' scratch (accumulators, scaled
+// queries) stays in L1 beside a block of keys.
+constexpr int64_t kSpanRows = 16;
+
 // The attention work of a call: consecutive rows with the same page table (row b's at
 // table + b * width: a prefill chunk's rows, a verify step's positions of one sequence)
 // in one span when `group`, so that their keys are read once, not once per row. A run is

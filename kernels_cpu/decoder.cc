@@ -588,7 +588,7 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t b = 0; b < s.rows; ++b) q_lens[b] = std::clamp<int64_t>(lens[b], 0, max_keys);
   const std::vector<QuerySpan> spans = AttentionSpans(
       table, s.rows, s.width, Steps<kIsa>::kGroupsQueries && window <= 0,
-      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads, s.rows);
+      std::max<int64_t>(1, std::thread::hardware_concurrency()), s.kv_heads, kSpanRows);
 
   std::vector<float> xn(s.rows * std::max(s.dim, s.mlp)), q(s.rows * qdim), k(s.rows * kvdim),
       v(s.rows * kvdim), attn(s.rows * qdim), proj(s.rows * s.dim), gate(s.rows * s.mlp),
