@@ -56,10 +56,12 @@ import json
 import math
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 
 from serving.tools import bench, bench_serve, run_record
 
@@ -113,6 +115,16 @@ def start_server(name: str, cmd: list[str]) -> tuple:
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
   proc.log_path = log.name
   return proc, start
+
+
+def port_in_use(url: str) -> bool:
+  """Whether something already listens on `url`'s port: a server started there would fail
+  to bind while the other one answered its requests (an --attach URL on llama-server's
+  port gave the attached xlaserve's figures to the llama-server row once)."""
+  parsed = urllib.parse.urlparse(url)
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.settimeout(1.0)
+    return sock.connect_ex((parsed.hostname or "127.0.0.1", parsed.port or 80)) == 0
 
 
 def ready_after(proc, start: float, base_url: str, timeout_s: float = 1800) -> float:
@@ -249,6 +261,10 @@ def run_servers(args, prompts: list[str], specs: dict[str, dict]) -> dict[str, d
   results = {name: {"ready_s": None, "runs": [], "kind": spec.get("kind")}
              for name, spec in specs.items()}
   procs = {}
+  for name, spec in specs.items():
+    if spec["cmd"] and port_in_use(spec["url"]):
+      raise SystemExit(f"{name}: {spec['url']} already answers (an --attach server or a "
+                       "leftover process): its figures would be that server's")
   try:
     for name, spec in specs.items():  # all start together: cold compiles overlap
       if spec["cmd"]:

@@ -336,6 +336,7 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       });
     } else {
       auto r = std::make_shared<IntRows>();
+      r->amx_order = false;  // the K-quant tiles read the nibble and input orders only
       QuantizeRows(xb, nrows, in, kBits == 16, *r);
       xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
         KIntColumns<kFmt>(*r, kBits == 16, nrows, in, w, yb, out_dim, out_dim * i / parts,
