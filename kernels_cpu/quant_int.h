@@ -329,10 +329,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile8(
 
 // Columns [o, o + 16) x rows [r0, r0 + 16) of `r`'s 16-bit rounding with AMX: AmxTile8's
 // operands, two products a group (rows 0-7's hi and lo bytes, rows 8-15's) sharing the
-// group's B tile (measured ~10% faster than a pass per half: one B load for both). a: the tile's A tiles
-// (amx_a), dxt its scales (amx_dx). Tiles: A tmm0 / tmm1 (rows 0-7 / 8-15), B tmm2 /
-// tmm7 (alternating groups), products tmm3 + tmm4 / tmm5 + tmm6 (alternating groups),
-// stored a group later and scaled two groups later.
+// group's B tile (one B load for both: ~10% faster than a pass per half). a: the tile's
+// A tiles (amx_a), dxt its scales (amx_dx). Tiles: A tmm0 / tmm1 (rows 0-7 / 8-15), B
+// tmm2 / tmm7 (alternating groups), products tmm3 + tmm4 / tmm5 + tmm6 (alternating
+// groups), stored a group later and scaled two groups later.
 template <Format kFmt>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
     const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
@@ -341,27 +341,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
   alignas(64) int32_t c[2][2][16][16];  // [group % 2][half][tile row][column]
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  // Group g's two products into (c0, c1) from B tile tb (tile numbers: asm constants).
+#define XLASERVE_AMX_ISSUE_PAIR(g, tb, c0, c1)          \
+  do {                                                  \
+    XLASERVE_TILE_ZERO(c0);                             \
+    XLASERVE_TILE_ZERO(c1);                             \
+    XLASERVE_TILE_LOAD(tb, b + (g) * 512, 64);          \
+    XLASERVE_TILE_LOAD(0, a + (g) * 1024, kGroup);      \
+    XLASERVE_TILE_DPBSSD(c0, 0, tb);                    \
+    XLASERVE_TILE_LOAD(1, a + (g) * 1024 + 512, kGroup); \
+    XLASERVE_TILE_DPBSSD(c1, 1, tb);                    \
+  } while (0)
   auto issue = [&](int64_t g) {
-    const int8_t* ag = a + g * 1024;
-    const int8_t* bg = b + g * 512;
     if (g % 2 == 0) {
-      XLASERVE_TILE_ZERO(3);
-      XLASERVE_TILE_ZERO(4);
-      XLASERVE_TILE_LOAD(2, bg, 64);
-      XLASERVE_TILE_LOAD(0, ag, kGroup);
-      XLASERVE_TILE_DPBSSD(3, 0, 2);
-      XLASERVE_TILE_LOAD(1, ag + 512, kGroup);
-      XLASERVE_TILE_DPBSSD(4, 1, 2);
+      XLASERVE_AMX_ISSUE_PAIR(g, 2, 3, 4);
     } else {
-      XLASERVE_TILE_ZERO(5);
-      XLASERVE_TILE_ZERO(6);
-      XLASERVE_TILE_LOAD(7, bg, 64);
-      XLASERVE_TILE_LOAD(0, ag, kGroup);
-      XLASERVE_TILE_DPBSSD(5, 0, 7);
-      XLASERVE_TILE_LOAD(1, ag + 512, kGroup);
-      XLASERVE_TILE_DPBSSD(6, 1, 7);
+      XLASERVE_AMX_ISSUE_PAIR(g, 7, 5, 6);
     }
   };
+#undef XLASERVE_AMX_ISSUE_PAIR
   auto store = [&](int64_t g) {
     if (g % 2 == 0) {
       XLASERVE_TILE_STORE(3, c[0][0], 64);
