@@ -153,7 +153,8 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // (`hi_plain`, `lo_plain`): a pair's 64 code bytes are groups g and g + 1 back to
 // back, so int32 lanes 0-7 sum group g and 8-15 group g + 1. VPDPBUSD multiplies
 // unsigned by signed bytes: it gets |w| and x with w's sign (hence lo >= -127).
-// The AMX tiles (quant_int.h) read the input-order bytes too, whatever the format.
+// The AMX tiles (quant_int.h) read their own copy of the bytes, packed in 16-row A tiles
+// (IntRows amx_a) while the rows are rounded.
 
 // Rows from which a call of the column functions uses AMX tiles (16-row tiles; the
 // rest of the rows take the VNNI tiles).
