@@ -180,6 +180,12 @@ inline bool AmxEnabled() {
   return AmxHardware();
 }
 
+// Rows of `r` (rounded in `groups` groups) whose AMX A tiles it holds: its whole 16-row
+// tiles where PrepareRows asked for them, else 0.
+inline int64_t AmxPackedRows(const IntRows& r, int64_t groups) {
+  return static_cast<int64_t>(r.amx_dx.size()) / (groups * 16) * kAmxRows;
+}
+
 // 16 activations of a group as int8 bytes (saturating; the values are in range).
 inline __attribute__((target("avx512f"))) void StoreBytes(int8_t* dst, __m512i v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(v));
@@ -223,7 +229,7 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
   const int64_t groups = in / kGroup, pairs = groups / 2;
   const bool with_lo = r.has_lo, nibbles = r.nibble_order, plain = r.plain_order;
   // Rows of whole 16-row tiles also go into their AMX A tile (PrepareRows sized them).
-  const int64_t amx_rows = static_cast<int64_t>(r.amx_dx.size()) / (groups * 16) * kAmxRows;
+  const int64_t amx_rows = AmxPackedRows(r, groups);
   const int64_t tile_bytes = with_lo ? 1024 : 512;
   const __m512i lo_max = _mm512_set1_epi32(127), lo_min = _mm512_set1_epi32(-127);
   for (int b = b0; b < b1; ++b) {

@@ -397,8 +397,9 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
   thread_local std::vector<int8_t> packed;
   dcol.resize(groups * 16);
   if (kMin) mcol.resize(groups * 16);
-  const int packed_rows =
-      static_cast<int>(static_cast<int64_t>(r.amx_dx.size()) / (groups * 16) * kAmxRows);
+  // The A tiles hold the rounding r was made for: 8-bit tiles reading a 16-bit rounding
+  // (its high bytes, as the decoder does for a phase of mixed weights) take VNNI.
+  const int packed_rows = r.has_lo == kLo ? static_cast<int>(AmxPackedRows(r, groups)) : 0;
   const int amx_rows = std::min(r_end, packed_rows) - r_begin;
   const bool amx = amx_rows >= kAmxRows && r_begin % kAmxRows == 0 && AmxEnabled();
   const int amx_end = amx ? r_begin + amx_rows / kAmxRows * kAmxRows : r_begin;

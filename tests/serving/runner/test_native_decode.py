@@ -182,6 +182,30 @@ def test_rows_through_amx_tiles_give_the_same_bits_without(activation_bits, monk
   np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=tol, atol=tol)
 
 
+@needs_native
+def test_eight_bit_weights_beside_sixteen_bit_ones_in_one_phase(monkeypatch):
+  """A phase whose weights round their input to 8 and 16 bits (Q/K/V, gate/up) rounds it
+  once to 16; the 8-bit tiles read its high bytes. Through AMX (20 rows) they must give
+  the bits they give with AMX off, and the op-by-op values."""
+  if not kernels_cpu.library.vnni():
+    pytest.skip("integer activations need VNNI")
+  layers = []
+  for lp in _layers(activation_bits=16):
+    eight = quantized.with_activation_bits({k: lp[k] for k in ("wk", "w_up")}, 8)
+    layers.append({**lp, **eight})
+  rows = [(p, [page]) for page in range(1, 6) for p in range(4)]
+  positions, meta = _step(rows)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((len(rows), 128)), jnp.float32)
+  run = jax.jit(native_decode.run_layers, static_argnums=1)
+  got_h, _ = run(layers, CFG, x, positions, meta, _pool("float32"))
+  monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
+  off_h, _ = run(layers, CFG, x, positions, meta, _pool("float32"))
+  assert np.array_equal(np.asarray(got_h), np.asarray(off_h))
+  want_h, _ = jax.jit(_op_by_op, static_argnums=1)(layers, CFG, x, positions, meta,
+                                                   _pool("float32"))
+  np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=5e-2, atol=5e-2)
+
+
 # GGUF K-quants (I a multiple of 256): Q4_K / Q6_K as in a Q4_K_M file, Q5_K, and Q8_0.
 K_CFG = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512, num_layers=2,
                             head_dim=64)
