@@ -113,7 +113,9 @@ ROWS = [(6, [3, 5]), None, (13, [1, 2, 7, 9]), (0, [4])]
 
 def _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits, rtol=None):
   """Every pool entry past the dummy page as the reference wrote it (bfloat16 pools: one
-  ulp, 2^-7 relative, where an input differs in its last bits; `rtol` overrides)."""
+  ulp, 2^-7 relative, where an input differs in its last bits, and near zero 5e-4
+  absolute: a later layer's K/V inherits an earlier flip's ~1e-4 absolute change, which
+  is large relative to a value near zero; `rtol` overrides)."""
   for got, want in ((got_kv.k, want_kv.k), (got_kv.v, want_kv.v)):
     got, want = np.asarray(got), np.asarray(want)
     if kv_dtype == "bfloat16":
@@ -123,7 +125,8 @@ def _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits, rtol=None):
     ref_layer = want.reshape(CFG.num_layers, PAGES, *want.shape[1:])
     if rtol is None:
       rtol = 8e-3 if kv_dtype == "bfloat16" else 5e-3 if activation_bits != 32 else 2e-5
-    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=1e-4)
+    atol = 5e-4 if kv_dtype == "bfloat16" else 1e-4
+    np.testing.assert_allclose(per_layer[:, 1:], ref_layer[:, 1:], rtol=rtol, atol=atol)
 
 
 @needs_native
@@ -338,7 +341,13 @@ def test_verify_rows_match_op_by_op_verify(kv_dtype, activation_bits, s):
   run = lambda *a: native_decode.run_layers(  # noqa: E731
       a[0], CFG, a[1], a[2], native_decode.verify_rows(a[3]), a[4])
   got_h, got_kv = jax.jit(run)(layers, x, positions, meta, kv)
-  tol = {32: 2e-5, 16: 5e-4}[activation_bits]  # 16 bits: roundings feed later positions
+  # 16 bits: roundings feed later positions. A bfloat16 pool: a K/V value whose float32
+  # differs in its last bits (the projections' summation order, which differs between
+  # CPUs) can round to the neighbouring bfloat16 (2^-8 relative), and every later
+  # position attending to it moves by ~1e-4.
+  tol = {32: 2e-5, 16: 5e-4}[activation_bits]
+  if kv_dtype == "bfloat16":
+    tol = max(tol, 1e-3)
   np.testing.assert_allclose(np.asarray(got_h)[used], np.asarray(want_h)[used], rtol=tol,
                              atol=tol)
   _assert_pools_match(got_kv, want_kv, kv_dtype, activation_bits)
