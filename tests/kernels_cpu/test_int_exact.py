@@ -7,8 +7,9 @@ exact (a16: 256 * hi + lo), then one float32 epilogue runs sequentially over the
 groups: acc = fma(float(isum), dx * d, acc); Q4_1 adds mins = fma(m, xsum, mins);
 y = acc * unit (Q4_1: fma(acc, unit, mins)), unit = 1/256 for a16. The reference
 computes the same operations (fused multiply-adds emulated exactly in float64), so
-the kernel must match it bitwise, for every row count (VNNI tiles below 16 rows, AMX
-tiles from 16 where the CPU has them) and with AMX forced off. The AVX2 set's tiles
+the kernel must match it bitwise, for every row count (VNNI tiles below 16 rows; from
+16, AMX tiles where the CPU has them, else the VNNI tiles over packed columns) and with
+AMX forced off. The AVX2 set's tiles
 (quant_dot_avx2.h, forced with `XLASERVE_NATIVE_ISA=avx2`) take the same numerics, so
 they must match the same reference bitwise, with AVX-VNNI (where the CPU has it) and
 with the VPMADDWD products (`XLASERVE_NATIVE_AVXVNNI=0`), and keep each row's bits in
@@ -111,7 +112,7 @@ def _product(x, qw, bits):
 @needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # VNNI only; one AMX tile; both
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # VNNI; one AMX / packed tile; both
 def test_matches_block_exact_reference_bitwise(fmt, bits, rows, monkeypatch):
   """Columns not a multiple of 16 (70), groups not a multiple of 4 (18), an all-zero
   activation group, with AMX (where the CPU has it) and forced off."""
