@@ -165,6 +165,9 @@ class StepHandle:
   calls: list[SamplerCall]
   logprobs: dict[str, int]  # request id -> top alternatives wanted (absent: no logprobs)
   num_drafts: dict[str, int] = dataclasses.field(default_factory=dict)  # speculative rows
+  # The step's last output (ready when the whole step has run): what `fetch` waits for
+  # when nothing is sampled (prefill chunks that end no prompt).
+  done: jax.Array | None = None
 
   @property
   def awaiting_masks(self) -> bool:
@@ -360,10 +363,16 @@ class ModelRunner:
     call.logits = call.slots = call.tensors = call.drafts = call.num_drafts = None
 
   def fetch(self, *, handle: StepHandle) -> StepResult:
-    """Waits for the step's samples and reads them per request."""
+    """Waits for the step's samples and reads them per request. A step that samples
+    nothing (prefill chunks ending no prompt) is waited for all the same: the engine
+    dispatches the next step before fetching this one, so it keeps at most two steps
+    on the device, and a long prompt's chunks do not queue up ahead of the decode
+    steps of other requests (nor count, all together, as one step's time)."""
     if handle.awaiting_masks:
       raise RuntimeError("fetch of a step whose constrained rows were never sampled")
     with self._device_errors():
+      if handle.done is not None:
+        jax.block_until_ready(handle.done)
       outs = jax.device_get([c.out for c in handle.calls])
     tokens: dict[str, list[SampledToken]] = {}
     for call, out in zip(handle.calls, outs, strict=True):
@@ -504,7 +513,7 @@ class ModelRunner:
                         inputs.lora_users.get(slot, [])) from e
     # A step with constrained rows samples after `sample()` brings their masks.
     defer = bool(inputs.constrained)
-    calls, logprobs = [], {}
+    calls, logprobs, logits = [], {}, None
     for inp, ids in zip(inputs.prefills, inputs.prefill_ids, strict=True):
       logits = self.run_prefill(inp)
       if ids:
@@ -533,7 +542,7 @@ class ModelRunner:
       wanted = inputs.decode.sampling.num_logprobs
       logprobs.update({rid: int(wanted[i]) for i, rid in enumerate(inputs.decode_ids)})
     return StepHandle(calls=calls, logprobs={k: n for k, n in logprobs.items() if n >= 0},
-                      num_drafts=num_drafts)
+                      num_drafts=num_drafts, done=logits if not calls else None)
 
   def _sampler_call(self, ids: list[str], logits: jax.Array, slots: np.ndarray,
                     tensors: sampling.SamplingTensors, defer: bool) -> SamplerCall:

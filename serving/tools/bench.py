@@ -262,6 +262,8 @@ def _merge_handles(handles):
     merged.calls += h.calls
     merged.logprobs.update(h.logprobs)
     merged.num_drafts.update(h.num_drafts)
+    if h.done is not None:
+      merged.done = h.done
   return merged
 
 

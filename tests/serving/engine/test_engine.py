@@ -14,8 +14,10 @@
 
 import collections
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from compile_watch import compile_events
@@ -24,6 +26,7 @@ from tiers import fast_first
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.entrypoints.engine_builder import build_engine
+from serving.runner.model_runner import StepHandle
 from serving.types import SamplingParams
 from tiny_models import VOCAB, save_tiny_model
 
@@ -211,6 +214,32 @@ def test_prefix_cache_skips_shared_prefill(tiny_dir, engine):
   plain = make_engine(tiny_dir, enable_prefix_caching=False)
   assert [run_alone(plain, p, params) for p in prompts] == cached
   assert plain.stats().prefix_cache_hits_total == 0
+
+
+def test_a_step_that_samples_nothing_is_waited_for(engine):
+  """A prompt of several chunks: its middle chunks sample nothing, yet `fetch` waits for
+  them (their last output, `StepHandle.done`). The engine dispatches a step, then fetches
+  the one before, so at most two steps are on the device (before: every chunk of a long
+  prompt was queued at once, a later request's decode waited behind all of them, and
+  their sum counted as one step against `step_timeout_s`: a 4,096-token prompt of a 1B
+  K-quant model marked the engine wedged)."""
+  runner, handles = engine.runner, []
+  dispatch = runner.run
+  runner.run = lambda inputs: handles.append(dispatch(inputs)) or handles[-1]
+  try:
+    prompt = list(range(3, 3 + 2 * engine.config.scheduler.max_num_batched_tokens + 20))
+    run_alone(engine, prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+  finally:
+    del runner.run
+  quiet = [h for h in handles if not h.calls]
+  assert len(quiet) >= 2 and all(h.done is not None for h in quiet)
+  # fetch returns only once such a step has run: here a step whose output takes a while
+  step = jax.jit(lambda a: functools.reduce(lambda x, _: jnp.tanh(x @ a), range(24), a))
+  a = jnp.full((1024, 1024), 1e-3, jnp.float32)
+  step(a).block_until_ready()  # compiled
+  out = step(a)
+  assert runner.fetch(handle=StepHandle(calls=[], logprobs={}, done=out)).tokens == {}
+  assert out.is_ready()
 
 
 def test_bad_requests_are_rejected(engine):
