@@ -124,6 +124,23 @@ __attribute__((target("avx512f,fma"))) inline __m512 Finish(__m512 acc, __m512 m
   return acc;
 }
 
+// The rounded rows' arrays a VNNI tile of format kFmt reads (kLo: the 16-bit rounding):
+// group scales, integer and float group sums, hi and lo bytes (nibble or input order).
+template <Format kFmt, bool kLo>
+struct RowOperands {
+  explicit RowOperands(const IntRows& r)
+      : dx(r.dx_group.data()),
+        xint((kLo ? r.xint16 : r.xint8).data()),
+        xsum(HasMin(kFmt) ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr),
+        his(kFmt != kS8 ? r.hi.data() : r.hi_plain.data()),
+        los(kLo ? (kFmt != kS8 ? r.lo.data() : r.lo_plain.data()) : nullptr) {}
+  const float* dx;
+  const int32_t* xint;
+  const float* xsum;
+  const int8_t* his;
+  const int8_t* los;
+};
+
 // Columns [o, o + n) (n <= 16) x rows [r0, r0 + kRows) of `r` with VNNI: the
 // module comment's numerics. dcol / mcol: the columns' scales / mins (ColumnValues).
 // `ahead` (0..16): columns [o + 16, o + 16 + ahead) are the caller's next tile; their
@@ -142,11 +159,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
   const int64_t pairs = groups / 2;
   const int64_t row_bytes = pairs * kPairBytes;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const float* dx = r.dx_group.data();
-  const int32_t* xint = (kLo ? r.xint16 : r.xint8).data();
-  const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr;
-  const int8_t* his = kNibble ? r.hi.data() : r.hi_plain.data();
-  const int8_t* los = kLo ? (kNibble ? r.lo.data() : r.lo_plain.data()) : nullptr;
+  const RowOperands<kFmt, kLo> x(r);
+  const float *dx = x.dx, *xsum = x.xsum;
+  const int32_t* xint = x.xint;
+  const int8_t *his = x.his, *los = x.los;
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -491,11 +507,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
   constexpr bool kMin = HasMin(kFmt);
   constexpr int32_t kOffset = kFmt == kQ4_0 ? 8 : kFmt == kS8 ? 128 : 0;
   const int64_t row_bytes = groups * kGroup;  // of hi / lo, either order
-  const float* dx = r.dx_group.data();
-  const int32_t* xint = (kLo ? r.xint16 : r.xint8).data();
-  const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr;
-  const int8_t* his = kNibble ? r.hi.data() : r.hi_plain.data();
-  const int8_t* los = kLo ? (kNibble ? r.lo.data() : r.lo_plain.data()) : nullptr;
+  const RowOperands<kFmt, kLo> x(r);
+  const float *dx = x.dx, *xsum = x.xsum;
+  const int32_t* xint = x.xint;
+  const int8_t *his = x.his, *los = x.los;
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
