@@ -497,6 +497,20 @@ inline int64_t ChunkOffset(int64_t g, int k) {
   return (g / 2) * 64 + half + (k < 4 ? 4 * k : 32 + 4 * (k - 4));
 }
 
+// One group's sums of 16 packed columns `w` (8 chunks) times a row's bytes `row`
+// (hi or lo, ChunkOffset's order): column by lane.
+template <bool kNibble>
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i GroupDots(
+    const __m512i* w, const int8_t* row, int64_t g) {
+  __m512i sums = _mm512_setzero_si512();
+  for (int k = 0; k < 8; ++k) {
+    int32_t x4;
+    std::memcpy(&x4, row + ChunkOffset<kNibble>(g, k), 4);
+    sums = _mm512_dpbusd_epi32(sums, w[k], _mm512_set1_epi32(x4));
+  }
+  return sums;
+}
+
 // Rows [r0, r0 + kRows) of `r` x the 16 packed columns `u` (PackColumnsUnsigned):
 // the module comment's numerics.
 template <Format kFmt, int kRows, bool kLo>
@@ -507,10 +521,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
   constexpr bool kMin = HasMin(kFmt);
   constexpr int32_t kOffset = kFmt == kQ4_0 ? 8 : kFmt == kS8 ? 128 : 0;
   const int64_t row_bytes = groups * kGroup;  // of hi / lo, either order
-  const RowOperands<kFmt, kLo> x(r);
-  const float *dx = x.dx, *xsum = x.xsum;
-  const int32_t* xint = x.xint;
-  const int8_t *his = x.his, *los = x.los;
+  const RowOperands<kFmt, kLo> rows(r);
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -518,32 +529,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
     for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
     const __m512 d = _mm512_loadu_ps(dcol + g * 16);
     for (int b = 0; b < kRows; ++b) {
-      const int8_t* xh = his + (r0 + b) * row_bytes;
-      __m512i hi = _mm512_setzero_si512();
-      for (int k = 0; k < 8; ++k) {
-        int32_t x4;
-        std::memcpy(&x4, xh + ChunkOffset<kNibble>(g, k), 4);
-        hi = _mm512_dpbusd_epi32(hi, w[k], _mm512_set1_epi32(x4));
-      }
-      __m512i isum = hi;
+      __m512i isum = GroupDots<kNibble>(w, rows.his + (r0 + b) * row_bytes, g);
       if constexpr (kLo) {
-        const int8_t* xl = los + (r0 + b) * row_bytes;
-        __m512i lo = _mm512_setzero_si512();
-        for (int k = 0; k < 8; ++k) {
-          int32_t x4;
-          std::memcpy(&x4, xl + ChunkOffset<kNibble>(g, k), 4);
-          lo = _mm512_dpbusd_epi32(lo, w[k], _mm512_set1_epi32(x4));
-        }
-        isum = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+        isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8),
+                                GroupDots<kNibble>(w, rows.los + (r0 + b) * row_bytes, g));
       }
       const int64_t at = (r0 + b) * groups + g;
       if constexpr (kOffset != 0) {
-        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kOffset * xint[at]));
+        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kOffset * rows.xint[at]));
       }
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[at])),
-                               acc[b]);
+      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                               _mm512_mul_ps(d, _mm512_set1_ps(rows.dx[at])), acc[b]);
       if constexpr (kMin) {
-        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + g * 16), _mm512_set1_ps(xsum[at]),
+        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + g * 16), _mm512_set1_ps(rows.xsum[at]),
                                   mins[b]);
       }
     }
