@@ -306,12 +306,23 @@ struct Steps<Isa::kNeon> {
 #endif
 
 #if defined(__x86_64__)
+// The integer tiles' view of a weight (quant_int.h).
+inline IntWeight IntOperands(const Weight& w) {
+  IntWeight iw;
+  iw.in = w.in;
+  iw.codes = w.codes;
+  iw.scale = w.scale;
+  iw.offset = w.offset;
+  iw.k = w.k;
+  return iw;
+}
+
 // A K-quant weight's column block (float tiles or integer ones).
 template <Format kFmt>
 void KDotBlock(const Weight& w, const float* x, const IntRows* xq, int rows, float* y,
                int64_t o0, int64_t o1) {
   if (w.activation_bits != 32) {
-    KIntColumns<kFmt>(*xq, w.activation_bits == 16, rows, w.in, w.k, y, w.out, o0, o1);
+    IntColumns<kFmt>(*xq, w.activation_bits == 16, rows, IntOperands(w), y, w.out, o0, o1);
   } else {
     KColumns<kFmt>(x, rows, w.in, w.k, y, w.out, o0, o1);
   }
@@ -374,21 +385,21 @@ void DotBlock(const Weight& w, const float* x, const float* xsum, const IntRows*
       return;
     case kS8:
       if (w.activation_bits != 32) {
-        S8IntColumns(*xq, lo, rows, w.in, w.codes, w.scale, y, w.out, o0, o1);
+        IntColumns<kS8>(*xq, lo, rows, IntOperands(w), y, w.out, o0, o1);
       } else {
         Columns<kS8>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       }
       return;
     case kQ4_1:
       if (w.activation_bits != 32) {
-        IntColumns<kQ4_1>(*xq, lo, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
+        IntColumns<kQ4_1>(*xq, lo, rows, IntOperands(w), y, w.out, o0, o1);
       } else {
         Columns<kQ4_1>(x, xsum, rows, w.in, w.codes, w.scale, w.offset, y, w.out, o0, o1);
       }
       return;
     case kQ4_0:
       if (w.activation_bits != 32) {
-        IntColumns<kQ4_0>(*xq, lo, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
+        IntColumns<kQ4_0>(*xq, lo, rows, IntOperands(w), y, w.out, o0, o1);
       } else {
         Columns<kQ4_0>(x, xsum, rows, w.in, w.codes, w.scale, nullptr, y, w.out, o0, o1);
       }

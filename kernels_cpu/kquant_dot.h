@@ -15,12 +15,10 @@
 // computed in registers per super-block: the weights are read as stored.
 //
 // `KTile` converts each 32 inputs of a column to float32 weights in registers and
-// multiplies them into up to kTileRows float rows. `KIntTile` multiplies the
-// codes by activations rounded per group of 32 to 8 or 16 bits (quant_dot.h
-// `IntRows`, the nibble-pair layout) with VNNI: per pair of groups one VPDPBUSD
-// per row (two with 16 bits), the lanes scaled by their sub-block's scale. The
-// min (Q4_K / Q5_K) meets the rounded group sums (IntRows xsum8 / xsum16); Q6_K's
-// -32 meets the rounded sums of each 16 inputs (`SubGroupSums`).
+// multiplies them into up to kTileRows float rows. With activations rounded to 8 or
+// 16 bits the integer tiles of quant_int.h take K-quants as they take Q4_1 (exact
+// integer sums per group, Q6_K's per 16 inputs); `KPairCodes` gives them a pair of
+// groups' codes as bytes and `SuperScales` the sub-block scales.
 
 #ifndef XLASERVE_KERNELS_CPU_KQUANT_DOT_H_
 #define XLASERVE_KERNELS_CPU_KQUANT_DOT_H_
@@ -164,47 +162,7 @@ void KColumns(const float* x, int rows, int64_t in, const KWeight& w, float* out
   }
 }
 
-// ---- K-quants x integer activations (VNNI) ----
-
-// The rounded activations' sums per 16 inputs, [rows, groups * 2] (in units of x:
-// dx * (hi + lo / 256) summed), for Q6_K's -32: per two groups one VPDPBUSD of ones
-// (two with lo) and a sum within each 128-bit lane.
-inline __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) std::vector<float>
-SubGroupSums(const IntRows& r, bool lo, int rows, int64_t groups) {
-  const int64_t pairs = groups / 2;
-  std::vector<float> sums(rows * groups * 2);
-  const __m512i ones = _mm512_set1_epi8(1);
-  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int b = 0; b < rows; ++b) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t at = (b * groups + 2 * p) * kGroup;  // groups 2p, 2p + 1 in input order
-      __m512i n = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones,
-                                      _mm512_loadu_si512(r.hi_plain.data() + at));
-      if (lo) {
-        n = _mm512_dpbusd_epi32(_mm512_slli_epi32(n, 8), ones,
-                                _mm512_loadu_si512(r.lo_plain.data() + at));
-      }
-      __m512 f = _mm512_cvtepi32_ps(n);  // lanes 4s..4s+3: sub-block s of the pair
-      f = _mm512_add_ps(f, _mm512_shuffle_ps(f, f, 0x4E));
-      f = _mm512_add_ps(f, _mm512_shuffle_ps(f, f, 0xB1));
-      const float* dx = r.dx.data() + (b * pairs + p) * 16;  // lane 0: dx of 2p, 4: of 2p + 1
-      const float unit = lo ? 1.0f / 256.0f : 1.0f;
-      const __m128 scale = _mm_setr_ps(dx[0] * unit, dx[0] * unit, dx[4] * unit, dx[4] * unit);
-      _mm_storeu_ps(sums.data() + (b * groups + 2 * p) * 2,
-                    _mm_mul_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, f)), scale));
-    }
-  }
-  return sums;
-}
-
-// Q6_K: lane k of a pair's dot takes sub-block (of 16) 4j + kQ6SubOf[k / 4] for the
-// j-th pair of a super-block (lanes 0-3: group 2j inputs 0-15, 4-7: group 2j + 1
-// inputs 0-15, 8-11: group 2j inputs 16-31, 12-15: group 2j + 1 inputs 16-31).
-alignas(64) inline constexpr int32_t kQ6PairLanes[4][16] = {
-    {0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3},
-    {4, 4, 4, 4, 6, 6, 6, 6, 5, 5, 5, 5, 7, 7, 7, 7},
-    {8, 8, 8, 8, 10, 10, 10, 10, 9, 9, 9, 9, 11, 11, 11, 11},
-    {12, 12, 12, 12, 14, 14, 14, 14, 13, 13, 13, 13, 15, 15, 15, 15}};
+// ---- K-quant codes for the integer tiles (quant_int.h) ----
 
 // Q6_K's high-bit bytes: 128-bit lane L of the pair layout takes the 4 q_high bytes
 // (16 inputs) at 4 * {0, 2, 1, 3}[L]; byte i of the lane their byte i / 4.
@@ -245,77 +203,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i KPairCodes(
     c = _mm512_mask_add_epi8(c, bit1, c, _mm512_set1_epi8(32));
   }
   return c;
-}
-
-// K-quant codes x rows [r0, r0 + kRows) of `r` (kLo: 16-bit activations): column o.
-// `sub_sums`: SubGroupSums (Q6_K only).
-template <Format kFmt, int kRows, bool kLo>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void KIntTile(
-    const IntRows& r, const float* sub_sums, int r0, int64_t groups, const KWeight& row,
-    float* out, int64_t out_dim, int64_t o) {
-  const int64_t pairs = groups / 2;
-  constexpr int64_t kPairsPerSuper = kSuper / kGroup / 2;
-  __m512 acc[kRows], mins[kRows];
-  for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
-  alignas(64) float s[16] = {}, m[16] = {};
-  for (int64_t sb = 0; sb < groups * kGroup / kSuper; ++sb) {
-    SuperScales<kFmt>(row, sb, s, m);
-    const __m512 sv = _mm512_load_ps(s);
-    // The min term of this super-block: 8 groups (Q4_K / Q5_K) or 16 sub-blocks (Q6_K).
-    if constexpr (kFmt == kQ6_K) {
-      const __m512 mv = _mm512_load_ps(m);
-      for (int b = 0; b < kRows; ++b) {
-        mins[b] = _mm512_fmadd_ps(
-            mv, _mm512_loadu_ps(sub_sums + ((r0 + b) * groups + sb * 8) * 2), mins[b]);
-      }
-    } else {
-      const __m512 mv = _mm512_maskz_load_ps(0xFF, m);
-      const float* xsum = (kLo ? r.xsum16 : r.xsum8).data();
-      for (int b = 0; b < kRows; ++b) {
-        mins[b] = _mm512_fmadd_ps(
-            mv, _mm512_maskz_loadu_ps(0xFF, xsum + (r0 + b) * groups + sb * 8), mins[b]);
-      }
-    }
-    for (int64_t j = 0; j < kPairsPerSuper; ++j) {
-      const int64_t p = sb * kPairsPerSuper + j;
-      const __m512 d = _mm512_permutexvar_ps(
-          _mm512_load_si512(kFmt == kQ6_K ? kQ6PairLanes[j] : kPairScaleLanes[j]), sv);
-      const __m512i c = KPairCodes<kFmt>(row, p);
-      for (int b = 0; b < kRows; ++b) {
-        const int64_t at = (r0 + b) * pairs + p;
-        const __m512i dot = DotBytes<kLo>(c, _mm512_loadu_si512(r.hi.data() + at * 64),
-                                          kLo ? r.lo.data() + at * 64 : nullptr, 0);
-        const __m512 f =
-            _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(r.dx.data() + at * 16));
-        acc[b] = _mm512_fmadd_ps(f, d, acc[b]);
-      }
-    }
-  }
-  const float unit = kLo ? 1.0f / 256.0f : 1.0f;  // the lanes count dx / 256 with lo
-  for (int b = 0; b < kRows; ++b) {
-    out[(r0 + b) * out_dim + o] =
-        _mm512_reduce_add_ps(_mm512_fmadd_ps(acc[b], _mm512_set1_ps(unit), mins[b]));
-  }
-}
-
-// Output columns [o0, o1) of a K-quant matrix for every row of `r` (QuantizeRows; `lo`:
-// its 16-bit rounding, else its 8-bit one).
-template <Format kFmt>
-void KIntColumns(const IntRows& r, bool lo, int rows, int64_t in, const KWeight& w, float* out,
-                 int64_t out_dim, int64_t o0, int64_t o1) {
-  static_assert(IsKQuant(kFmt));
-  const int64_t groups = in / kGroup;
-  std::vector<float> sub_sums;
-  if constexpr (kFmt == kQ6_K) sub_sums = SubGroupSums(r, lo, rows, groups);
-  for (int64_t o = o0; o < o1; ++o) {
-    const KWeight row = KRow<kFmt>(w, in, o);
-    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
-      XLASERVE_WITH_TILE_ROWS(
-          std::min(kTileRows, rows - r0),
-          (lo ? KIntTile<kFmt, R, true>(r, sub_sums.data(), r0, groups, row, out, out_dim, o)
-              : KIntTile<kFmt, R, false>(r, sub_sums.data(), r0, groups, row, out, out_dim, o)));
-    }
-  }
 }
 
 }  // namespace xlaserve

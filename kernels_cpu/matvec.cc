@@ -68,9 +68,8 @@ void BlockedMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, in
                    const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
                    int64_t out_dim);
 template <Format kFmt, bool kLo>
-void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, int64_t in,
-                      const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
-                      int64_t out_dim);
+void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
+                      const IntWeight& w, float* y, int64_t out_dim);
 
 // Activation rows one call takes (matvec.py's MAX_ROWS): prefill chunks and large
 // decode batches; the drivers block any count into row tiles (quant_gemm.h).
@@ -168,7 +167,12 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const auto* s = reinterpret_cast<const uint16_t*>(scale.typed_data());
   float* y = out->typed_data();
   if constexpr (kIsa == Isa::kAvx512) {
-    BlockedIntMatvec<kFmt, kLo>(pool, xs, rows, in, q, s, m, y, out_dim);
+    IntWeight w;
+    w.in = in;
+    w.codes = q;
+    w.scale = s;
+    w.offset = m;
+    BlockedIntMatvec<kFmt, kLo>(pool, xs, rows, w, y, out_dim);
     return ffi::Error::Success();
   }
   // Exact tiles of kIntCols columns (quant_dot_avx2.h, quant_dot_neon.h).
@@ -218,15 +222,15 @@ void BlockedMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, in
 }
 
 template <Format kFmt, bool kLo>
-void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows, int64_t in,
-                      const uint8_t* q, const uint16_t* s, const uint16_t* m, float* y,
-                      int64_t out_dim) {
-  const int64_t groups = in / kGroup;
+void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
+                      const IntWeight& w, float* y, int64_t out_dim) {
+  const int64_t in = w.in, groups = in / kGroup;
   auto r = std::make_shared<IntRows>();
   // Only the layouts this format's tiles read: the nibble tiles' order (VNNI), the
   // input order (Q8_0's VNNI tiles) and the AMX A tiles (every format's; quant_int.h).
   r->nibble_order = kFmt != kS8;
   r->plain_order = kFmt == kS8;
+  r->amx_order = !IsKQuant(kFmt);
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
   constexpr int64_t kQuantizeRows = 64;
@@ -249,7 +253,7 @@ void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
     auto edge = [&](int64_t k) {
       return k == plan.col_parts ? out_dim : out_dim * k / plan.col_parts / 16 * 16;
     };
-    BlockIntColumns<kFmt, kLo>(*r, r0, r1, in, q, s, m, y, out_dim, edge(cp), edge(cp + 1));
+    ExactIntColumns<kFmt, kLo>(*r, r0, r1, w, y, out_dim, edge(cp), edge(cp + 1));
   });
 }
 
@@ -322,6 +326,13 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   const float* xs = x.typed_data();
   float* y = out->typed_data();
+  if constexpr (kBits != 32) {  // the integer tiles (quant_int.h), as the other formats'
+    IntWeight iw;
+    iw.in = in;
+    iw.k = w;
+    BlockedIntMatvec<kFmt, kBits == 16>(pool, xs, rows, iw, y, out_dim);
+    return ffi::Error::Success();
+  }
   const int64_t parts = std::min<int64_t>(out_dim, 4 * (pool.num_threads() + 1));
   // Row blocks of kMaxRows (their activations stay in L2 while every column passes);
   // each row is computed by the same operations whatever the block (batch invariance).
@@ -329,20 +340,10 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     const int nrows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
     const float* xb = xs + r0 * in;
     float* yb = y + r0 * out_dim;
-    if constexpr (kBits == 32) {
-      xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-        KColumns<kFmt>(xb, nrows, in, w, yb, out_dim, out_dim * i / parts,
-                       out_dim * (i + 1) / parts);
-      });
-    } else {
-      auto r = std::make_shared<IntRows>();
-      r->amx_order = false;  // the K-quant tiles read the nibble and input orders only
-      QuantizeRows(xb, nrows, in, kBits == 16, *r);
-      xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
-        KIntColumns<kFmt>(*r, kBits == 16, nrows, in, w, yb, out_dim, out_dim * i / parts,
-                          out_dim * (i + 1) / parts);
-      });
-    }
+    xlaserve::ParallelFor(pool, parts, [=](int64_t i) {
+      KColumns<kFmt>(xb, nrows, in, w, yb, out_dim, out_dim * i / parts,
+                     out_dim * (i + 1) / parts);
+    });
   }
   return ffi::Error::Success();
 }

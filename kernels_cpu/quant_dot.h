@@ -146,8 +146,7 @@ void Columns(const float* x, const float* xsum, int rows, int64_t in, const uint
 // [x_g[0:16], x_g+1[0:16], x_g[16:32], x_g+1[16:32]]. A pair's 32 code bytes become
 // 64 unsigned codes (low nibbles, then high) and one VPDPBUSD sums 4 code x
 // activation products per int32 lane (lanes 0-3 and 8-11: group g, 4-7 and 12-15:
-// g + 1; `DotBytes`). quant_int.h reduces the lanes to exact per-group integers;
-// the K-quant tiles (kquant_dot.h) scale the lanes by d * dx (`dx`) instead.
+// g + 1; `DotBytes`). quant_int.h reduces the lanes to exact per-group integers.
 //
 // Signed one-byte codes (Q8_0) take the same rounded activations in input order
 // (`hi_plain`, `lo_plain`): a pair's 64 code bytes are groups g and g + 1 back to
@@ -220,6 +219,8 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   size(r.dx_group, true, rows * groups);
   size(r.xint8, true, rows * groups);
   size(r.xint16, with_lo, rows * groups);
+  size(r.xint8_half, true, rows * groups * 2);
+  size(r.xint16_half, with_lo, rows * groups * 2);
 }
 
 // Rows [b0, b1) of x rounded per group into `r` (sized by PrepareRows); each row on
@@ -244,7 +245,10 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
       const __m512i qhi = _mm512_cvtps_epi32(shi);
       // The sum of the rounded values, so the min term rounds as the code term does
       // (their errors then cancel where W is small, as in llama.cpp's Q8_1 sums).
-      const int32_t sum8 = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      const int32_t half8[2] = {_mm512_reduce_add_epi32(qlo), _mm512_reduce_add_epi32(qhi)};
+      const int32_t sum8 = half8[0] + half8[1];
+      r.xint8_half[(b * groups + g) * 2] = half8[0];
+      r.xint8_half[(b * groups + g) * 2 + 1] = half8[1];
       r.xsum8[b * groups + g] = d * static_cast<float>(sum8);
       r.xint8[b * groups + g] = sum8;
       r.dx_group[b * groups + g] = d;
@@ -273,8 +277,11 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
             _mm512_mul_ps(_mm512_sub_ps(slo, _mm512_cvtepi32_ps(qlo)), k256))));
         const __m512i rhi = _mm512_max_epi32(lo_min, _mm512_min_epi32(lo_max, _mm512_cvtps_epi32(
             _mm512_mul_ps(_mm512_sub_ps(shi, _mm512_cvtepi32_ps(qhi)), k256))));
-        const int32_t sum_lo = _mm512_reduce_add_epi32(_mm512_add_epi32(rlo, rhi));
+        const int32_t half_lo[2] = {_mm512_reduce_add_epi32(rlo), _mm512_reduce_add_epi32(rhi)};
+        const int32_t sum_lo = half_lo[0] + half_lo[1];
         r.xint16[b * groups + g] = 256 * sum8 + sum_lo;
+        r.xint16_half[(b * groups + g) * 2] = 256 * half8[0] + half_lo[0];
+        r.xint16_half[(b * groups + g) * 2 + 1] = 256 * half8[1] + half_lo[1];
         r.xsum16[b * groups + g] = d * (static_cast<float>(sum8) +
                                         static_cast<float>(sum_lo) * (1.0f / 256.0f));
         if (nibbles) {
@@ -318,19 +325,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i DotBytes(
   }
   return dot;
 }
-
-// Lane k of a pair's 16 dot lanes (nibble order) takes the scale of group
-// 2j + (k / 4) % 2 for the j-th pair of an 8-pair block: permutexvar indices into its
-// 16 loaded scales (the K-quant tiles, kquant_dot.h).
-alignas(64) inline constexpr int32_t kPairScaleLanes[8][16] = {
-    {0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1},
-    {2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3},
-    {4, 4, 4, 4, 5, 5, 5, 5, 4, 4, 4, 4, 5, 5, 5, 5},
-    {6, 6, 6, 6, 7, 7, 7, 7, 6, 6, 6, 6, 7, 7, 7, 7},
-    {8, 8, 8, 8, 9, 9, 9, 9, 8, 8, 8, 8, 9, 9, 9, 9},
-    {10, 10, 10, 10, 11, 11, 11, 11, 10, 10, 10, 10, 11, 11, 11, 11},
-    {12, 12, 12, 12, 13, 13, 13, 13, 12, 12, 12, 12, 13, 13, 13, 13},
-    {14, 14, 14, 14, 15, 15, 15, 15, 14, 14, 14, 14, 15, 15, 15, 15}};
 
 }  // namespace xlaserve
 

@@ -43,6 +43,16 @@ struct KWeight {
   const uint16_t* super_offset = nullptr;  // f16 [O, I/256]: -dmin (Q4_K, Q5_K)
 };
 
+// One matrix's operands for the integer tiles (quant_int.h): `codes` with float16 `scale` (and
+// `offset`: mins) per group of 32 (Q8_0, Q4_0, Q4_1), or a K-quant's blocks (`k`).
+struct IntWeight {
+  int64_t in = 0;
+  const uint8_t* codes = nullptr;
+  const uint16_t* scale = nullptr;
+  const uint16_t* offset = nullptr;
+  KWeight k;
+};
+
 // Bytes per input row of each operand (scale codes: one byte per sub-block).
 constexpr int64_t KHighBytes(Format f, int64_t in) {
   return f == kQ5_K ? in / 8 : f == kQ6_K ? in / 4 : 0;
@@ -74,6 +84,8 @@ struct IntRows {
   std::vector<float> dx_group;   // [rows, groups] each group's dx (the exact tiles)
   std::vector<int32_t> xint8;    // [rows, groups] sum of hi (exact)
   std::vector<int32_t> xint16;   // [rows, groups] 256 * sum of hi + sum of lo (has_lo)
+  // [rows, groups * 2] the same sums per 16 inputs (Q6_K's -32; AVX-512 QuantizeRowRange).
+  std::vector<int32_t> xint8_half, xint16_half;
 };
 
 // `call` with the compile-time constant R = rows (1..kTileRows): tiles keep their

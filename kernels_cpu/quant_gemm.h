@@ -182,17 +182,6 @@ void BlockColumns(const float* x, const float* xsum, int r_begin, int r_end, int
       });
 }
 
-// Integer activations (`r`, `lo`: its 16-bit rounding): output columns [o0, o1)
-// for rows [r_begin, r_end), nibbles (Q4_1, Q4_0) or signed bytes (S8): the
-// block-exact tiles of quant_int.h (AMX for 16-row tiles where it runs, VNNI else).
-template <Format kFmt, bool kLo>
-void BlockIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in, const uint8_t* codes,
-                     const uint16_t* scale, const uint16_t* offset, float* out,
-                     int64_t out_dim, int64_t o0, int64_t o1) {
-  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
-  ExactIntColumns<kFmt, kLo>(r, r_begin, r_end, in, codes, scale, offset, out, out_dim, o0, o1);
-}
-
 }  // namespace xlaserve
 
 #endif  // XLASERVE_KERNELS_CPU_QUANT_GEMM_H_

@@ -1,6 +1,7 @@
 // Quantized weights x integer activations, block-exact (AVX-512): the integer
-// tiles behind the matvec custom calls (matvec.cc, quant_gemm.h) and the fused
-// decoder (decoder.cc), for Q8_0 (signed bytes), Q4_0 and Q4_1 (nibbles).
+// tiles behind the matvec custom calls (matvec.cc) and the fused decoder
+// (decoder.cc), for Q8_0 (signed bytes), Q4_0 and Q4_1 (nibbles) and the GGUF
+// K-quants Q4_K, Q5_K, Q6_K (IntWeight; the codes as stored, kquant_dot.h).
 //
 // Numerics, the same for every row count and every path (VNNI or AMX): for each
 // activation row b, output column o and group g of 32 inputs, the integer dot
@@ -14,7 +15,14 @@
 //   mins = fma(m_g, xsum_g, mins)                   (Q4_1 only; xsum: IntRows xsum8/16)
 //   y = acc * unit  (Q4_1: fma(acc, unit, mins)),   unit = 1/256 for a16, 1 for a8,
 // dx_g the row's group scale (IntRows dx_group), d_g and m_g the column's float16
-// scale and min. How the integers are formed does not matter (they are exact), so:
+// scale and min. K-quants: Q4_K and Q5_K exactly as Q4_1, with w the code (0..15,
+// 0..31), d_g = d * the group's scale code and m_g = -dmin * its min code (float32
+// products, `KColumnValues`); Q6_K per 16 inputs h = 0, 1 of each group, w = code - 32
+// (the sums of the unsigned codes less 32 x the rounded inputs' sum, IntRows
+// xint8_half / xint16_half), two steps a group:
+//   acc = fma(float(isum_g,h), dx_g * d_g,h, acc)   (h = 0, 1; d_g,h = d * its int8 code)
+// and no min (|isum| <= 16 * 63 * 32767 + 32 * 16 * 32767 < 2^31).
+// How the integers are formed does not matter (they are exact), so:
 //  - `ExactIntTile` (VNNI): per pair of groups, one VPDPBUSD per column gives 16
 //    int32 lanes of 4-product sums (quant_dot.h DotBytes layouts); 16 columns' lanes
 //    are reduced in integers (`ReduceBlocks`) to one lane per column and group, and
@@ -39,9 +47,17 @@
 #include <cstring>
 #include <vector>
 
+#include "kquant_dot.h"
 #include "quant_dot.h"
 
 namespace xlaserve {
+
+// Whether format f's integer epilogue has a min term (Q4_1, Q4_K, Q5_K) and the
+// offset its codes carry in the integer sums (Q4_0: nibble - 8; Q6_K: code - 32, per
+// 16 inputs; Q8_0 in the packed tiles: code + 128).
+constexpr bool IntMin(Format f) { return f == kQ4_1 || f == kQ4_K || f == kQ5_K; }
+// Q6_K's scales are per 16 inputs: two per group of 32 (dcol [groups * 2][16]).
+constexpr int ScalesPerGroup(Format f) { return f == kQ6_K ? 2 : 1; }
 
 // Reduces 16 columns' dot lanes (dot[c]: 16 int32 lanes of column c for a pair of
 // groups) to one lane per column: *even = group 2p of columns 0-15, *odd = 2p + 1.
@@ -115,6 +131,87 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void ColumnValu
   }
 }
 
+// Values [v, v + 16) of a K-quant row's sub-block codes (`codes`: Q6_K int8, else
+// uint8; lanes outside `in_row` zero) times their super-blocks' float16 `super`.
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m512 KScaled(
+    const uint8_t* codes, const uint16_t* super, int64_t v, __mmask16 in_row) {
+  constexpr int64_t kPerSuper = kFmt == kQ6_K ? 16 : 8;
+  const __m128i c = _mm_maskz_loadu_epi8(in_row, codes + v);
+  const __m512 f =
+      _mm512_cvtepi32_ps(kFmt == kQ6_K ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c));
+  const int64_t sb = v / kPerSuper;
+  __m512 d = _mm512_set1_ps(HalfToFloat(super[sb]));
+  if (kPerSuper == 8 && (in_row >> 8) != 0) {
+    d = _mm512_mask_blend_ps(0xFF00, d, _mm512_set1_ps(HalfToFloat(super[sb + 1])));
+  }
+  return _mm512_mul_ps(f, d);
+}
+
+// A K-quant's float scales (and mins) of columns [o, o + n), n <= 16, as [values][16]
+// (zero past n): the super-block's d times each sub-block's scale code (Q4_K / Q5_K:
+// one per group of 32, and -dmin times each min code; Q6_K: one per 16 inputs), 16
+// values of each column at a time, transposed in registers (as ColumnValues).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void KColumnValues(
+    const IntWeight& w, int64_t o, int n, float* dcol, float* mcol) {
+  constexpr int64_t kPerSuper = kFmt == kQ6_K ? 16 : 8;
+  const int64_t supers = w.in / kSuper, values = supers * kPerSuper;
+  for (int64_t v = 0; v < values; v += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, values - v));
+    const __mmask16 in_row = static_cast<__mmask16>((1u << count) - 1);
+    __m512 s[16], m[16];
+    for (int c = 0; c < 16; ++c) {
+      s[c] = m[c] = _mm512_setzero_ps();
+      if (c >= n) continue;
+      const int64_t oc = o + c;
+      s[c] = KScaled<kFmt>(w.k.scale + oc * values, w.k.super_scale + oc * supers, v, in_row);
+      if constexpr (kFmt != kQ6_K) {
+        m[c] = KScaled<kFmt>(w.k.offset + oc * values, w.k.super_offset + oc * supers, v, in_row);
+      }
+    }
+    Transpose16(s);
+    for (int j = 0; j < count; ++j) _mm512_storeu_ps(dcol + (v + j) * 16, s[j]);
+    if constexpr (kFmt != kQ6_K) {
+      Transpose16(m);
+      for (int j = 0; j < count; ++j) _mm512_storeu_ps(mcol + (v + j) * 16, m[j]);
+    }
+  }
+}
+
+// Columns [o, o + n)'s scales and mins as [values][16] (ColumnValues, KColumnValues).
+template <Format kFmt>
+inline void IntColumnValues(const IntWeight& w, int64_t o, int n, float* dcol, float* mcol) {
+  if constexpr (IsKQuant(kFmt)) {
+    KColumnValues<kFmt>(w, o, n, dcol, mcol);
+  } else {
+    const int64_t groups = w.in / kGroup;
+    ColumnValues(w.scale, groups, o, n, dcol);
+    if constexpr (IntMin(kFmt)) ColumnValues(w.offset, groups, o, n, mcol);
+  }
+}
+
+// Reduces 16 columns' Q6_K dot lanes (nibble order) to one lane per column and 16
+// inputs: q[0] group 2p inputs 0-15, q[1] 2p + 1 inputs 0-15, q[2] 2p inputs 16-31,
+// q[3] 2p + 1 inputs 16-31 (lanes 0-3, 4-7, 8-11, 12-15). Integer adds: exact.
+__attribute__((target("avx512f"))) inline void ReduceQuarters(const __m512i* dot, __m512i* q) {
+  __m512i s1[8], s2[4];
+  for (int k = 0; k < 8; ++k) {
+    s1[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[2 * k], dot[2 * k + 1]),
+                             _mm512_unpackhi_epi32(dot[2 * k], dot[2 * k + 1]));
+  }
+  for (int k = 0; k < 4; ++k) {  // 128-bit lane L of s2[k]: quarter L of columns 4k..4k+3
+    s2[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * k], s1[2 * k + 1]),
+                             _mm512_unpackhi_epi64(s1[2 * k], s1[2 * k + 1]));
+  }
+  const __m512i a = _mm512_shuffle_i32x4(s2[0], s2[1], 0x44), b = _mm512_shuffle_i32x4(s2[2], s2[3], 0x44);
+  const __m512i c = _mm512_shuffle_i32x4(s2[0], s2[1], 0xEE), d = _mm512_shuffle_i32x4(s2[2], s2[3], 0xEE);
+  q[0] = _mm512_shuffle_i32x4(a, b, 0x88);
+  q[1] = _mm512_shuffle_i32x4(a, b, 0xDD);
+  q[2] = _mm512_shuffle_i32x4(c, d, 0x88);
+  q[3] = _mm512_shuffle_i32x4(c, d, 0xDD);
+}
+
 // The final value of 16 columns from the epilogue's accumulators (module comment).
 template <bool kMin, bool kLo>
 __attribute__((target("avx512f,fma"))) inline __m512 Finish(__m512 acc, __m512 mins) {
@@ -125,44 +222,123 @@ __attribute__((target("avx512f,fma"))) inline __m512 Finish(__m512 acc, __m512 m
 }
 
 // The rounded rows' arrays a VNNI tile of format kFmt reads (kLo: the 16-bit rounding):
-// group scales, integer and float group sums, hi and lo bytes (nibble or input order).
+// group scales, integer and float group sums (Q6_K: integer sums per 16 inputs), hi
+// and lo bytes (nibble or input order).
 template <Format kFmt, bool kLo>
 struct RowOperands {
   explicit RowOperands(const IntRows& r)
       : dx(r.dx_group.data()),
-        xint((kLo ? r.xint16 : r.xint8).data()),
-        xsum(HasMin(kFmt) ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr),
+        xint(kFmt == kQ6_K ? (kLo ? r.xint16_half : r.xint8_half).data()
+                           : (kLo ? r.xint16 : r.xint8).data()),
+        xsum(IntMin(kFmt) ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr),
         his(kFmt != kS8 ? r.hi.data() : r.hi_plain.data()),
         los(kLo ? (kFmt != kS8 ? r.lo.data() : r.lo_plain.data()) : nullptr) {}
   const float* dx;
-  const int32_t* xint;
+  const int32_t* xint;  // [rows, groups] (Q6_K: [rows, groups * 2])
   const float* xsum;
   const int8_t* his;
   const int8_t* los;
 };
 
+// One group's epilogue for 16 columns (module comment): isum the group's exact sums
+// (Q6_K: isum[0] / isum[1] its two halves, before the -32 offset), `at` the row's
+// group index, d the columns' scales at the group (Q6_K: two rows of 16), m the mins.
+template <Format kFmt, bool kLo>
+__attribute__((target("avx512f,fma"), always_inline)) inline void GroupEpilogue(
+    const RowOperands<kFmt, kLo>& x, const __m512i* isum, int64_t at, const float* d,
+    const float* m, __m512* acc, __m512* mins) {
+  const __m512 dx = _mm512_set1_ps(x.dx[at]);
+  if constexpr (kFmt == kQ6_K) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_sub_epi32(isum[h], _mm512_set1_epi32(32 * x.xint[2 * at + h]));
+      *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(_mm512_loadu_ps(d + 16 * h), dx),
+                             *acc);
+    }
+  } else {
+    __m512i v = isum[0];
+    if constexpr (kFmt == kQ4_0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * x.xint[at]));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(_mm512_loadu_ps(d), dx), *acc);
+    if constexpr (IntMin(kFmt)) {
+      *mins = _mm512_fmadd_ps(_mm512_loadu_ps(m), _mm512_set1_ps(x.xsum[at]), *mins);
+    }
+  }
+}
+
+// The contiguous byte ranges a tile's columns read besides their codes (their rows of
+// scales and mins; a K-quant's scale and min codes and super-block values), for the
+// tile before it to prefetch.
+struct AheadSpans {
+  const char* at[4] = {};
+  int64_t bytes[4] = {};
+  int count = 0;
+  void Add(const void* p, int64_t n) {
+    at[count] = static_cast<const char*>(p);
+    bytes[count++] = n;
+  }
+  int64_t Lines() const {
+    int64_t n = 0;
+    for (int i = 0; i < count; ++i) n += (bytes[i] + 63) / 64;
+    return n;
+  }
+  // Prefetches line `line` of the spans laid end to end into L2 (nothing past them).
+  void Prefetch(int64_t line) const {
+    int64_t byte = line * 64;
+    for (int i = 0; i < count; ++i) {
+      if (byte < bytes[i]) {
+        _mm_prefetch(at[i] + byte, _MM_HINT_T1);
+        return;
+      }
+      byte -= bytes[i];
+    }
+  }
+};
+
+// The spans of columns [o, o + n) of `w` (AheadSpans).
+template <Format kFmt>
+inline AheadSpans ColumnSpans(const IntWeight& w, int64_t o, int n) {
+  AheadSpans s;
+  if constexpr (IsKQuant(kFmt)) {
+    const int64_t values = KScaleCount(kFmt, w.in), supers = w.in / kSuper;
+    s.Add(w.k.scale + o * values, n * values);
+    s.Add(w.k.super_scale + o * supers, n * supers * 2);
+    if constexpr (kFmt != kQ6_K) {
+      s.Add(w.k.offset + o * values, n * values);
+      s.Add(w.k.super_offset + o * supers, n * supers * 2);
+    }
+  } else {
+    const int64_t groups = w.in / kGroup;
+    s.Add(w.scale + o * groups, n * groups * 2);
+    if constexpr (IntMin(kFmt)) s.Add(w.offset + o * groups, n * groups * 2);
+  }
+  return s;
+}
+
 // Columns [o, o + n) (n <= 16) x rows [r0, r0 + kRows) of `r` with VNNI: the
-// module comment's numerics. dcol / mcol: the columns' scales / mins (ColumnValues).
+// module comment's numerics. dcol / mcol: the columns' scales / mins (IntColumnValues).
 // `ahead` (0..16): columns [o + 16, o + 16 + ahead) are the caller's next tile; their
-// codes are prefetched into L2 at the pace this tile reads its own (one line per
-// column as each of this tile's columns crosses a line), and `ahead_scales` (the next
-// tile's scales, or null) one line a pair, so the next tile's 16 row streams do not
-// start with cache misses (at one row the tile waits on memory, not on the dot products).
+// codes (and a K-quant's high bits) are prefetched into L2 at the pace this tile reads
+// its own (one line per column as each of this tile's columns crosses a line), and
+// `ahead_spans` (the next tile's ColumnSpans, or null) two lines a pair, so the next
+// tile's 16 row streams do not start with cache misses (at one row the tile waits on
+// memory, not on the dot products).
 template <Format kFmt, int kRows, bool kLo>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void ExactIntTile(
-    const IntRows& r, int r0, int64_t groups, const uint8_t* codes, int64_t o, int n,
-    const float* dcol, const float* mcol, float* out, int64_t out_dim, int ahead = 0,
-    const uint16_t* ahead_scales = nullptr) {
+    const IntRows& r, int r0, const IntWeight& wt, int64_t o, int n, const float* dcol,
+    const float* mcol, float* out, int64_t out_dim, int ahead = 0,
+    const AheadSpans* ahead_spans = nullptr) {
   constexpr bool kNibble = kFmt != kS8;
-  constexpr bool kMin = HasMin(kFmt);
+  constexpr int kPer = ScalesPerGroup(kFmt);
   constexpr int64_t kPairBytes = kNibble ? 32 : 64;  // one column's codes of a pair
-  const int64_t pairs = groups / 2;
+  constexpr int64_t kHighPairBytes = kFmt == kQ5_K ? 8 : kFmt == kQ6_K ? 16 : 0;
+  const int64_t groups = wt.in / kGroup, pairs = groups / 2;
   const int64_t row_bytes = pairs * kPairBytes;
+  const uint8_t* codes = IsKQuant(kFmt) ? wt.k.q : wt.codes;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const RowOperands<kFmt, kLo> x(r);
-  const float *dx = x.dx, *xsum = x.xsum;
-  const int32_t* xint = x.xint;
-  const int8_t *his = x.his, *los = x.los;
+  KWeight krow[IsKQuant(kFmt) ? 16 : 1];
+  if constexpr (IsKQuant(kFmt)) {
+    for (int c = 0; c < n; ++c) krow[c] = KRow<kFmt>(wt.k, wt.in, o + c);
+  }
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -173,8 +349,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
                      _MM_HINT_T1);
       }
     }
-    if (ahead_scales != nullptr && p * 64 < groups * 32) {  // the next tile's scale bytes
-      _mm_prefetch(reinterpret_cast<const char*>(ahead_scales) + p * 64, _MM_HINT_T1);
+    if constexpr (kHighPairBytes > 0) {
+      if ((p * kHighPairBytes) % 64 == 0) {
+        for (int c = 0; c < ahead; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(wt.k.q_high + (o + 16 + c) * pairs *
+                                                     kHighPairBytes + p * kHighPairBytes),
+                       _MM_HINT_T1);
+        }
+      }
+    }
+    if (ahead_spans != nullptr) {  // the next tile's scale bytes
+      ahead_spans->Prefetch(2 * p);
+      ahead_spans->Prefetch(2 * p + 1);
     }
     __m512i w[16];
     __mmask64 neg[16];
@@ -182,50 +368,48 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
       w[c] = _mm512_setzero_si512();
       neg[c] = 0;
       if (c >= n) continue;
-      if constexpr (kNibble) {
+      if constexpr (IsKQuant(kFmt)) {
+        w[c] = KPairCodes<kFmt>(krow[c], p);
+      } else if constexpr (kNibble) {
         const __m512i y = _mm512_castsi256_si512(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(codes + (o + c) * groups * 16 + p * 32)));
+            reinterpret_cast<const __m256i*>(codes + (o + c) * row_bytes + p * 32)));
         w[c] = _mm512_and_si512(
             _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
       } else {
-        const __m512i raw = _mm512_loadu_si512(codes + (o + c) * groups * kGroup + p * 64);
+        const __m512i raw = _mm512_loadu_si512(codes + (o + c) * row_bytes + p * 64);
         w[c] = _mm512_abs_epi8(raw);
         neg[c] = _mm512_movepi8_mask(raw);
       }
     }
-    const __m512 d0 = _mm512_loadu_ps(dcol + 2 * p * 16);
-    const __m512 d1 = _mm512_loadu_ps(dcol + (2 * p + 1) * 16);
     for (int b = 0; b < kRows; ++b) {
       const int64_t row = (r0 + b) * pairs + p;
-      const __m512i x = _mm512_loadu_si512(his + row * 64);
+      const __m512i xb = _mm512_loadu_si512(x.his + row * 64);
       __m512i dot[16];
       for (int c = 0; c < 16; ++c) {
         const __m512i xs =
-            kNibble ? x : _mm512_mask_sub_epi8(x, neg[c], _mm512_setzero_si512(), x);
-        dot[c] = DotBytes<kLo>(w[c], xs, kLo ? los + row * 64 : nullptr, neg[c]);
+            kNibble ? xb : _mm512_mask_sub_epi8(xb, neg[c], _mm512_setzero_si512(), xb);
+        dot[c] = DotBytes<kLo>(w[c], xs, kLo ? x.los + row * 64 : nullptr, neg[c]);
       }
-      __m512i e, f;
-      ReduceBlocks<kNibble>(dot, &e, &f);
+      // The pair's two groups' sums, column by lane (Q6_K: per 16 inputs).
+      __m512i e[2], f[2];
+      if constexpr (kFmt == kQ6_K) {
+        __m512i q[4];
+        ReduceQuarters(dot, q);
+        e[0] = q[0], e[1] = q[2], f[0] = q[1], f[1] = q[3];
+      } else {
+        ReduceBlocks<kNibble>(dot, &e[0], &f[0]);
+      }
       const int64_t at = (r0 + b) * groups + 2 * p;
-      if constexpr (kFmt == kQ4_0) {  // sum (n - 8) x = sum n x - 8 sum x
-        e = _mm512_sub_epi32(e, _mm512_set1_epi32(8 * xint[at]));
-        f = _mm512_sub_epi32(f, _mm512_set1_epi32(8 * xint[at + 1]));
-      }
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), _mm512_mul_ps(d0, _mm512_set1_ps(dx[at])),
-                               acc[b]);
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f),
-                               _mm512_mul_ps(d1, _mm512_set1_ps(dx[at + 1])), acc[b]);
-      if constexpr (kMin) {
-        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + 2 * p * 16), _mm512_set1_ps(xsum[at]),
-                                  mins[b]);
-        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + (2 * p + 1) * 16),
-                                  _mm512_set1_ps(xsum[at + 1]), mins[b]);
-      }
+      GroupEpilogue<kFmt, kLo>(x, e, at, dcol + 2 * p * kPer * 16, mcol + 2 * p * 16, &acc[b],
+                               &mins[b]);
+      GroupEpilogue<kFmt, kLo>(x, f, at + 1, dcol + (2 * p + 1) * kPer * 16,
+                               mcol + (2 * p + 1) * 16, &acc[b], &mins[b]);
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
   for (int b = 0; b < kRows; ++b) {
-    _mm512_mask_storeu_ps(out + (r0 + b) * out_dim + o, mask, Finish<kMin, kLo>(acc[b], mins[b]));
+    _mm512_mask_storeu_ps(out + (r0 + b) * out_dim + o, mask,
+                          Finish<IntMin(kFmt), kLo>(acc[b], mins[b]));
   }
 }
 
@@ -459,28 +643,52 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
 // lane reduction and the codes' unpacking).
 constexpr int kPackedRows = 16;
 
-// Packs the codes of columns [o, o + n) (n <= 16; lanes past n get zeros) of `codes`
+// The 32 codes of group g of column o as unsigned bytes in input order: the Q8_0 code
+// + 128, the Q4_0 / Q4_1 / Q4_K nibble, the Q5_K nibble + 16 x its high bit, the Q6_K
+// code (nibble + 16 x its two high bits; its two 16-input sub-blocks: byte j input j
+// low, j + 8 high).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw,avx512vl,bmi2"))) inline __m256i GroupCodes(
+    const IntWeight& w, int64_t o, int64_t g) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  if constexpr (kFmt == kS8) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                w.codes + (o * (w.in / kGroup) + g) * kGroup)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const uint8_t* codes = IsKQuant(kFmt) ? w.k.q : w.codes;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + o * w.in / 2 + g * 16));
+    const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
+    if constexpr (kFmt == kQ6_K) {
+      __m256i c = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+      uint64_t h;  // input i's two high bits at bits 2i, 2i + 1
+      std::memcpy(&h, w.k.q_high + o * KHighBytes(kFmt, w.in) + g * 8, 8);
+      c = _mm256_mask_add_epi8(c, static_cast<__mmask32>(_pext_u64(h, 0x5555555555555555ull)), c,
+                               _mm256_set1_epi8(16));
+      return _mm256_mask_add_epi8(c, static_cast<__mmask32>(_pext_u64(h, 0xAAAAAAAAAAAAAAAAull)),
+                                  c, _mm256_set1_epi8(32));
+    } else {
+      __m256i c = _mm256_set_m128i(hi, lo);
+      if constexpr (kFmt == kQ5_K) {
+        uint32_t h;  // input i's fifth bit at bit i
+        std::memcpy(&h, w.k.q_high + o * KHighBytes(kFmt, w.in) + g * 4, 4);
+        c = _mm256_mask_add_epi8(c, h, c, _mm256_set1_epi8(16));
+      }
+      return c;
+    }
+  }
+}
+
+// Packs the codes of columns [o, o + n) (n <= 16; lanes past n get zeros) of `w`
 // into `u` (groups x 512 bytes), the layout above: 16 rows of 8 dwords transposed.
 template <Format kFmt>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void PackColumnsUnsigned(
-    const uint8_t* codes, int64_t groups, int64_t o, int n, uint8_t* u) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
+__attribute__((target("avx512f,avx512bw,avx512vl,bmi2"))) void PackColumnsUnsigned(
+    const IntWeight& w, int64_t o, int n, uint8_t* u) {
+  const int64_t groups = w.in / kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 v[16];
     for (int c = 0; c < 16; ++c) {
-      __m256i bytes = _mm256_setzero_si256();  // the column's 32 codes in input order
-      if (c < n) {
-        if constexpr (kFmt == kS8) {
-          bytes = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                       codes + ((o + c) * groups + g) * kGroup)),
-                                   _mm256_set1_epi8(static_cast<char>(0x80)));
-        } else {
-          const __m128i q = _mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(codes + ((o + c) * groups + g) * 16));
-          bytes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nib),
-                                   _mm_and_si128(q, nib));
-        }
-      }
+      const __m256i bytes = c < n ? GroupCodes<kFmt>(w, o + c, g) : _mm256_setzero_si256();
       v[c] = _mm512_castsi512_ps(_mm512_castsi256_si512(bytes));
     }
     Transpose16(v);  // v[k], k < 8: dword k (inputs 4k..4k+3) of the 16 columns
@@ -497,18 +705,29 @@ inline int64_t ChunkOffset(int64_t g, int k) {
   return (g / 2) * 64 + half + (k < 4 ? 4 * k : 32 + 4 * (k - 4));
 }
 
-// One group's sums of 16 packed columns `w` (8 chunks) times a row's bytes `row`
-// (hi or lo, ChunkOffset's order): column by lane.
-template <bool kNibble>
+// The sums of chunks [k0, k1) (4 inputs each) of one group of 16 packed columns `w`
+// times a row's bytes `row` (hi or lo, ChunkOffset's order): column by lane.
+template <bool kNibble, int k0 = 0, int k1 = 8>
 __attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i GroupDots(
     const __m512i* w, const int8_t* row, int64_t g) {
   __m512i sums = _mm512_setzero_si512();
-  for (int k = 0; k < 8; ++k) {
+  for (int k = k0; k < k1; ++k) {
     int32_t x4;
     std::memcpy(&x4, row + ChunkOffset<kNibble>(g, k), 4);
     sums = _mm512_dpbusd_epi32(sums, w[k], _mm512_set1_epi32(x4));
   }
   return sums;
+}
+
+// Chunks [k0, k1) of a group's exact sums (hi, or 256 hi + lo) for one row.
+template <bool kNibble, bool kLo, int k0 = 0, int k1 = 8>
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i RowGroupSums(
+    const __m512i* w, const int8_t* hi, const int8_t* lo, int64_t g) {
+  __m512i isum = GroupDots<kNibble, k0, k1>(w, hi, g);
+  if constexpr (kLo) {
+    isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8), GroupDots<kNibble, k0, k1>(w, lo, g));
+  }
+  return isum;
 }
 
 // Rows [r0, r0 + kRows) of `r` x the 16 packed columns `u` (PackColumnsUnsigned):
@@ -518,8 +737,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
     const IntRows& r, int r0, int64_t groups, const uint8_t* u, int64_t o, int n,
     const float* dcol, const float* mcol, float* out, int64_t out_dim) {
   constexpr bool kNibble = kFmt != kS8;
-  constexpr bool kMin = HasMin(kFmt);
-  constexpr int32_t kOffset = kFmt == kQ4_0 ? 8 : kFmt == kS8 ? 128 : 0;
+  constexpr int kPer = ScalesPerGroup(kFmt);
   const int64_t row_bytes = groups * kGroup;  // of hi / lo, either order
   const RowOperands<kFmt, kLo> rows(r);
   __m512 acc[kRows], mins[kRows];
@@ -527,81 +745,85 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
     for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
-    const __m512 d = _mm512_loadu_ps(dcol + g * 16);
     for (int b = 0; b < kRows; ++b) {
-      __m512i isum = GroupDots<kNibble>(w, rows.his + (r0 + b) * row_bytes, g);
-      if constexpr (kLo) {
-        isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 8),
-                                GroupDots<kNibble>(w, rows.los + (r0 + b) * row_bytes, g));
-      }
+      const int8_t* hi = rows.his + (r0 + b) * row_bytes;
+      const int8_t* lo = kLo ? rows.los + (r0 + b) * row_bytes : nullptr;
       const int64_t at = (r0 + b) * groups + g;
-      if constexpr (kOffset != 0) {
-        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(kOffset * rows.xint[at]));
+      __m512i isum[2];
+      if constexpr (kFmt == kQ6_K) {  // inputs 0-15 and 16-31 apart
+        isum[0] = RowGroupSums<kNibble, kLo, 0, 4>(w, hi, lo, g);
+        isum[1] = RowGroupSums<kNibble, kLo, 4, 8>(w, hi, lo, g);
+      } else {
+        isum[0] = RowGroupSums<kNibble, kLo>(w, hi, lo, g);
+        if constexpr (kFmt == kS8) {  // sum (c + 128) x - 128 sum x
+          isum[0] = _mm512_sub_epi32(isum[0], _mm512_set1_epi32(128 * rows.xint[at]));
+        }
       }
-      acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                               _mm512_mul_ps(d, _mm512_set1_ps(rows.dx[at])), acc[b]);
-      if constexpr (kMin) {
-        mins[b] = _mm512_fmadd_ps(_mm512_loadu_ps(mcol + g * 16), _mm512_set1_ps(rows.xsum[at]),
-                                  mins[b]);
-      }
+      GroupEpilogue<kFmt, kLo>(rows, isum, at, dcol + g * kPer * 16, mcol + g * 16, &acc[b],
+                               &mins[b]);
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
   for (int b = 0; b < kRows; ++b) {
-    _mm512_mask_storeu_ps(out + (r0 + b) * out_dim + o, mask, Finish<kMin, kLo>(acc[b], mins[b]));
+    _mm512_mask_storeu_ps(out + (r0 + b) * out_dim + o, mask,
+                          Finish<IntMin(kFmt), kLo>(acc[b], mins[b]));
   }
 }
 
 // Output columns [o0, o1) for rows [r_begin, r_end) of `r` (kLo: its 16-bit
 // rounding), the module comment's numerics: the whole 16-row tiles that `r` packed
-// for AMX (IntRows amx_a; r_begin a multiple of 16) through AMX while AmxEnabled(),
-// the other rows through the VNNI tiles, 16 columns at a time.
+// for AMX (IntRows amx_a; r_begin a multiple of 16) through AMX while AmxEnabled()
+// (not the K-quants), the other rows through the VNNI tiles, 16 columns at a time.
 template <Format kFmt, bool kLo>
-void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
-                     const uint8_t* codes, const uint16_t* scale, const uint16_t* offset,
-                     float* out, int64_t out_dim, int64_t o0, int64_t o1) {
-  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
-  constexpr bool kMin = HasMin(kFmt);
+void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& w, float* out,
+                     int64_t out_dim, int64_t o0, int64_t o1) {
+  constexpr bool kMin = IntMin(kFmt);
   constexpr int64_t kStep = kLo ? 1024 : 512;  // amx_a's bytes a tile a group
-  const int64_t groups = in / kGroup;
+  const int64_t groups = w.in / kGroup;
   thread_local std::vector<float> dcol, mcol;
   thread_local std::vector<int8_t> packed;
   thread_local std::vector<uint8_t> packed_u;  // PackColumnsUnsigned
-  dcol.resize(groups * 16);
+  dcol.resize(groups * ScalesPerGroup(kFmt) * 16);
   if (kMin) mcol.resize(groups * 16);
   // The A tiles hold the rounding r was made for: 8-bit tiles reading a 16-bit rounding
   // (its high bytes, as the decoder does for a phase of mixed weights) take VNNI.
   const int packed_rows = r.has_lo == kLo ? static_cast<int>(AmxPackedRows(r, groups)) : 0;
   const int amx_rows = std::min(r_end, packed_rows) - r_begin;
-  const bool amx = amx_rows >= kAmxRows && r_begin % kAmxRows == 0 && AmxEnabled();
+  const bool amx = !IsKQuant(kFmt) && amx_rows >= kAmxRows && r_begin % kAmxRows == 0 &&
+                   AmxEnabled();
   const int amx_end = amx ? r_begin + amx_rows / kAmxRows * kAmxRows : r_begin;
   if (amx) {
     packed.resize(groups * 512);
     AmxConfigure();
   }
   if (r_end - r_begin >= kPackedRows) packed_u.resize(groups * 512);
+  if (o1 > o0) {  // the first tile's scales (later tiles' come with the tile before them)
+    const AheadSpans first = ColumnSpans<kFmt>(w, o0, static_cast<int>(std::min<int64_t>(16, o1 - o0)));
+    for (int64_t line = 0; line < first.Lines(); ++line) first.Prefetch(line);
+  }
   for (int64_t o = o0; o < o1; o += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, o1 - o));
-    ColumnValues(scale, groups, o, n, dcol.data());
-    if (kMin) ColumnValues(offset, groups, o, n, mcol.data());
+    IntColumnValues<kFmt>(w, o, n, dcol.data(), mcol.data());
     int vnni_begin = r_begin;
-    if (amx && n == 16) {
-      PackColumns<kFmt>(codes, groups, o, packed.data());
-      for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
-        const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
-        const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
-        if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
-          AmxTile16<kFmt>(r, r0, groups, a, dxt, packed.data(), dcol.data(), mcol.data(),
-                          out, out_dim, o);
-        } else {
-          AmxTile8<kFmt>(r, r0, groups, a, dxt, packed.data(), dcol.data(), mcol.data(), out,
-                         out_dim, o);
+    if constexpr (!IsKQuant(kFmt)) {
+      if (amx && n == 16) {
+        PackColumns<kFmt>(w.codes, groups, o, packed.data());
+        for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
+          const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
+          const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
+          if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
+            AmxTile16<kFmt>(r, r0, groups, a, dxt, packed.data(), dcol.data(), mcol.data(),
+                            out, out_dim, o);
+          } else {
+            AmxTile8<kFmt>(r, r0, groups, a, dxt, packed.data(), dcol.data(), mcol.data(), out,
+                           out_dim, o);
+          }
         }
+        vnni_begin = amx_end;
       }
-      vnni_begin = amx_end;
     }
     if (r_end - vnni_begin >= kPackedRows) {  // many rows: packed once, no lane reduction
-      PackColumnsUnsigned<kFmt>(codes, groups, o, n, packed_u.data());
+      PackColumnsUnsigned<kFmt>(w, o, n, packed_u.data());
       for (int r0 = vnni_begin; r0 < r_end; r0 += kTileRows) {
         XLASERVE_WITH_TILE_ROWS(
             std::min(kTileRows, r_end - r0),
@@ -613,41 +835,28 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, int64_t in,
     // The first row tile over these columns prefetches the next 16 columns (the
     // others find this tile's codes in cache).
     const int ahead = static_cast<int>(std::clamp<int64_t>(o1 - (o + 16), 0, 16));
+    const AheadSpans next = ColumnSpans<kFmt>(w, o + 16, ahead);
     for (int r0 = vnni_begin; r0 < r_end; r0 += kTileRows) {
       const bool first = r0 == vnni_begin;
       XLASERVE_WITH_TILE_ROWS(
           std::min(kTileRows, r_end - r0),
-          (ExactIntTile<kFmt, R, kLo>(r, r0, groups, codes, o, n, dcol.data(), mcol.data(), out,
-                                      out_dim, first ? ahead : 0,
-                                      first && ahead > 0 ? scale + (o + 16) * groups : nullptr)));
+          (ExactIntTile<kFmt, R, kLo>(r, r0, w, o, n, dcol.data(), mcol.data(), out, out_dim,
+                                      first ? ahead : 0,
+                                      first && ahead > 0 ? &next : nullptr)));
     }
   }
   if (amx) AmxRelease();
 }
 
-// Output columns [o0, o1) of signed one-byte codes (Q8_0) for every row of `r` (`lo`:
-// its 16-bit rounding, else its 8-bit one).
-inline void S8IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
-                         const uint16_t* scale, float* out, int64_t out_dim, int64_t o0,
-                         int64_t o1) {
-  if (lo) {
-    ExactIntColumns<kS8, true>(r, 0, rows, in, codes, scale, nullptr, out, out_dim, o0, o1);
-  } else {
-    ExactIntColumns<kS8, false>(r, 0, rows, in, codes, scale, nullptr, out, out_dim, o0, o1);
-  }
-}
-
-// Output columns [o0, o1) of nibble weights (Q4_1, Q4_0) for every row of `r`
-// (QuantizeRows; `lo`: its 16-bit rounding, else its 8-bit one).
+// Output columns [o0, o1) of `w` for every row of `r` (`lo`: its 16-bit rounding, else
+// its 8-bit one).
 template <Format kFmt>
-void IntColumns(const IntRows& r, bool lo, int rows, int64_t in, const uint8_t* codes,
-                const uint16_t* scale, const uint16_t* offset, float* out, int64_t out_dim,
-                int64_t o0, int64_t o1) {
-  static_assert(kFmt == kQ4_1 || kFmt == kQ4_0);
+void IntColumns(const IntRows& r, bool lo, int rows, const IntWeight& w, float* out,
+                int64_t out_dim, int64_t o0, int64_t o1) {
   if (lo) {
-    ExactIntColumns<kFmt, true>(r, 0, rows, in, codes, scale, offset, out, out_dim, o0, o1);
+    ExactIntColumns<kFmt, true>(r, 0, rows, w, out, out_dim, o0, o1);
   } else {
-    ExactIntColumns<kFmt, false>(r, 0, rows, in, codes, scale, offset, out, out_dim, o0, o1);
+    ExactIntColumns<kFmt, false>(r, 0, rows, w, out, out_dim, o0, o1);
   }
 }
 

@@ -302,11 +302,10 @@ def kquant_format(w: QuantizedWeight) -> str | None:
 
 
 def with_activation_bits(params: Any, bits: int) -> Any:
-  """Params whose nibble (Q4_0 / Q4_1) and Q8_0 weights in a `native_format` multiply
-  activations rounded per group of 32 to `bits` (8 or 16; 32: float) in the native kernel
-  (K-quants keep the float tiles: their integer tiles give the rounded activations'
-  product, at any row count, but at 16 bits were not faster than the float tiles at 8 to
-  64 rows). 8 is
+  """Params whose nibble (Q4_0 / Q4_1), Q8_0 and GGUF K-quant (Q4_K / Q5_K / Q6_K)
+  weights in a `native_format` multiply activations rounded per group of 32 to `bits`
+  (8 or 16; 32: float) in the native kernel's integer tiles: exact integer sums per
+  group (Q6_K: per 16 inputs), the same at any row count (kernels_cpu/quant_int.h). 8 is
   llama.cpp's Q4 x Q8 / Q8_0 x Q8 scheme: a fraction of the instructions per weight, the
   activations' 8-bit rounding showing in the result (~0.5% of its range). 16 keeps 2^-16
   of each group's largest activation at one more dot instruction per 64 weights
@@ -318,7 +317,7 @@ def with_activation_bits(params: Any, bits: int) -> Any:
     if not is_quantized(w) or not native_format(w):
       return w
     signed_bytes = w.kind == "int8" and w.offset is None
-    if kquant_format(w) is not None or not (w.kind == "int4" or signed_bytes):
+    if kquant_format(w) is None and not (w.kind == "int4" or signed_bytes):
       return w
     return dataclasses.replace(w, activation_bits=bits)
 

@@ -14,6 +14,10 @@ AMX forced off. The AVX2 set's tiles
 they must match the same reference bitwise, with AVX-VNNI (where the CPU has it) and
 with the VPMADDWD products (`XLASERVE_NATIVE_AVXVNNI=0`), and keep each row's bits in
 any batch.
+
+GGUF K-quants (Q4_K, Q5_K, Q6_K) take the same tiles and numerics: Q4_K / Q5_K as
+Q4_1 with d = super-block d x the group's scale code and m = -dmin x its min code;
+Q6_K per 16 inputs, (code - 32) with d x its int8 scale code, two fmas a group.
 """
 
 import ctypes
@@ -23,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kquant_testutil import Q, random_weight
 
 from checkpoints import quantizers
 from kernels_cpu import library, matvec
+from serving.models import quantized as quant
 
 needs_vnni = pytest.mark.skipif(library.isa() != "avx512" or not library.vnni(),
                                 reason="no native kernels, no AVX-512 or no VNNI")
@@ -140,6 +146,81 @@ def test_a_row_alone_is_bitwise_the_row_among_300(fmt, bits, monkeypatch):
     assert np.array_equal(_product(x[at:at + 1], qw, bits)[0], together[at]), at
   monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
   assert np.array_equal(_product(x, qw, bits), together)
+
+
+# ---- K-quants ----
+
+K_TYPES = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+
+
+def kquant_block_exact_reference(x, fmt, qw, bits):
+  """The module docstring's K-quant numerics for x [B, I] and a K-quant weight."""
+  hi, lo, dx, xsum8, xsum16 = _rounded_rows(x, bits)
+  act = hi * 256 + lo if bits == 16 else hi  # [B, G, 32]
+  codes = np.asarray(quant.unpack_codes(qw, qw.q, qw.q_high)).astype(np.int64)
+  codes = codes.reshape(codes.shape[0], -1, 32)  # [O, G, 32]
+  d = np.asarray(quant._per_group(qw, qw.scale, qw.super_scale))  # [O, G] (Q6_K [O, 2G])
+  groups = act.shape[1]
+  acc = np.zeros((x.shape[0], codes.shape[0]), np.float32)
+  mins = np.zeros_like(acc)
+  if fmt == "q6_k":  # per 16 inputs: (code - 32) x
+    halves = np.einsum("bghi,oghi->bogh", act.reshape(*act.shape[:2], 2, 16),
+                       codes.reshape(*codes.shape[:2], 2, 16))
+    halves -= 32 * act.reshape(*act.shape[:2], 2, 16).sum(-1)[:, None]
+    assert np.abs(halves).max() < 2**31
+    halves = halves.astype(np.int32).astype(np.float32)
+    for g in range(groups):
+      for h in range(2):
+        scale = (dx[:, None, g] * d[None, :, 2 * g + h]).astype(np.float32)
+        acc = _fma32(halves[:, :, g, h], scale, acc)
+    return (acc * np.float32(1 / 256 if bits == 16 else 1)).astype(np.float32)
+  isum = np.einsum("bgi,ogi->bog", act, codes)
+  assert np.abs(isum).max() < 2**31
+  isum = isum.astype(np.int32).astype(np.float32)
+  m = np.asarray(quant._per_group(qw, qw.offset, qw.super_offset))
+  xsum = xsum16 if bits == 16 else xsum8
+  for g in range(groups):
+    acc = _fma32(isum[:, :, g], (dx[:, None, g] * d[None, :, g]).astype(np.float32), acc)
+    mins = _fma32(np.broadcast_to(m[None, :, g], acc.shape),
+                  np.broadcast_to(xsum[:, None, g], acc.shape), mins)
+  return _fma32(acc, np.full_like(acc, np.float32(1 / 256 if bits == 16 else 1)), mins)
+
+
+def _kweight(fmt, out_dim, in_dim):
+  return jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(5), K_TYPES[fmt],
+                                                 out_dim, in_dim))
+
+
+def _kproduct(x, fmt, qw, bits):
+  return np.asarray(matvec.kquant_matvec(jnp.asarray(x), fmt, qw.q, qw.scale, qw.offset,
+                                         qw.q_high, qw.super_scale, qw.super_offset,
+                                         activation_bits=bits))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", list(K_TYPES))
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # row tiles; packed tiles; both
+def test_kquants_match_block_exact_reference_bitwise(fmt, bits, rows):
+  """Columns not a multiple of 16 (70), three super-blocks, an all-zero group."""
+  qw = _kweight(fmt, 70, 768)
+  x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
+  x[0, :32] = 0.0
+  want = kquant_block_exact_reference(x, fmt, qw, bits)
+  assert np.array_equal(_kproduct(x, fmt, qw, bits), want)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", list(K_TYPES))
+def test_kquant_row_alone_is_bitwise_the_row_among_300(fmt):
+  """Batch invariance across the row tiles (1 row) and the packed tiles of a 300-row
+  call (several row blocks and column ranges)."""
+  qw = _kweight(fmt, 1030, 1024)
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((300, 1024)).astype(np.float32) * rng.uniform(0.1, 10.0, (300, 1))
+  together = _kproduct(x, fmt, qw, 16)
+  for at in (0, 150, 299):
+    assert np.array_equal(_kproduct(x[at:at + 1], fmt, qw, 16)[0], together[at]), at
 
 
 @needs_vnni

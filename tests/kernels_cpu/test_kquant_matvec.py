@@ -97,10 +97,10 @@ def test_integer_activations_match_rounded_reference(fmt, rows, bits):
   span = np.abs(exact).max()
   np.testing.assert_allclose(got, _reference(_rounded(x, bits), qw), atol=2e-5 * span)
   assert np.abs(got - exact).max() < (0.02 if bits == 8 else 1e-4) * span
-  # The engine keeps K-quants on the float tiles (`with_activation_bits` skips them, see
-  # its doc); a weight marked by hand still routes to the integer kernel.
-  assert quant.with_activation_bits({"w": qw}, bits)["w"].activation_bits == 32
-  marked = dataclasses.replace(qw, activation_bits=bits)
+  # The engine marks K-quants for the integer tiles (`with_activation_bits`), and
+  # `matmul` routes them there.
+  marked = quant.with_activation_bits({"w": qw}, bits)["w"]
+  assert marked.activation_bits == bits
   assert _uses(f"xlaserve_{fmt}_matvec_q{bits}", lambda w, x: w.matmul(x), marked,
                jnp.asarray(x))
 

@@ -244,17 +244,20 @@ void IntMatvec(const Weight& w, const float* x, int rows, bool lo, bool alt, flo
   const uint16_t* m = xs::HasMin(w.fmt) ? w.offset.data() : nullptr;
   if (alt) {
     xs::QuantizeRows(x, rows, w.in, lo, r);
+    xs::IntWeight iw;
+    iw.in = w.in;
+    iw.codes = w.codes.data();
+    iw.scale = w.scale.data();
+    iw.offset = m;
     switch (w.fmt) {
       case xs::kS8:
-        xs::S8IntColumns(r, lo, rows, w.in, w.codes.data(), w.scale.data(), y, w.out, 0, w.out);
+        xs::IntColumns<xs::kS8>(r, lo, rows, iw, y, w.out, 0, w.out);
         break;
       case xs::kQ4_1:
-        xs::IntColumns<xs::kQ4_1>(r, lo, rows, w.in, w.codes.data(), w.scale.data(), m, y, w.out,
-                                  0, w.out);
+        xs::IntColumns<xs::kQ4_1>(r, lo, rows, iw, y, w.out, 0, w.out);
         break;
       default:
-        xs::IntColumns<xs::kQ4_0>(r, lo, rows, w.in, w.codes.data(), w.scale.data(), m, y, w.out,
-                                  0, w.out);
+        xs::IntColumns<xs::kQ4_0>(r, lo, rows, iw, y, w.out, 0, w.out);
     }
     return;
   }
