@@ -284,6 +284,7 @@ def run_servers(args, prompts: list[str], specs: dict[str, dict]) -> dict[str, d
       res["kv_tokens"], res["weight_bytes"] = spec.get("kv_tokens"), spec.get("weight_bytes")
       if spec.get("kind") == "xlaserve" and name in procs:
         res.update(xlaserve_memory_facts(name))
+      time.sleep(1.0)  # RSS once idle (xlaserve hands a burst's freed heap back after 0.5 s)
       res["rss_ready_gb"] = rss_gb(procs[name][0].pid) if name in procs else None
       print(f"{name}: ready ({res['ready_s']} s); RSS {_fmt(res['rss_ready_gb'])} GB; "
             f"KV capacity {res['kv_tokens']} tokens; weights read per step "

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from frontend_fake import VOCAB, ByteTokenizer, fake_lora_loader, wait_for
 from runner_faults import FaultyRunner
 
 from serving.config import EngineConfig
-from serving.engine import EngineClient, LLMEngine
+from serving.engine import EngineClient, LLMEngine, llm_engine
 from serving.engine.disaggregated import DisaggregatedEngine
 from serving.engine.fake_runner import FakeRunner
 from serving.engine.replicas import ReplicatedEngine
@@ -232,6 +233,26 @@ def test_a_failed_step_fails_only_its_request(engine):
   engine.run_until_idle()
   assert tokens(nxt["next"]) == expected(SHORT, 4)
   assert_idle_and_free(engine)
+
+
+def test_an_idle_loop_hands_the_heap_back_after_start_up_and_after_a_burst(monkeypatch):
+  """`release_free_heap` runs after warm-up, once the background loop has been idle
+  IDLE_TRIM_S after start-up, and again after a burst of requests, not while idle on."""
+  calls = []
+  monkeypatch.setattr(llm_engine, "release_free_heap", lambda: calls.append(time.monotonic()))
+  monkeypatch.setattr(llm_engine, "IDLE_TRIM_S", 0.05)
+  engine = build("single")
+  assert len(calls) == 1  # after warm-up
+  engine.start()
+  try:
+    assert wait_for(lambda: len(calls) == 2)  # start-up's idle trim
+    time.sleep(0.3)
+    assert len(calls) == 2  # nothing new to hand back while idle
+    outs = submit(engine, {"a": SHORT, "b": LONG}, greedy(4))
+    assert wait_for(lambda: finished(outs["a"]) and finished(outs["b"]))
+    assert wait_for(lambda: len(calls) == 3)
+  finally:
+    engine.shutdown()
 
 
 def test_health_names_a_lost_device(engine):
