@@ -218,6 +218,15 @@ def log_path(name: str) -> str:
   return os.path.join("/tmp", f"compare_{name}.log")
 
 
+IDLE_WAIT_S = 1.0  # xlaserve hands a burst's freed heap back after 0.5 s idle (llm_engine)
+
+
+def rss_once_idle(pid: int) -> float | None:
+  """rss_gb a moment after the last request: the resident memory of a server at rest."""
+  time.sleep(IDLE_WAIT_S)
+  return rss_gb(pid)
+
+
 def rss_gb(pid: int) -> float | None:
   """Resident memory of a process and all its children (GB, 1e9 bytes)."""
   import psutil
@@ -284,8 +293,7 @@ def run_servers(args, prompts: list[str], specs: dict[str, dict]) -> dict[str, d
       res["kv_tokens"], res["weight_bytes"] = spec.get("kv_tokens"), spec.get("weight_bytes")
       if spec.get("kind") == "xlaserve" and name in procs:
         res.update(xlaserve_memory_facts(name))
-      time.sleep(1.0)  # RSS once idle (xlaserve hands a burst's freed heap back after 0.5 s)
-      res["rss_ready_gb"] = rss_gb(procs[name][0].pid) if name in procs else None
+      res["rss_ready_gb"] = rss_once_idle(procs[name][0].pid) if name in procs else None
       print(f"{name}: ready ({res['ready_s']} s); RSS {_fmt(res['rss_ready_gb'])} GB; "
             f"KV capacity {res['kv_tokens']} tokens; weights read per step "
             f"{_fmt((res['weight_bytes'] or float('nan')) / 2**20)} MiB", flush=True)
@@ -305,7 +313,7 @@ def run_servers(args, prompts: list[str], specs: dict[str, dict]) -> dict[str, d
                                       min_prompts=args.min_prompts)
         results[name]["runs"].append(sweep["levels"])
     for name, (proc, _) in procs.items():
-      results[name]["rss_after_gb"] = rss_gb(proc.pid)
+      results[name]["rss_after_gb"] = rss_once_idle(proc.pid)
       print(f"{name}: RSS after the run {_fmt(results[name]['rss_after_gb'])} GB", flush=True)
   finally:
     for proc, _ in procs.values():

@@ -353,7 +353,7 @@ def measure_file(args, path: str, binary: str, prompts: Prompts, tag: str) -> di
           continue
         run_round(args, specs[name]["target"], procs[name], prompts, rnd, name, results[name])
     for name in live:
-      results[name]["rss_after_gb"] = compare_peers.rss_gb(procs[name].pid)
+      results[name]["rss_after_gb"] = compare_peers.rss_once_idle(procs[name].pid)
   finally:
     for proc, _ in started.values():
       stop(proc)
@@ -378,7 +378,7 @@ def prepare(args, name: str, spec: dict, proc, prompts: Prompts, index: int, res
   res["kv_tokens"], res["weight_bytes"] = spec["kv_tokens"], spec.get("weight_bytes")
   if name == OURS:
     res.update(compare_peers.xlaserve_memory_facts(f"scaling_{tag}_{name}"))
-  res["rss_ready_gb"] = compare_peers.rss_gb(proc.pid)
+  res["rss_ready_gb"] = compare_peers.rss_once_idle(proc.pid)
   print(f"{name}: ready in {res['ready_s']:.0f} s; RSS {res['rss_ready_gb']:.2f} GB; KV "
         f"{res['kv_tokens']} tokens", flush=True)
 
