@@ -131,50 +131,46 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void ColumnValu
   }
 }
 
-// Values [v, v + 16) of a K-quant row's sub-block codes (`codes`: Q6_K int8, else
-// uint8; lanes outside `in_row` zero) times their super-blocks' float16 `super`.
-template <Format kFmt>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m512 KScaled(
-    const uint8_t* codes, const uint16_t* super, int64_t v, __mmask16 in_row) {
-  constexpr int64_t kPerSuper = kFmt == kQ6_K ? 16 : 8;
-  const __m128i c = _mm_maskz_loadu_epi8(in_row, codes + v);
-  const __m512 f =
-      _mm512_cvtepi32_ps(kFmt == kQ6_K ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c));
-  const int64_t sb = v / kPerSuper;
-  __m512 d = _mm512_set1_ps(HalfToFloat(super[sb]));
-  if (kPerSuper == 8 && (in_row >> 8) != 0) {
-    d = _mm512_mask_blend_ps(0xFF00, d, _mm512_set1_ps(HalfToFloat(super[sb + 1])));
-  }
-  return _mm512_mul_ps(f, d);
-}
-
 // A K-quant's float scales (and mins) of columns [o, o + n), n <= 16, as [values][16]
 // (zero past n): the super-block's d times each sub-block's scale code (Q4_K / Q5_K:
-// one per group of 32, and -dmin times each min code; Q6_K: one per 16 inputs), 16
-// values of each column at a time, transposed in registers (as ColumnValues).
+// one per group of 32, and -dmin times each min code; Q6_K: one per 16 inputs). The
+// super-blocks' values once per call as [supers][16] (ColumnValues); the codes 16 at a
+// time, widened along each column's row, transposed in registers, then converted and
+// multiplied 16 columns at once.
 template <Format kFmt>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void KColumnValues(
     const IntWeight& w, int64_t o, int n, float* dcol, float* mcol) {
   constexpr int64_t kPerSuper = kFmt == kQ6_K ? 16 : 8;
+  constexpr int kArrays = kFmt == kQ6_K ? 1 : 2;  // scales (and mins)
   const int64_t supers = w.in / kSuper, values = supers * kPerSuper;
+  thread_local std::vector<float> super_values[2];  // [supers][16] each
+  const uint8_t* codes[2] = {w.k.scale, w.k.offset};
+  const uint16_t* super[2] = {w.k.super_scale, w.k.super_offset};
+  float* dst[2] = {dcol, mcol};
+  for (int a = 0; a < kArrays; ++a) {
+    super_values[a].resize(supers * 16);
+    ColumnValues(super[a], supers, o, n, super_values[a].data());
+  }
   for (int64_t v = 0; v < values; v += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, values - v));
     const __mmask16 in_row = static_cast<__mmask16>((1u << count) - 1);
-    __m512 s[16], m[16];
-    for (int c = 0; c < 16; ++c) {
-      s[c] = m[c] = _mm512_setzero_ps();
-      if (c >= n) continue;
-      const int64_t oc = o + c;
-      s[c] = KScaled<kFmt>(w.k.scale + oc * values, w.k.super_scale + oc * supers, v, in_row);
-      if constexpr (kFmt != kQ6_K) {
-        m[c] = KScaled<kFmt>(w.k.offset + oc * values, w.k.super_offset + oc * supers, v, in_row);
+    for (int a = 0; a < kArrays; ++a) {
+      __m512 t[16];
+      for (int c = 0; c < 16; ++c) {
+        __m512i wide = _mm512_setzero_si512();
+        if (c < n) {
+          const __m128i b = _mm_maskz_loadu_epi8(in_row, codes[a] + (o + c) * values + v);
+          wide = kFmt == kQ6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+        }
+        t[c] = _mm512_castsi512_ps(wide);
       }
-    }
-    Transpose16(s);
-    for (int j = 0; j < count; ++j) _mm512_storeu_ps(dcol + (v + j) * 16, s[j]);
-    if constexpr (kFmt != kQ6_K) {
-      Transpose16(m);
-      for (int j = 0; j < count; ++j) _mm512_storeu_ps(mcol + (v + j) * 16, m[j]);
+      Transpose16(t);  // t[j]: code v + j of the 16 columns
+      for (int j = 0; j < count; ++j) {
+        const float* d = super_values[a].data() + (v + j) / kPerSuper * 16;
+        _mm512_storeu_ps(dst[a] + (v + j) * 16,
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_castps_si512(t[j])),
+                                       _mm512_loadu_ps(d)));
+      }
     }
   }
 }
