@@ -204,7 +204,6 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   };
   r.has_lo = with_lo;
   size(r.hi, r.nibble_order, rows * pairs * 64);
-  size(r.dx, r.nibble_order, rows * pairs * 16);
   size(r.lo, r.nibble_order && with_lo, rows * pairs * 64);
   size(r.hi_plain, r.plain_order, rows * groups * kGroup);
   size(r.x8, false, 0);  // the AVX2 tiles' (quant_dot_avx2.h)
@@ -296,10 +295,6 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void QuantizeRowRang
           StoreBytes(r.amx_a.data() + tile_at + 8 * kGroup, rlo);
           StoreBytes(r.amx_a.data() + tile_at + 8 * kGroup + 16, rhi);
         }
-      }
-      if (nibbles) {
-        float* lanes = r.dx.data() + (b * pairs + p) * 16;
-        for (int j = 0; j < 4; ++j) lanes[4 * half + j] = lanes[8 + 4 * half + j] = d;
       }
     }
   }

@@ -181,7 +181,6 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   r.avx_vnni = AvxVnniEnabled();
   r.hi.clear();
   r.lo.clear();
-  r.dx.clear();
   r.hi_plain.clear();
   r.lo_plain.clear();
   r.x8.resize(rows * groups * kGroup);

@@ -193,7 +193,6 @@ inline void PrepareRows(int rows, int64_t in, bool with_lo, IntRows& r) {
   r.sdot = SdotEnabled();
   r.hi.clear();
   r.lo.clear();
-  r.dx.clear();
   r.x8.clear();
   r.x16.clear();
   r.hi_plain.resize(rows * groups * kGroup);

@@ -64,12 +64,11 @@ constexpr int64_t KScaleCount(Format f, int64_t in) { return f == kQ6_K ? in / 1
 // instruction set's integer tiles read.
 struct IntRows {
   bool has_lo = false;           // rounded to 16 bits (hi and lo) or to 8 (hi only)
-  bool nibble_order = true;      // fill hi, lo, dx (the nibble tiles read them)
+  bool nibble_order = true;      // fill hi, lo (the nibble tiles read them)
   bool plain_order = true;       // fill hi_plain, lo_plain (the exact Q8_0 tiles)
   bool amx_order = true;         // fill amx_a, amx_dx (the AMX tiles) where AMX runs
   std::vector<int8_t> hi, lo;    // [rows, pairs, 64] nibble order
   std::vector<int8_t> hi_plain, lo_plain;  // [rows, groups * 32] input order
-  std::vector<float> dx;         // [rows, pairs, 16] lane scales (dx_g, dx_g+1 pattern)
   // The AMX A tiles of the whole 16-row tiles, packed once per rounding (quant_int.h
   // AmxTile8 / AmxTile16): [rows / 16, groups, 512] (a8: 16 rows x 32 bytes) or [.., 1024] (a16:
   // rows 0-7's hi bytes above their lo bytes, then rows 8-15's); amx_dx their group
