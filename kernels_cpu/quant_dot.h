@@ -13,7 +13,7 @@
 // up to kTileRows float rows at a time (float32 products and sums). The integer
 // activations (`IntRows`, rounded per group to 8 bits, llama.cpp's Q4 x Q8 scheme,
 // or 16 bits) are made here; the tiles that multiply nibbles / Q8_0 codes by them
-// (`IntColumns` / `S8IntColumns`, VNNI and AMX, block-exact) are in quant_int.h.
+// (`IntColumns`, VNNI and AMX, block-exact) are in quant_int.h.
 
 #ifndef XLASERVE_KERNELS_CPU_QUANT_DOT_H_
 #define XLASERVE_KERNELS_CPU_QUANT_DOT_H_

@@ -1,7 +1,7 @@
 // Quantized weight x activation products for any number of rows: the blocked
 // drivers behind the matvec custom calls (matvec.cc).
 //
-// `Columns` / `IntColumns` / `S8IntColumns` (quant_dot.h) loop per output column
+// `Columns` (quant_dot.h) and `IntColumns` (quant_int.h) loop per output column
 // over all rows, which re-reads every row of x per column: fine for the few rows
 // of a decode step, slow once x outgrows the caches (a prefill chunk). Here a call
 // is cut into row blocks x column ranges (`Plan`), the work items of one

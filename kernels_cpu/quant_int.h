@@ -52,21 +52,19 @@
 
 namespace xlaserve {
 
-// Whether format f's integer epilogue has a min term (Q4_1, Q4_K, Q5_K) and the
-// offset its codes carry in the integer sums (Q4_0: nibble - 8; Q6_K: code - 32, per
-// 16 inputs; Q8_0 in the packed tiles: code + 128).
+// Whether format f's integer epilogue has a min term (Q4_1, Q4_K, Q5_K). (The offsets
+// the codes carry in the integer sums, Q4_0's -8, Q6_K's -32 per 16 inputs and the
+// packed tiles' Q8_0 +128, come back in `GroupEpilogue` and `PackedIntTile`.)
 constexpr bool IntMin(Format f) { return f == kQ4_1 || f == kQ4_K || f == kQ5_K; }
 // Q6_K's scales are per 16 inputs: two per group of 32 (dcol [groups * 2][16]).
 constexpr int ScalesPerGroup(Format f) { return f == kQ6_K ? 2 : 1; }
 
-// Reduces 16 columns' dot lanes (dot[c]: 16 int32 lanes of column c for a pair of
-// groups) to one lane per column: *even = group 2p of columns 0-15, *odd = 2p + 1.
-// kNibble: lanes 0-3 and 8-11 hold group 2p (quant_dot.h nibble order), else lanes
-// 0-7 (input order). Integer adds: exact in any order.
-template <bool kNibble>
-__attribute__((target("avx512f"))) inline void ReduceBlocks(const __m512i* dot, __m512i* even,
-                                                            __m512i* odd) {
-  __m512i s1[8], s2[4];
+// Sums each 128-bit lane of 16 columns' dot lanes (dot[c]: 16 int32 lanes of column c
+// for a pair of groups): 128-bit lane L of s2[k] holds the sums of lanes 4L..4L+3 of
+// columns 4k..4k+3. Integer adds: exact in any order.
+__attribute__((target("avx512f"), always_inline)) inline void LaneQuarterSums(
+    const __m512i* dot, __m512i* s2) {
+  __m512i s1[8];
   for (int k = 0; k < 8; ++k) {  // per 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3]
     s1[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[2 * k], dot[2 * k + 1]),
                              _mm512_unpackhi_epi32(dot[2 * k], dot[2 * k + 1]));
@@ -75,6 +73,16 @@ __attribute__((target("avx512f"))) inline void ReduceBlocks(const __m512i* dot, 
     s2[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * k], s1[2 * k + 1]),
                              _mm512_unpackhi_epi64(s1[2 * k], s1[2 * k + 1]));
   }
+}
+
+// Reduces 16 columns' dot lanes to one lane per column: *even = group 2p of columns
+// 0-15, *odd = 2p + 1. kNibble: lanes 0-3 and 8-11 hold group 2p (quant_dot.h nibble
+// order), else lanes 0-7 (input order).
+template <bool kNibble>
+__attribute__((target("avx512f"))) inline void ReduceBlocks(const __m512i* dot, __m512i* even,
+                                                            __m512i* odd) {
+  __m512i s2[4];
+  LaneQuarterSums(dot, s2);
   // 128-bit lanes of s2[k]: nibble order [g, g', g, g'], input order [g, g, g', g'].
   constexpr int kA = kNibble ? 0x44 : 0x88, kB = kNibble ? 0xEE : 0xDD;
   const __m512i v = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[0], s2[1], kA),
@@ -191,15 +199,8 @@ inline void IntColumnValues(const IntWeight& w, int64_t o, int n, float* dcol, f
 // inputs: q[0] group 2p inputs 0-15, q[1] 2p + 1 inputs 0-15, q[2] 2p inputs 16-31,
 // q[3] 2p + 1 inputs 16-31 (lanes 0-3, 4-7, 8-11, 12-15). Integer adds: exact.
 __attribute__((target("avx512f"))) inline void ReduceQuarters(const __m512i* dot, __m512i* q) {
-  __m512i s1[8], s2[4];
-  for (int k = 0; k < 8; ++k) {
-    s1[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(dot[2 * k], dot[2 * k + 1]),
-                             _mm512_unpackhi_epi32(dot[2 * k], dot[2 * k + 1]));
-  }
-  for (int k = 0; k < 4; ++k) {  // 128-bit lane L of s2[k]: quarter L of columns 4k..4k+3
-    s2[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * k], s1[2 * k + 1]),
-                             _mm512_unpackhi_epi64(s1[2 * k], s1[2 * k + 1]));
-  }
+  __m512i s2[4];  // 128-bit lane L: quarter L of columns 4k..4k+3
+  LaneQuarterSums(dot, s2);
   const __m512i a = _mm512_shuffle_i32x4(s2[0], s2[1], 0x44), b = _mm512_shuffle_i32x4(s2[2], s2[3], 0x44);
   const __m512i c = _mm512_shuffle_i32x4(s2[0], s2[1], 0xEE), d = _mm512_shuffle_i32x4(s2[2], s2[3], 0xEE);
   q[0] = _mm512_shuffle_i32x4(a, b, 0x88);
