@@ -310,14 +310,10 @@ inline void QuantizeRows(const float* x, int rows, int64_t in, bool with_lo, Int
 // The int32 lanes of 64 unsigned codes times one pair of activation bytes: hi
 // only, or 256 * (codes . hi) + codes . lo (16-bit activations).
 template <bool kLo>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i DotBytes(
-    __m512i codes, __m512i hi, const int8_t* lo, __mmask64 negate) {
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline __m512i DotBytes(
+    __m512i codes, __m512i hi, __m512i lo) {
   __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, hi);
-  if constexpr (kLo) {
-    __m512i l = _mm512_loadu_si512(lo);
-    l = _mm512_mask_sub_epi8(l, negate, _mm512_setzero_si512(), l);
-    dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), codes, l);
-  }
+  if constexpr (kLo) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), codes, lo);
   return dot;
 }
 

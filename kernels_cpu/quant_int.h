@@ -53,8 +53,9 @@
 namespace xlaserve {
 
 // Whether format f's integer epilogue has a min term (Q4_1, Q4_K, Q5_K). (The offsets
-// the codes carry in the integer sums, Q4_0's -8, Q6_K's -32 per 16 inputs and the
-// packed tiles' Q8_0 +128, come back in `GroupEpilogue` and `PackedIntTile`.)
+// the codes carry in the integer sums, Q4_0's -8, Q6_K's -32 per 16 inputs and Q8_0's
+// +128 (VPDPBUSD takes unsigned codes), come back in `GroupEpilogue`, `ExactIntTile`
+// and `PackedIntTile`.)
 constexpr bool IntMin(Format f) { return f == kQ4_1 || f == kQ4_K || f == kQ5_K; }
 // Q6_K's scales are per 16 inputs: two per group of 32 (dcol [groups * 2][16]).
 constexpr int ScalesPerGroup(Format f) { return f == kQ6_K ? 2 : 1; }
@@ -331,6 +332,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
   const int64_t row_bytes = pairs * kPairBytes;
   const uint8_t* codes = IsKQuant(kFmt) ? wt.k.q : wt.codes;
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i bias = _mm512_set1_epi8(-128);
   const RowOperands<kFmt, kLo> x(r);
   KWeight krow[IsKQuant(kFmt) ? 16 : 1];
   if constexpr (IsKQuant(kFmt)) {
@@ -360,10 +362,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
       ahead_spans->Prefetch(2 * p + 1);
     }
     __m512i w[16];
-    __mmask64 neg[16];
     for (int c = 0; c < 16; ++c) {
       w[c] = _mm512_setzero_si512();
-      neg[c] = 0;
       if (c >= n) continue;
       if constexpr (IsKQuant(kFmt)) {
         w[c] = KPairCodes<kFmt>(krow[c], p);
@@ -373,20 +373,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
         w[c] = _mm512_and_si512(
             _mm512_inserti64x4(y, _mm512_castsi512_si256(_mm512_srli_epi16(y, 4)), 1), nib);
       } else {
-        const __m512i raw = _mm512_loadu_si512(codes + (o + c) * row_bytes + p * 64);
-        w[c] = _mm512_abs_epi8(raw);
-        neg[c] = _mm512_movepi8_mask(raw);
+        w[c] = _mm512_xor_si512(_mm512_loadu_si512(codes + (o + c) * row_bytes + p * 64),
+                                bias);  // code + 128
       }
     }
     for (int b = 0; b < kRows; ++b) {
       const int64_t row = (r0 + b) * pairs + p;
       const __m512i xb = _mm512_loadu_si512(x.his + row * 64);
+      const __m512i xl = kLo ? _mm512_loadu_si512(x.los + row * 64) : _mm512_setzero_si512();
       __m512i dot[16];
-      for (int c = 0; c < 16; ++c) {
-        const __m512i xs =
-            kNibble ? xb : _mm512_mask_sub_epi8(xb, neg[c], _mm512_setzero_si512(), xb);
-        dot[c] = DotBytes<kLo>(w[c], xs, kLo ? x.los + row * 64 : nullptr, neg[c]);
-      }
+      for (int c = 0; c < 16; ++c) dot[c] = DotBytes<kLo>(w[c], xb, xl);
       // The pair's two groups' sums, column by lane (Q6_K: per 16 inputs).
       __m512i e[2], f[2];
       if constexpr (kFmt == kQ6_K) {
@@ -397,6 +393,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void Ex
         ReduceBlocks<kNibble>(dot, &e[0], &f[0]);
       }
       const int64_t at = (r0 + b) * groups + 2 * p;
+      if constexpr (kFmt == kS8) {  // sum (c + 128) x - 128 sum x
+        e[0] = _mm512_sub_epi32(e[0], _mm512_set1_epi32(128 * x.xint[at]));
+        f[0] = _mm512_sub_epi32(f[0], _mm512_set1_epi32(128 * x.xint[at + 1]));
+      }
       GroupEpilogue<kFmt, kLo>(x, e, at, dcol + 2 * p * kPer * 16, mcol + 2 * p * 16, &acc[b],
                                &mins[b]);
       GroupEpilogue<kFmt, kLo>(x, f, at + 1, dcol + (2 * p + 1) * kPer * 16,
