@@ -162,7 +162,7 @@ class KVTransferParams(BaseModel):
 class _SamplingRequest(_Strict):
   """Fields shared by completions and chat completions."""
 
-  model: str
+  model: str | None = None  # omitted: the served model (as vLLM and SGLang take it)
   max_tokens: int | None = Field(None, ge=1)
   temperature: float | None = None
   top_p: float | None = None

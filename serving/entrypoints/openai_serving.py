@@ -139,14 +139,19 @@ class OpenAIServing:
              for a in self.engine.engine.list_loras()]
     return {"object": "list", "data": data}
 
-  def check_model(self, name: str) -> str | None:
-    """The LoRA adapter `name` selects (None: the base model); 404 if it names neither."""
-    if name in self.model_names:
+  def check_model(self, name: str | None) -> str | None:
+    """The LoRA adapter `name` selects (None: the base model, also when `name` is None,
+    a request that names no model); 404 if it names neither."""
+    if name is None or name in self.model_names:
       return None
     if any(a.name == name for a in self.engine.engine.list_loras()):
       return name
     raise APIError(404, f"The model `{name}` does not exist.", param="model",
                    code="model_not_found")
+
+  def served_name(self, req) -> str:
+    """The model name a response reports: the request's, or the served model's first name."""
+    return req.model if req.model is not None else self.model_names[0]
 
   # LoRA adapters at run time (the server allows it: --allow_runtime_lora) -----
 
@@ -211,8 +216,8 @@ class OpenAIServing:
       for i in range(req.n):
         params = self.checked(req.sampling_params(max_tokens, req.logprobs, i, structured))
         choices.append(Choice(len(choices), ids, params, i))
-    return self._with_kv(Job(f"cmpl-{uuid.uuid4().hex}", "completion", req.model, choices,
-                             req.logprobs, lora), req)
+    return self._with_kv(Job(f"cmpl-{uuid.uuid4().hex}", "completion", self.served_name(req),
+                             choices, req.logprobs, lora), req)
 
   def prepare_chat(self, req: ChatCompletionRequest) -> Job:
     lora = self.check_model(req.model)
@@ -243,8 +248,9 @@ class OpenAIServing:
       self._check_constraint(structured, "tools")
     choices = [Choice(i, ids, self.checked(req.sampling_params(max_tokens, n_lp, i, structured)),
                       i) for i in range(req.n)]
-    return self._with_kv(Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", req.model, choices, n_lp,
-                             lora, tools=offered if tool_choice != "none" else None), req)
+    return self._with_kv(Job(f"chatcmpl-{uuid.uuid4().hex}", "chat", self.served_name(req),
+                             choices, n_lp, lora,
+                             tools=offered if tool_choice != "none" else None), req)
 
   def _with_kv(self, job: Job, req: CompletionRequest | ChatCompletionRequest) -> Job:
     """`job` with the request's kv_transfer_params where this server acts on them: one
@@ -380,8 +386,7 @@ class OpenAIServing:
     return requested
 
   def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
-    if req.model is not None:
-      self.check_model(req.model)
+    self.check_model(req.model)
     req.check()
     if req.messages is not None:
       text = self.render_chat([{"role": m.role, "content": m.text()} for m in req.messages],
@@ -395,8 +400,7 @@ class OpenAIServing:
     return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
 
   def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-    if req.model is not None:
-      self.check_model(req.model)
+    self.check_model(req.model)
     vocab = self.tokenizer.vocab_size
     if len(req.tokens) > self.limits.max_input_chars:
       raise APIError(400, f"{len(req.tokens)} tokens exceed the limit of "

@@ -46,6 +46,18 @@ def test_completion_is_hand_computable(client):
   assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
 
 
+def test_a_request_without_model_takes_the_served_model(client):
+  """As vLLM and SGLang: `model` may be left out (or null); the response names the base."""
+  for model in ({}, {"model": None}):
+    r = client.post("/v1/completions", json={**model, "prompt": "abc", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "fake" and r.json()["choices"][0]["text"] == "ab"
+  r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                "max_tokens": 2})
+  assert r.status_code == 200, r.text
+  assert r.json()["model"] == "fake"
+
+
 def test_completion_many_prompts_and_n(client):
   r = client.post("/v1/completions", json={"model": "fake", "prompt": ["ab", "xyz"], "n": 2,
                                            "max_tokens": 3, "seed": 7})
@@ -180,7 +192,7 @@ BAD_REQUESTS = [
     ("wrong type", {"model": "fake", "prompt": "a", "max_tokens": "5"}, 400, "invalid_value"),
     ("prompt wrong type", {"model": "fake", "prompt": 5}, 400, "invalid_value"),
     ("unknown model", {"model": "gpt-9", "prompt": "a"}, 404, "model_not_found"),
-    ("missing model", {"prompt": "a"}, 400, "invalid_value"),
+    ("model wrong type", {"model": 5, "prompt": "a"}, 400, "invalid_value"),
     ("empty prompt", {"model": "fake", "prompt": ""}, 400, None),
     ("empty prompt list", {"model": "fake", "prompt": []}, 400, None),
     ("prompt too long", {"model": "fake", "prompt": "a" * 300}, 400, "context_length_exceeded"),
