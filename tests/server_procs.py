@@ -37,6 +37,25 @@ DEFAULT_MODEL_TEST_CONFIG = dict(max_num_seqs=8, max_model_len=256, num_pages=96
                                  dtype="float32", weight_dtype="float32", quantization=None)
 
 
+# LLVM's optimisation passes are most of an XLA:CPU compile: a worker process that only
+# compiles tiny models, whose programs then run for milliseconds, spends ~30% less CPU
+# without them (docs/testing.md). Not for the default model's float32 programs, which
+# then run several times slower. Same results: XLA:CPU does not reassociate floating point.
+FAST_COMPILE_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(devices: int | None = None, *, fast_compile: bool = False) -> str:
+  """XLA_FLAGS for a test subprocess: this process's flags, with `devices` simulated CPU
+  devices in place of any device count given there, and FAST_COMPILE_XLA_FLAGS if asked."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if devices is None or not f.startswith("--xla_force_host_platform_device_count")]
+  if devices is not None:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+  if fast_compile:
+    flags += [f for f in FAST_COMPILE_XLA_FLAGS if f not in flags]
+  return " ".join(flags)
+
+
 def engine_flags(config: dict | None = None) -> list[str]:
   """An engine config (default: DEFAULT_MODEL_TEST_CONFIG) as launcher flags."""
   config = DEFAULT_MODEL_TEST_CONFIG if config is None else config

@@ -92,11 +92,14 @@ def source_fingerprint() -> str:
 
 def _platform_fingerprint() -> str:
   devices = jax.devices()
-  # Programs call the native kernels only where they are available (kernels_cpu).
+  # Programs call the native kernels only where they are available (kernels_cpu). XLA_FLAGS
+  # change how a program is compiled (e.g. the optimisation level): a program compiled under
+  # other flags is another program, as in JAX's own compilation cache.
   return (f"jax={jax.__version__} jaxlib={jaxlib.__version__} backend={jax.default_backend()} "
           f"devices={[d.device_kind for d in devices]} native={kernels_cpu.library.isa()} "
           f"native_layers={kernels_cpu.decoder.enabled()} "
-          f"native_prefill={kernels_cpu.paged_attention.prefill_enabled()}")
+          f"native_prefill={kernels_cpu.paged_attention.prefill_enabled()} "
+          f"xla_flags={sorted(os.environ.get('XLA_FLAGS', '').split())}")
 
 
 def _aval_signature(tree: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from server_procs import xla_flags
 
 pytestmark = pytest.mark.slow  # executes the notebook
 
@@ -31,7 +32,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   save_tiny_model("llama", tiny)
   cache = os.environ.get("XLASERVE_TEST_CACHE", os.path.join(REPO, ".jax_cache"))
   for name, value in {"JAX_PLATFORMS": "cpu", "XLASERVE_CACHE_DIR": os.path.abspath(cache),
-                      "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                      "XLA_FLAGS": xla_flags(2),
                       "QUICKSTART_SHARDED_MODEL": tiny,
                       "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
                       }.items():

@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 import pytest
-from server_procs import REPO, launcher_cmd, subprocess_env
+from server_procs import REPO, launcher_cmd, subprocess_env, xla_flags
 
 from serving.entrypoints import cli_help
 
@@ -114,7 +114,7 @@ def outcomes(tmp_path_factory) -> Outcomes:
 
 def _run(case: Case, values: dict) -> subprocess.CompletedProcess:
   args = [a.format(**values) for a in case.args]
-  env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = subprocess_env(XLA_FLAGS=xla_flags(2))
   env.pop("XLASERVE_DEBUG", None)
   env.update(case.env)
   cmd = launcher_cmd(*args) if args else [sys.executable, "-m", "serving.launcher"]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import numpy as np
+from server_procs import xla_flags
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TESTS = os.path.join(REPO, "tests")
@@ -36,10 +37,14 @@ def layout_name(layout: dict) -> str:
 
 
 def run_worker(test_file: str, *args: str, devices: int = 8, timeout: float = 240,
-               env: dict[str, str] | None = None) -> dict:
-  """Runs `python test_file *args` on `devices` CPU devices; returns its last JSON line."""
+               env: dict[str, str] | None = None, fast_compile: bool = True) -> dict:
+  """Runs `python test_file *args` on `devices` CPU devices; returns its last JSON line.
+
+  The workers compile tiny models, so they skip LLVM's optimisation passes
+  (`server_procs.FAST_COMPILE_XLA_FLAGS`); one that runs the default model's float32
+  programs passes `fast_compile=False`."""
   full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{REPO}:{TESTS}",
-              "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+              "XLA_FLAGS": xla_flags(devices, fast_compile=fast_compile), **(env or {})}
   proc = subprocess.run([sys.executable, test_file, *args], env=full_env, cwd=REPO,
                         capture_output=True, text=True, timeout=timeout, check=False)
   if proc.returncode:

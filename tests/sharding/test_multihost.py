@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import shard_testutil as stu
+from server_procs import xla_flags
 
 pytestmark = pytest.mark.slow  # two processes with jax.distributed
 
@@ -36,7 +37,7 @@ def _free_port() -> int:
 
 def _spawn(*args: str) -> subprocess.Popen:
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{stu.REPO}:{stu.TESTS}",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+         "XLA_FLAGS": xla_flags(1)}
   return subprocess.Popen([sys.executable, __file__, *args], env=env, cwd=stu.REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

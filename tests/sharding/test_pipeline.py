@@ -41,7 +41,7 @@ def result(tmp_path_factory):
     path = str(tmp_path_factory.mktemp(family))
     save_tiny_model(family, path)
     paths.append(path)
-  return stu.run_worker(__file__, *paths, timeout=900)
+  return stu.run_worker(__file__, *paths, timeout=900, fast_compile=False)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import asyncio
 
 import httpx
 import pytest
-from server_procs import ServerProcess, engine_flags, subprocess_env
+from server_procs import ServerProcess, engine_flags, subprocess_env, xla_flags
 
 from tiny_models import greedy_alone, save_tiny_model
 
@@ -45,7 +45,7 @@ async def _complete(url: str) -> list[str]:
 def test_two_replicas_serve_like_one_engine(tiny_dir):
   alone = greedy_alone(tiny_dir, ENGINE, PROMPTS, 6)
   expected = [alone[p][0] for p in PROMPTS]
-  env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = subprocess_env(XLA_FLAGS=xla_flags(2))
   server = ServerProcess(*_flags(tiny_dir), "--served_model_name=m", env=env,
                          start_timeout_s=180)
   try:

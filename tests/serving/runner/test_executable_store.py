@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 import pytest
+from server_procs import xla_flags
 
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
@@ -79,7 +80,7 @@ def _worker(model_dir: str, cache_dir: str, engines: str = "2") -> None:
 
 def _run_worker(model_dir: str, cache_dir: str, engines: int, devices: int) -> dict:
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         "XLA_FLAGS": xla_flags(devices),
          "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
   proc = subprocess.run([sys.executable, __file__, model_dir, cache_dir, str(engines)], env=env,
                         cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
@@ -166,7 +167,7 @@ def test_a_stored_program_for_other_devices_is_recompiled(tmp_path):
   """A file under the right key that holds a program for another device set (what a
   mixed-up store would give) is a miss: recompiled, never called."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "XLA_FLAGS": xla_flags(2),
          "PYTHONPATH": os.pathsep.join([REPO, TESTS])}
   proc = subprocess.run([sys.executable, __file__, "--mismatch", str(tmp_path)], env=env,
                         cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
@@ -187,6 +188,12 @@ def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes, mo
   assert store.key("g", "a", (x, y)) != base
   assert store.key("f", "a", (x, np.ones((8,), np.float32))) != base
   assert store.key("f", "a", (x, np.ones((4,), np.int32))) != base
+  # Nor are programs compiled under other XLA flags (the tests' own: tests/conftest.py).
+  given = os.environ.get("XLA_FLAGS", "")
+  monkeypatch.setenv("XLA_FLAGS", f"{given} --xla_llvm_disable_expensive_passes=true")
+  assert store.key("f", "a", (x, y)) != base
+  monkeypatch.setenv("XLA_FLAGS", given)
+  assert store.key("f", "a", (x, y)) == base
   # Programs traced with the native kernels (kernels_cpu) are not those traced without.
   import kernels_cpu
   if kernels_cpu.available():

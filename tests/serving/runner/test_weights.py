@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from server_procs import xla_flags
 
 from checkpoints import quantizers
 from serving.config import EngineConfig
@@ -151,7 +152,7 @@ def test_on_a_mesh():
   """tp=2 / pp=2 meshes (subprocess, four devices): the refusals, the adapted config, the
   one-device-only transformations left out, stacked layers across pipeline stages."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{REPO}:{REPO}/tests",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+         "XLA_FLAGS": xla_flags(4)}
   proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
                         text=True, timeout=240, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
