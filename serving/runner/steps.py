@@ -323,8 +323,8 @@ def multi_decode_step(params, lora, state: DeviceState, inp: DecodeInput,
   kw = dict(cfg=cfg, backend=backend, act_dtype=act_dtype, block_tokens=block_tokens)
   real = inp.seq_lens > 0
   # The k iterations are one loop body, not k unrolled copies: a program of k decode
-  # forwards and k samplers held ~4x the host memory once loaded (86-117 MB a bucket for
-  # the default model, most of an idle server's programs) and took ~4x as long to compile.
+  # forwards and k samplers held ~3x the host memory once loaded (86-117 MB a bucket for
+  # the default model, the largest of a server's programs) and took 1.5x as long to compile.
   kv_index = jnp.concatenate([inp.kv_index[:, None], later_kv_index], axis=1).T  # [k, B]
   window_index = (None if later_window_index is None else jnp.concatenate(
       [inp.window_kv_index[:, None], later_window_index], axis=1).T)
