@@ -188,7 +188,7 @@ def test_key_depends_on_static_options_and_shapes(tmp_path, toy_store_writes, mo
   assert store.key("g", "a", (x, y)) != base
   assert store.key("f", "a", (x, np.ones((8,), np.float32))) != base
   assert store.key("f", "a", (x, np.ones((4,), np.int32))) != base
-  # Nor are programs compiled under other XLA flags (the tests' own: tests/conftest.py).
+  # Nor are programs compiled under other XLA flags (server_procs.FAST_COMPILE_XLA_FLAGS).
   given = os.environ.get("XLA_FLAGS", "")
   monkeypatch.setenv("XLA_FLAGS", f"{given} --xla_llvm_disable_expensive_passes=true")
   assert store.key("f", "a", (x, y)) != base
