@@ -464,7 +464,9 @@ class Scheduler:
     if not p.ignore_eos and token in seq.eos_ids:
       return "stop"
     max_tokens = p.max_tokens or self.config.scheduler.max_model_len
-    if len(seq.output_ids) >= max_tokens or seq.num_tokens >= self.config.scheduler.max_model_len:
+    # Known tokens only, as for max_tokens: a later step's pending token (planned while
+    # this one was in flight, within the limit) is still to come.
+    if len(seq.output_ids) >= max_tokens or seq.num_known >= self.config.scheduler.max_model_len:
       return "length"
     return None
 

@@ -91,6 +91,17 @@ def test_admission_is_fcfs_within_the_decode_slots():
   assert [s.finish_reason for s in seqs] == ["length"] * 4
 
 
+def test_a_sequence_runs_to_max_model_len_with_a_step_in_flight():
+  """The token that reaches max_model_len - 1 arrives while the next step, planned from it,
+  is in flight: the sequence is not at the limit yet and takes that step's token too
+  (counting the pending token finished it one short)."""
+  h = Harness(max_model_len=16)
+  seq = h.add("r", prompt(0, 3), max_tokens=None)
+  h.run()
+  assert (len(seq.output_ids), seq.finish_reason) == (16 - 3, "length")
+  assert seq.output_ids == echo(seq.prompt_ids, 16 - 3)
+
+
 def test_long_prompt_is_chunked_within_the_token_budget():
   h = Harness(max_num_batched_tokens=16)
   long = h.add("long", prompt(1, 40))
