@@ -91,6 +91,9 @@ constexpr int kOperands = 6;   // per weight: codes, scale, offset, q_high, supe
 constexpr int kFormatMask = 15;  // formats[i] & kFormatMask: the Format
 constexpr int kInt8Flag = 16;  // formats[i] & kInt8Flag: activations rounded to 8 bits
 constexpr int kInt16Flag = 32;  // formats[i] & kInt16Flag: activations rounded to 16 bits
+// formats[i] & kTiledFlag: a Q8_0 / Q4_0 / Q4_1 weight with integer activations in the
+// column-tiled layout (quant_format.h `IntWeight::tiled`; the AVX-512 set only).
+constexpr int kTiledFlag = 64;
 constexpr int64_t kColumnBlock = 64;  // output columns per work item
 // Rows a call takes: a decode step's, or a verify step's (sequences x (k + 1) positions);
 // the buffers are sized per call, the weights' tiles take 8 rows at a time.
@@ -104,6 +107,7 @@ struct Weight {
   int64_t in, out;
   Format format;
   int activation_bits;  // 32: float tiles; 8 or 16: integer tiles (not U8)
+  bool tiled;           // the column-tiled layout (kTiledFlag)
 };
 
 // cos / sin of each row's RoPE angles, [rows, H/2] each: the same for every layer.
@@ -314,6 +318,7 @@ inline IntWeight IntOperands(const Weight& w) {
   iw.scale = w.scale;
   iw.offset = w.offset;
   iw.k = w.k;
+  iw.tiled = w.tiled;
   return iw;
 }
 
@@ -466,6 +471,12 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
                       : (code & kInt16Flag) != 0 ? 16
                       : (code & kInt8Flag) != 0  ? 8
                                                        : 32;
+  w.tiled = (code & kTiledFlag) != 0;
+  if (w.tiled && (w.activation_bits == 32 || !(w.format == kS8 || w.format == kQ4_0 ||
+                                               w.format == kQ4_1))) {
+    return ffi::Error::InvalidArgument(
+        "decoder layers: column tiles need Q8_0 / Q4_0 / Q4_1 with integer activations");
+  }
   auto codes = *ops[0], sc = *ops[1], off = *ops[2];
   auto cd = codes.dimensions();
   auto sd = sc.dimensions();
@@ -508,7 +519,7 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
   }
   w.in = sd[1] * kGroup;
   if (sd[0] != w.out || cd[1] != sd[1] * GroupBytes(w.format) ||
-      (w.activation_bits != 32 && sd[1] % 2)) {
+      (w.activation_bits != 32 && sd[1] % 2) || (w.tiled && w.out % kTileCols)) {
     return ffi::Error::InvalidArgument("decoder layers: codes and scales do not match");
   }
   w.codes = reinterpret_cast<const uint8_t*>(codes.untyped_data());
@@ -553,6 +564,9 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     if (ffi::Error err = ParseWeight(weights, i, formats[i], ws[i]); err.failure()) return err;
     if (kIsa != Isa::kAvx512 && IsKQuant(ws[i].format)) {  // no AVX2 / NEON K-quant tiles
       return ffi::Error::InvalidArgument("decoder layers: K-quants need the AVX-512 set");
+    }
+    if (kIsa != Isa::kAvx512 && ws[i].tiled) {
+      return ffi::Error::InvalidArgument("decoder layers: column tiles need the AVX-512 set");
     }
   }
   const int64_t qdim = s.heads * s.head_dim, kvdim = s.kv_heads * s.head_dim;

@@ -36,6 +36,9 @@ K_FORMATS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
 # Added to a nibble, Q8_0 or K-quant format: activations rounded per group to 8 or 16 bits
 # (VNNI).
 ACTIVATION_FLAGS = {32: 0, 8: 16, 16: 32}
+# Added to a Q8_0 / Q4_0 / Q4_1 format with integer activations: the weight is in the
+# column-tiled layout (kernels_cpu/matvec.py `tile_columns`; the AVX-512 set only).
+TILED_FLAG = 64
 OPERANDS_PER_WEIGHT = 6  # codes, scale, offset, q_high, super_scale, super_offset
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
 WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
@@ -44,7 +47,7 @@ WEIGHTS_PER_LAYER = 7  # wq, wk, wv, wo, w_gate, w_up, w_down
 MAX_ROWS = 1024
 
 __all__ = ["ACTIVATION_FLAGS", "FORMATS", "K_FORMATS", "MAX_ROWS", "OPERANDS_PER_WEIGHT",
-           "PAGE_KINDS", "WEIGHTS_PER_LAYER", "decode_layers", "enabled"]
+           "PAGE_KINDS", "TILED_FLAG", "WEIGHTS_PER_LAYER", "decode_layers", "enabled"]
 
 
 def enabled() -> bool:
@@ -68,7 +71,7 @@ def decode_layers(x: jax.Array, positions: jax.Array, kv_index: jax.Array, table
   (groups of 32: codes [O, I*bits/8], scale and offset f16 [O, I/32]; K-quants: the
   QuantizedWeight fields as stored), in the order wq, wk, wv, wo, w_gate, w_up, w_down
   per layer; formats: one `FORMATS` or `K_FORMATS` code per weight (plus its
-  `ACTIVATION_FLAGS`).
+  `ACTIVATION_FLAGS`, and `TILED_FLAG` for a weight in the column-tiled layout).
   """
   operands = [x.astype(jnp.float32), positions.astype(jnp.int32), kv_index.astype(jnp.int32),
               tables.astype(jnp.int32), seq_lens.astype(jnp.int32), inv_freq.astype(jnp.float32),

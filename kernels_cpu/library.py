@@ -49,6 +49,12 @@ TARGETS = {
     "xlaserve_q4_1_matvec_q16": "XlaserveMatvecQ4_1Q16",
     "xlaserve_q4_0_matvec_q16": "XlaserveMatvecQ4_0Q16",
     "xlaserve_int8_matvec_s8_q16": "XlaserveMatvecS8Q16",
+    "xlaserve_q4_1_matvec_q8_tiled": "XlaserveMatvecQ4_1Q8Tiled",
+    "xlaserve_q4_0_matvec_q8_tiled": "XlaserveMatvecQ4_0Q8Tiled",
+    "xlaserve_int8_matvec_s8_q8_tiled": "XlaserveMatvecS8Q8Tiled",
+    "xlaserve_q4_1_matvec_q16_tiled": "XlaserveMatvecQ4_1Q16Tiled",
+    "xlaserve_q4_0_matvec_q16_tiled": "XlaserveMatvecQ4_0Q16Tiled",
+    "xlaserve_int8_matvec_s8_q16_tiled": "XlaserveMatvecS8Q16Tiled",
     "xlaserve_q4_k_matvec": "XlaserveMatvecQ4K",
     "xlaserve_q5_k_matvec": "XlaserveMatvecQ5K",
     "xlaserve_q6_k_matvec": "XlaserveMatvecQ6K",
@@ -64,12 +70,14 @@ TARGETS = {
 # K-quant matvec targets: AVX-512 only (kquant_dot.h); on the AVX2 and NEON sets they take
 # the XLA path (`kquant_isa()`), and their fused decoders refuse them.
 KQUANT_TARGETS = frozenset(name for name in TARGETS if "_k_matvec" in name)
+# Column-tiled weights (quant_format.h `IntWeight::tiled`): AVX-512 VNNI only (`tiles()`).
+TILED_TARGETS = frozenset(name for name in TARGETS if name.endswith("_tiled"))
 # The AVX2 and NEON handlers: the same kernels and operands, symbols with an `Avx2` /
 # `Neon` suffix.
 AVX2_TARGETS = {name: symbol + "Avx2" for name, symbol in TARGETS.items()
-                if name not in KQUANT_TARGETS}
+                if name not in KQUANT_TARGETS | TILED_TARGETS}
 NEON_TARGETS = {name: symbol + "Neon" for name, symbol in TARGETS.items()
-                if name not in KQUANT_TARGETS}
+                if name not in KQUANT_TARGETS | TILED_TARGETS}
 # isa -> (the library's CPU check, its targets). A library built for x86-64 exports the
 # first two, one built for aarch64 the last.
 SETS = {"avx512": ("xlaserve_native_isa", TARGETS),
@@ -153,6 +161,13 @@ def isa() -> str | None:
 def kquant_isa() -> bool:
   """True when the K-quant kernels run with the chosen set (AVX-512 only)."""
   return isa() == "avx512"
+
+
+def tiles() -> bool:
+  """True when the kernels read weights in the column-tiled layout (Q8_0 / Q4_0 / Q4_1
+  with integer activations; serving/models/quantized.py `tile_for_native`): the AVX-512
+  set on a CPU with VNNI."""
+  return isa() == "avx512" and _cpu_vnni()
 
 
 def available() -> bool:

@@ -144,13 +144,15 @@ ffi::Error MatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 }
 
 // Integer activations (VNNI; AVX2 int16 products): kBits 8 (llama.cpp's scheme) or 16
-// (quant_dot.h).
-template <Isa kIsa, Format kFmt, int kBits>
+// (quant_dot.h). kTiled: the weight in the column-tiled layout (quant_format.h
+// `IntWeight::tiled`; the AVX-512 set only).
+template <Isa kIsa, Format kFmt, int kBits, bool kTiled = false>
 ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                          ffi::ResultBuffer<ffi::F32> out) {
   static_assert(kFmt == kQ4_1 || kFmt == kQ4_0 || kFmt == kS8);
   static_assert(kBits == 8 || kBits == 16);
+  static_assert(!kTiled || kIsa == Isa::kAvx512);
   int64_t rows = 0, in = 0, out_dim = 0;
   const uint16_t* m = nullptr;
   if (ffi::Error err = CheckOperands<kFmt>(x, codes, scale, offset, rows, in, out_dim, m);
@@ -160,6 +162,9 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   const int64_t groups = in / kGroup;
   if (groups % 2) {
     return ffi::Error::InvalidArgument("quantized matvec (integer activations): odd group count");
+  }
+  if (kTiled && out_dim % kTileCols) {
+    return ffi::Error::InvalidArgument("quantized matvec (column tiles): O not a multiple of 16");
   }
   constexpr bool kLo = kBits == 16;
   const float* xs = x.typed_data();
@@ -172,6 +177,7 @@ ffi::Error MatvecIntImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
     w.codes = q;
     w.scale = s;
     w.offset = m;
+    w.tiled = kTiled;
     BlockedIntMatvec<kFmt, kLo>(pool, xs, rows, w, y, out_dim);
     return ffi::Error::Success();
   }
@@ -227,10 +233,11 @@ void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
   const int64_t in = w.in, groups = in / kGroup;
   auto r = std::make_shared<IntRows>();
   // Only the layouts this format's tiles read: the nibble tiles' order (VNNI), the
-  // input order (Q8_0's VNNI tiles) and the AMX A tiles (every format's; quant_int.h).
-  r->nibble_order = kFmt != kS8;
-  r->plain_order = kFmt == kS8;
-  r->amx_order = !IsKQuant(kFmt);
+  // input order (Q8_0's VNNI tiles, the column-tiled layout's) and the AMX A tiles (every
+  // format's but the K-quants' and the column-tiled layout's; quant_int.h).
+  r->nibble_order = kFmt != kS8 && !w.tiled;
+  r->plain_order = kFmt == kS8 || w.tiled;
+  r->amx_order = !IsKQuant(kFmt) && !w.tiled;
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
   constexpr int64_t kQuantizeRows = 64;
@@ -452,6 +459,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16, (MatvecIntImpl<Isa::kAvx512
                               Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16, (MatvecIntImpl<Isa::kAvx512, kS8, 16>),
                               Binding());
+// The same with the weight in the column-tiled layout (quant_format.h `IntWeight::tiled`;
+// AVX-512 only: the AVX2 and NEON sets have no such handlers).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Tiled,
+                              (MatvecIntImpl<Isa::kAvx512, kQ4_1, 8, true>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q8Tiled,
+                              (MatvecIntImpl<Isa::kAvx512, kQ4_0, 8, true>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q8Tiled, (MatvecIntImpl<Isa::kAvx512, kS8, 8, true>),
+                              Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q16Tiled,
+                              (MatvecIntImpl<Isa::kAvx512, kQ4_1, 16, true>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_0Q16Tiled,
+                              (MatvecIntImpl<Isa::kAvx512, kQ4_0, 16, true>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecS8Q16Tiled,
+                              (MatvecIntImpl<Isa::kAvx512, kS8, 16, true>), Binding());
 // The same on AVX2 (quant_dot_avx2.h: int16 products instead of VNNI).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4_1Q8Avx2, (MatvecIntImpl<Isa::kAvx2, kQ4_1, 8>),
                               Binding());

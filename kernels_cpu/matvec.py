@@ -36,7 +36,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_cpu.library import available, kquant_isa, library_path, target, vnni
+import numpy as np
+
+from kernels_cpu.library import available, kquant_isa, library_path, target, tiles, vnni
 
 MAX_ROWS = 8192  # activation rows one call takes (matvec.cc's kMaxCallRows)
 GROUP = 32
@@ -48,15 +50,18 @@ _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_mat
             (4, True, 16): "xlaserve_q4_1_matvec_q16", (4, False, 16): "xlaserve_q4_0_matvec_q16",
             (8, False, 16): "xlaserve_int8_matvec_s8_q16"}
 ACTIVATION_BITS = (32, 16, 8)
+TILE_COLS = 16  # output columns a block of the column-tiled layout (`tile_columns`)
 SUPER = 256  # inputs per K-quant super-block
 K_FORMATS = ("q4_k", "q5_k", "q6_k")
 # K-quant format -> (scale codes per input, q_high bytes per input, scale dtype, has mins)
 _K_LAYOUT = {"q4_k": (1 / 32, 0, jnp.uint8, True), "q5_k": (1 / 32, 1 / 8, jnp.uint8, True),
              "q6_k": (1 / 16, 1 / 4, jnp.int8, False)}
 
-__all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "available", "int8_matvec",
-           "kquant_matvec", "library_path", "quantized_matvec", "supports",
-           "supports_integer_activations", "supports_kquant", "vnni"]
+__all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "TILE_COLS", "available",
+           "int8_matvec", "kquant_matvec", "library_path", "quantized_matvec", "supports",
+           "supports_integer_activations", "supports_kquant", "supports_tiles", "tile_columns",
+           "tiles",
+           "untile_columns", "vnni"]
 
 
 def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
@@ -86,19 +91,77 @@ def supports_integer_activations(rows: int, codes: jax.Array, scale: jax.Array,
           and scale.shape[1] % 2 == 0 and vnni())
 
 
+def _chunk_shape(codes_shape: tuple[int, ...], bits: int) -> tuple[int, ...]:
+  """[..., O, I*bits/8] codes as [..., O/16, 16, groups, chunks, 4] (4-byte chunks)."""
+  *lead, out_dim, width = codes_shape
+  groups = width * 8 // bits // GROUP
+  return (*lead, out_dim // TILE_COLS, TILE_COLS, groups, width // groups // 4, 4)
+
+
+def tile_columns(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, bits: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """Codes [..., O, I*bits/8] and float16 scales (and mins) [..., O, I/32] as stored ->
+  the same shapes in the column-tiled layout the AVX-512 tiles read in one stream
+  (kernels_cpu/quant_format.h `IntWeight::tiled`): each block of 16 output columns as
+  codes [groups][chunks][16][4 bytes], values [groups][16]. O a multiple of 16. Host
+  arrays (numpy), once at load."""
+  codes, scale = np.asarray(codes), np.asarray(scale)
+  if codes.shape[-2] % TILE_COLS:
+    raise ValueError(f"column tiles need O a multiple of {TILE_COLS}, got {codes.shape[-2]}")
+  n = codes.ndim
+  order = (*range(n - 2), n - 2, n, n + 1, n - 1, n + 2)  # [.., O/16, groups, chunks, 16, 4]
+  tiled = np.ascontiguousarray(codes.reshape(_chunk_shape(codes.shape, bits)).transpose(order))
+  def values(v):
+    *lead, out_dim, groups = v.shape
+    v = v.reshape(*lead, out_dim // TILE_COLS, TILE_COLS, groups)
+    return np.ascontiguousarray(np.swapaxes(v, -1, -2)).reshape(*lead, out_dim, groups)
+  return (tiled.reshape(codes.shape), values(scale),
+          None if offset is None else values(np.asarray(offset)))
+
+
+def untile_columns(codes, scale, offset, bits: int):
+  """The inverse of `tile_columns`, on jax or numpy arrays (inside a jitted step: XLA
+  fuses the transposes into whatever reads the codes)."""
+  xp = np if isinstance(codes, np.ndarray) else jnp
+  n = codes.ndim
+  *lead, out_dim, width = codes.shape
+  groups = width * 8 // bits // GROUP
+  chunks = width // groups // 4
+  blocked = codes.reshape(*lead, out_dim // TILE_COLS, groups, chunks, TILE_COLS, 4)
+  order = (*range(n - 2), n - 2, n + 1, n - 1, n, n + 2)  # [.., O/16, 16, groups, chunks, 4]
+  rows = xp.transpose(blocked, order).reshape(codes.shape)
+  def values(v):
+    *lead_v, out_v, groups_v = v.shape
+    v = v.reshape(*lead_v, out_v // TILE_COLS, groups_v, TILE_COLS)
+    return xp.swapaxes(v, -1, -2).reshape(*lead_v, out_v, groups_v)
+  return rows, values(scale), None if offset is None else values(offset)
+
+
+def supports_tiles(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
+                   bits: int = 8) -> bool:
+  """Whether `quantized_matvec(..., tiled=True)` takes these operands: those of
+  `supports_integer_activations`, O a multiple of 16, and `tiles()` (AVX-512 VNNI)."""
+  return (supports_integer_activations(rows, codes, scale, offset, bits) and tiles()
+          and codes.shape[0] % TILE_COLS == 0)
+
+
 def quantized_matvec(x: jax.Array, codes: jax.Array, scale: jax.Array,
                      offset: jax.Array | None = None, bits: int = 8,
-                     activation_bits: int = 32) -> jax.Array:
+                     activation_bits: int = 32, tiled: bool = False) -> jax.Array:
   """x [B, I] float32 -> [B, O] float32 (see module doc); needs `available()` and
   `supports(...)` (`supports_integer_activations` with activation_bits 8 or 16). bits=4:
-  nibble codes [O, I/2] (GGUF Q4_1 with `offset`, else Q4_0)."""
+  nibble codes [O, I/2] (GGUF Q4_1 with `offset`, else Q4_0). `tiled`: the operands in the
+  column-tiled layout (`tile_columns`; integer activations, `supports_tiles`)."""
   if activation_bits not in ACTIVATION_BITS:
     raise ValueError(f"activation_bits={activation_bits} not in {ACTIVATION_BITS}")
+  if tiled and activation_bits == 32:
+    raise ValueError("column-tiled weights take integer activations (8 or 16 bits)")
   rows, out_dim = x.shape[0], codes.shape[0]
   key = (bits, offset is not None)
   if activation_bits != 32:
     key += (activation_bits,)
-  call = jax.ffi.ffi_call(target(_TARGETS[key]),
+  name = _TARGETS[key] + ("_tiled" if tiled else "")
+  call = jax.ffi.ffi_call(target(name),
                           jax.ShapeDtypeStruct((rows, out_dim), jnp.float32))
   return call(x.astype(jnp.float32), codes, scale, scale if offset is None else offset)
 

@@ -184,6 +184,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void KColumnVal
   }
 }
 
+// A column tile's float16 values (scales or mins) in the column-tiled layout
+// (quant_format.h `IntWeight::tiled`: [groups][16] from column o's block) as floats
+// [groups][16].
+__attribute__((target("avx512f,f16c"))) inline void TiledColumnValues(const uint16_t* values,
+                                                                      int64_t groups, int64_t o,
+                                                                      float* dst) {
+  const uint16_t* block = values + o * groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm512_storeu_ps(dst + g * 16, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                       reinterpret_cast<const __m256i*>(block + g * 16))));
+  }
+}
+
 // Columns [o, o + n)'s scales and mins as [values][16] (ColumnValues, KColumnValues).
 template <Format kFmt>
 inline void IntColumnValues(const IntWeight& w, int64_t o, int n, float* dcol, float* mcol) {
@@ -221,16 +234,17 @@ __attribute__((target("avx512f,fma"))) inline __m512 Finish(__m512 acc, __m512 m
 
 // The rounded rows' arrays a VNNI tile of format kFmt reads (kLo: the 16-bit rounding):
 // group scales, integer and float group sums (Q6_K: integer sums per 16 inputs), hi
-// and lo bytes (nibble or input order).
-template <Format kFmt, bool kLo>
+// and lo bytes (nibble order, or kPlain: input order; Q8_0's tiles and the column-tiled
+// layout's read input order).
+template <Format kFmt, bool kLo, bool kPlain = kFmt == kS8>
 struct RowOperands {
   explicit RowOperands(const IntRows& r)
       : dx(r.dx_group.data()),
         xint(kFmt == kQ6_K ? (kLo ? r.xint16_half : r.xint8_half).data()
                            : (kLo ? r.xint16 : r.xint8).data()),
         xsum(IntMin(kFmt) ? (kLo ? r.xsum16 : r.xsum8).data() : nullptr),
-        his(kFmt != kS8 ? r.hi.data() : r.hi_plain.data()),
-        los(kLo ? (kFmt != kS8 ? r.lo.data() : r.lo_plain.data()) : nullptr) {}
+        his(!kPlain ? r.hi.data() : r.hi_plain.data()),
+        los(kLo ? (!kPlain ? r.lo.data() : r.lo_plain.data()) : nullptr) {}
   const float* dx;
   const int32_t* xint;  // [rows, groups] (Q6_K: [rows, groups * 2])
   const float* xsum;
@@ -241,9 +255,9 @@ struct RowOperands {
 // One group's epilogue for 16 columns (module comment): isum the group's exact sums
 // (Q6_K: isum[0] / isum[1] its two halves, before the -32 offset), `at` the row's
 // group index, d the columns' scales at the group (Q6_K: two rows of 16), m the mins.
-template <Format kFmt, bool kLo>
+template <Format kFmt, bool kLo, bool kPlain>
 __attribute__((target("avx512f,fma"), always_inline)) inline void GroupEpilogue(
-    const RowOperands<kFmt, kLo>& x, const __m512i* isum, int64_t at, const float* d,
+    const RowOperands<kFmt, kLo, kPlain>& x, const __m512i* isum, int64_t at, const float* d,
     const float* m, __m512* acc, __m512* mins) {
   const __m512 dx = _mm512_set1_ps(x.dx[at]);
   if constexpr (kFmt == kQ6_K) {
@@ -727,31 +741,63 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i RowG
   return isum;
 }
 
-// Rows [r0, r0 + kRows) of `r` x the 16 packed columns `u` (PackColumnsUnsigned):
-// the module comment's numerics.
-template <Format kFmt, int kRows, bool kLo>
+// The 8 unsigned chunk vectors of group g of a column tile in the column-tiled layout
+// (quant_format.h `IntWeight::tiled`; `u` the tile's codes): w[k] = inputs 4k..4k+3 of
+// the 16 columns, as PackColumnsUnsigned lays them. Prefetches the tile's bytes 1 KiB
+// ahead (the next tile's first where this one ends: the blocks are back to back).
+template <Format kFmt>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void TiledGroupCodes(
+    const uint8_t* u, int64_t g, __m512i* w) {
+  static_assert(kFmt == kS8 || kFmt == kQ4_0 || kFmt == kQ4_1);
+  constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // a group of 16 columns
+  const uint8_t* at = u + g * kBytes;
+  for (int64_t line = 0; line < kBytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(at + 1024 + line), _MM_HINT_T0);
+  }
+  if constexpr (kFmt == kS8) {
+    for (int k = 0; k < 8; ++k) {
+      w[k] = _mm512_xor_si512(_mm512_loadu_si512(at + k * 64), _mm512_set1_epi8(-128));
+    }
+  } else {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = _mm512_loadu_si512(at + k * 64);
+      w[k] = _mm512_and_si512(v, nib);
+      w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+  }
+}
+
+// Rows [r0, r0 + kRows) of `r` x 16 columns: the packed columns `u`
+// (PackColumnsUnsigned) or, kTiled, a column tile's codes in the column-tiled layout
+// (TiledGroupCodes; the rows' bytes in input order): the module comment's numerics.
+template <Format kFmt, int kRows, bool kLo, bool kTiled = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedIntTile(
     const IntRows& r, int r0, int64_t groups, const uint8_t* u, int64_t o, int n,
     const float* dcol, const float* mcol, float* out, int64_t out_dim) {
-  constexpr bool kNibble = kFmt != kS8;
+  constexpr bool kPlain = kTiled || kFmt == kS8;
   constexpr int kPer = ScalesPerGroup(kFmt);
   const int64_t row_bytes = groups * kGroup;  // of hi / lo, either order
-  const RowOperands<kFmt, kLo> rows(r);
+  const RowOperands<kFmt, kLo, kPlain> rows(r);
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
-    for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
+    if constexpr (kTiled) {
+      TiledGroupCodes<kFmt>(u, g, w);
+    } else {
+      for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
+    }
     for (int b = 0; b < kRows; ++b) {
       const int8_t* hi = rows.his + (r0 + b) * row_bytes;
       const int8_t* lo = kLo ? rows.los + (r0 + b) * row_bytes : nullptr;
       const int64_t at = (r0 + b) * groups + g;
       __m512i isum[2];
       if constexpr (kFmt == kQ6_K) {  // inputs 0-15 and 16-31 apart
-        isum[0] = RowGroupSums<kNibble, kLo, 0, 4>(w, hi, lo, g);
-        isum[1] = RowGroupSums<kNibble, kLo, 4, 8>(w, hi, lo, g);
+        isum[0] = RowGroupSums<!kPlain, kLo, 0, 4>(w, hi, lo, g);
+        isum[1] = RowGroupSums<!kPlain, kLo, 4, 8>(w, hi, lo, g);
       } else {
-        isum[0] = RowGroupSums<kNibble, kLo>(w, hi, lo, g);
+        isum[0] = RowGroupSums<!kPlain, kLo>(w, hi, lo, g);
         if constexpr (kFmt == kS8) {  // sum (c + 128) x - 128 sum x
           isum[0] = _mm512_sub_epi32(isum[0], _mm512_set1_epi32(128 * rows.xint[at]));
         }
@@ -782,6 +828,22 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   thread_local std::vector<uint8_t> packed_u;  // PackColumnsUnsigned
   dcol.resize(groups * ScalesPerGroup(kFmt) * 16);
   if (kMin) mcol.resize(groups * 16);
+  if constexpr (!IsKQuant(kFmt)) {
+    if (w.tiled) {  // every row tile reads the column tiles as laid out (no AMX, no packing)
+      for (int64_t o = o0; o < o1; o += kTileCols) {
+        TiledColumnValues(w.scale, groups, o, dcol.data());
+        if constexpr (kMin) TiledColumnValues(w.offset, groups, o, mcol.data());
+        const uint8_t* u = w.codes + o * groups * GroupBytes(kFmt);
+        for (int r0 = r_begin; r0 < r_end; r0 += kTileRows) {
+          XLASERVE_WITH_TILE_ROWS(
+              std::min(kTileRows, r_end - r0),
+              (PackedIntTile<kFmt, R, kLo, true>(r, r0, groups, u, o, kTileCols, dcol.data(),
+                                                 mcol.data(), out, out_dim)));
+        }
+      }
+      return;
+    }
+  }
   // The A tiles hold the rounding r was made for: 8-bit tiles reading a 16-bit rounding
   // (its high bytes, as the decoder does for a phase of mixed weights) take VNNI.
   const int packed_rows = r.has_lo == kLo ? static_cast<int>(AmxPackedRows(r, groups)) : 0;

@@ -53,6 +53,10 @@ flags.DEFINE_integer("cpu_activation_bits", None,
                      "With nibble (Q4) or Q8_0 weights on CPU: round activations per group of "
                      "32 to this many bits in the native kernel's integer dot products (8: "
                      "llama.cpp's scheme, fastest; 16: 2^-16 of each group's max; 32: float).")
+flags.DEFINE_bool("cpu_weight_tiles", None,
+                  "With Q8_0 / Q4 weights on an AVX-512 VNNI CPU: lay them out once at load "
+                  "as the native kernel reads them (default true; same results, faster "
+                  "decode). false: keep the stored rows.")
 flags.DEFINE_integer("tp", None, "Tensor parallel degree.")
 flags.DEFINE_integer("ep", None, "Expert parallel degree.")
 flags.DEFINE_integer("dp", None, "Data parallel replicas.")
@@ -113,7 +117,7 @@ flags.DEFINE_enum("kv_role", None, config_lib.KV_ROLES, "Prefill / decode across
 ENGINE_FLAGS = ("max_num_seqs", "max_model_len", "page_size", "num_pages",
                 "kv_cache_memory_fraction", "max_num_batched_tokens", "enable_prefix_caching",
                 "attention_backend", "dtype", "weight_dtype", "kv_cache_dtype", "quantization",
-                "quantized_dense_copy", "cpu_activation_bits", "tp", "ep", "dp", "pp",
+                "quantized_dense_copy", "cpu_activation_bits", "cpu_weight_tiles", "tp", "ep", "dp", "pp",
                 "prefill_workers", "decode_workers", "kv_transfer_pages", "kv_role",
                 "prefill_buckets", "decode_buckets", "attention_block_tokens", "compilation_cache",
                 "kv_events_endpoint", "kv_events_topic", "kv_events_replay_endpoint",

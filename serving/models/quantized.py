@@ -49,6 +49,15 @@ of up to `NATIVE_ROWS_BESIDE_FULL` rows read the codes (the kernel is bound
 by their conversion, not by bytes, and beats XLA's dot there), prefill and
 larger batches take XLA's GEMM on the copy. Memory for speed at both ends.
 
+On one device where the native kernels run on AVX-512 VNNI, the linear weights the
+integer tiles read (Q8_0, Q4_0, Q4_1 with integer activations) are re-laid once at
+load in the kernels' column-tiled layout (`tile_for_native`, `layout="tiles"`): the
+same arrays and shapes, each block of 16 output channels' codes and scales in the
+order the tiles read them, one sequential stream a block instead of sixteen
+(kernels_cpu/quant_format.h `IntWeight::tiled`). The native kernels read them
+bitwise as they read the stored rows; every other reader (`dequantize`, the XLA
+path) takes `rows_layout()` first.
+
 A tied embedding is quantized as the LM head: `logical [D, V]`, stored
 `[V, D]` — exactly the embedding table, so `lookup(ids)` returns embedding
 rows (`serving.models.layers.embed_tokens`).
@@ -75,6 +84,7 @@ import kernels_cpu
 from serving.models.layers import dot_f32_accumulate
 
 KINDS = ("int8", "int4", "int5", "int6", "fp8", "mxfp4")
+LAYOUTS = ("rows", "tiles")  # QuantizedWeight.layout
 METHODS = ("int8", "int4", "fp8", "gguf")  # values of `quantization=` (gguf: blocks as stored)
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 EXPERT_KEYS = ("we_gate", "we_up", "we_down")
@@ -116,10 +126,19 @@ class QuantizedWeight:
   # Nibble and Q8_0 weights on CPU: the native kernel rounds the activations per group of
   # 32 to 8 or 16 bits and uses integer dot products (`with_activation_bits`); 32: float.
   activation_bits: int = dataclasses.field(default=32, metadata=dict(static=True))
+  # "rows": the arrays as stored (module doc); "tiles": q, scale and offset in the native
+  # kernels' column-tiled layout (`tile_for_native`).
+  layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"kind={self.kind!r} not in {KINDS}")
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"layout={self.layout!r} not in {LAYOUTS}")
+    if self.layout == "tiles" and not _tileable(self):
+      raise ValueError("the column-tiled layout holds Q8_0 / Q4_0 / Q4_1 weights (groups of 32, "
+                       "integer activations, output channels a multiple of "
+                       f"{kernels_cpu.matvec.TILE_COLS}) without a dense copy")
     packed = self.kind in CODE_BITS
     if packed and (self.group_size <= 0 or self.group_size % 2):
       raise ValueError(f"{self.kind} needs an even group_size > 0, got {self.group_size}")
@@ -188,17 +207,27 @@ class QuantizedWeight:
       q = self.q + dep.astype(self.q.dtype)
     return dataclasses.replace(self, q=q)
 
+  def rows_layout(self) -> QuantizedWeight:
+    """The same weight with its arrays as stored (`layout="rows"`; a no-op for such)."""
+    if self.layout == "rows":
+      return self
+    q, scale, offset = kernels_cpu.matvec.untile_columns(self.q, self.scale, self.offset,
+                                                         self.bits)
+    return dataclasses.replace(self, q=q, scale=scale, offset=offset, layout="rows")
+
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The weight in storage orientation `[..., Out, In]`, as `dtype` (inputs in stored
     order: with `perm`, column j is input perm[j])."""
-    return _dequantize_rows(self, {f: getattr(self, f) for f in ROW_FIELDS}, dtype)
+    w = self.rows_layout()
+    return _dequantize_rows(w, {f: getattr(w, f) for f in ROW_FIELDS}, dtype)
 
   def lookup(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Storage rows `[..., In]` for output channels `ids` (embedding lookup)."""
     if self.perm is not None:
       raise ValueError("an embedding cannot have permuted inputs")
-    rows = {f: None if getattr(self, f) is None else getattr(self, f)[ids] for f in ROW_FIELDS}
-    return _dequantize_rows(self, rows, dtype)
+    w = self.rows_layout()
+    rows = {f: None if getattr(w, f) is None else getattr(w, f)[ids] for f in ROW_FIELDS}
+    return _dequantize_rows(w, rows, dtype)
 
   def dense(self, x: jax.Array) -> jax.Array:
     """The logical `[..., In, Out]` matrix in the compute dtype for activations `x`,
@@ -216,7 +245,8 @@ class QuantizedWeight:
       fmt = kquant_format(self)
       if fmt is None:
         out = kernels_cpu.quantized_matvec(rows, self.q, self.scale, self.offset, self.bits,
-                                           activation_bits=bits)
+                                           activation_bits=bits,
+                                           tiled=self.layout == "tiles")
       else:
         out = kernels_cpu.matvec.kquant_matvec(rows, fmt, self.q, self.scale, self.offset,
                                                self.q_high, self.super_scale,
@@ -225,7 +255,7 @@ class QuantizedWeight:
     if self.full is not None:
       return dot_f32_accumulate("...i,oi->...o", x, self.full).astype(x.dtype)
     cdt = _compute_dtype(x.dtype)
-    w = self.after(x)
+    w = self.rows_layout().after(x)
     xs = x if self.perm is None else jnp.take(x, self.perm, axis=-1)
     if self.group_size == 0:  # per channel: dot the raw codes, scale the output
       out = jnp.einsum("...i,oi->...o", xs.astype(cdt), w.q.astype(cdt),
@@ -255,6 +285,9 @@ class QuantizedWeight:
       takes = kernels_cpu.matvec.supports_kquant(rows, fmt, self.q, self.scale, self.offset,
                                                  self.q_high, self.super_scale,
                                                  self.super_offset)
+    elif self.layout == "tiles":
+      takes = kernels_cpu.matvec.supports_tiles(rows, self.q, self.scale, self.offset,
+                                                self.bits)
     else:
       takes = kernels_cpu.matvec.supports(rows, self.q, self.scale, self.offset, self.bits)
     return takes and kernels_cpu.available()
@@ -265,6 +298,8 @@ class QuantizedWeight:
     K-quant, an even group count, a VNNI CPU), else 32 (float tiles)."""
     if self.activation_bits == 32:
       return 32
+    if self.layout == "tiles":  # runs_native only where the tiles take these operands
+      return self.activation_bits
     fmt = kquant_format(self)
     if fmt is not None:
       takes = kernels_cpu.matvec.supports_kquant(rows, fmt, self.q, self.scale, self.offset,
@@ -322,6 +357,39 @@ def with_activation_bits(params: Any, bits: int) -> Any:
     return dataclasses.replace(w, activation_bits=bits)
 
   return jax.tree.map(mark, params, is_leaf=is_quantized)
+
+
+def _tileable(w: QuantizedWeight) -> bool:
+  """Whether `w` (either layout) can be held in the column-tiled layout: Q8_0 / Q4_0 / Q4_1
+  in a `native_format`, integer activations, output channels a multiple of 16, an even
+  group count, no dense copy."""
+  signed_bytes = w.kind == "int8" and w.offset is None
+  groups = w.scale.shape[-1] if w.scale is not None and w.scale.ndim >= 2 else 0
+  return (native_format(w) and kquant_format(w) is None and (w.kind == "int4" or signed_bytes)
+          and w.activation_bits != 32 and w.full is None and groups % 2 == 0 and groups > 0
+          and w.q.shape[-2] % kernels_cpu.matvec.TILE_COLS == 0)
+
+
+# The params whose weights `tile_for_native` lays out: the layers' linear weights and an
+# untied LM head (not the embedding: its rows are looked up).
+TILED_KEYS = (*LINEAR_KEYS, "lm_head")
+
+
+def tile_for_native(params: Any) -> Any:
+  """Params whose `TILED_KEYS` weights that the integer tiles read (`_tileable`: Q8_0,
+  Q4_0, Q4_1 with integer activations) are in the native kernels' column-tiled layout
+  (`layout="tiles"`, kernels_cpu/matvec.py `tile_columns`), on the host. For one device
+  where `kernels_cpu.matvec.tiles()` (AVX-512 VNNI); other weights are unchanged. Same
+  results bitwise (the tiles' integer sums are exact, the epilogue the same); batch-1 decode
+  reads each block of 16 output channels as one stream."""
+  def tile(path, w):
+    key = getattr(path[-1], "key", None) if path else None
+    if not is_quantized(w) or key not in TILED_KEYS or w.layout != "rows" or not _tileable(w):
+      return w
+    q, scale, offset = kernels_cpu.matvec.tile_columns(w.q, w.scale, w.offset, w.bits)
+    return dataclasses.replace(w, q=q, scale=scale, offset=offset, layout="tiles")
+
+  return jax.tree_util.tree_map_with_path(tile, params, is_leaf=is_quantized)
 
 
 def with_full_copies(params: Any, dtype) -> Any:

@@ -101,7 +101,8 @@ def _format(w) -> int:
   fmt = kquant_format(w)
   code = decoder.FORMATS[(w.bits, w.offset is not None)] if fmt is None else (
       decoder.K_FORMATS[fmt])
-  return code + decoder.ACTIVATION_FLAGS[w.native_activation_bits(1)]
+  tiles = decoder.TILED_FLAG if w.layout == "tiles" else 0
+  return code + decoder.ACTIVATION_FLAGS[w.native_activation_bits(1)] + tiles
 
 
 def run_layers(layers: list, cfg: ModelConfig, x: jax.Array, positions: jax.Array,

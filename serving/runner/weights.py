@@ -14,8 +14,10 @@ anything reaches a device, in this order:
      stages) and the config with them;
   3. `quantization` quantizes them (checkpoints/quantizers.py);
   4. on one device only (a mesh places the params as loaded): the dense copies
-     of quantized weights (`quantized_dense_copy`) and the native kernel's
-     activation bits (`cpu_activation_bits`), serving/models/quantized.py;
+     of quantized weights (`quantized_dense_copy`), the native kernel's
+     activation bits (`cpu_activation_bits`) and, where its integer tiles run on
+     AVX-512 VNNI, its column-tiled layout (`cpu_weight_tiles`),
+     serving/models/quantized.py;
   5. unrolled layers (`unroll_layers`, the CPU default) are unstacked, except
      across pipeline stages, which split the stacked layers;
   6. the draft model: its vocabulary checked against the target's, its layers
@@ -35,12 +37,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import kernels_cpu
 import sharding
 from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
 from serving.models import causal_lm
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import is_quantized, with_activation_bits, with_full_copies
+from serving.models.quantized import (is_quantized, tile_for_native, with_activation_bits,
+                                      with_full_copies)
 from serving.runner.draft_model import check_vocabulary
 from serving.runner.executable_store import enable_jax_cache
 
@@ -187,6 +191,9 @@ def _transform(params: Params, engine_cfg: EngineConfig, weight_dtype, *, one_de
   # The native kernel runs on one device only: a mesh places the params as loaded.
   if engine_cfg.cpu.cpu_activation_bits != 32 and one_device:
     params = with_activation_bits(params, engine_cfg.cpu.cpu_activation_bits)
+    if (engine_cfg.cpu.cpu_weight_tiles and jax.default_backend() == "cpu"
+        and kernels_cpu.matvec.tiles()):
+      params = tile_for_native(params)
   if unstack:
     params = causal_lm.unstack_layers(params)
   return params
