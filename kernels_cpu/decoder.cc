@@ -91,8 +91,8 @@ constexpr int kOperands = 6;   // per weight: codes, scale, offset, q_high, supe
 constexpr int kFormatMask = 15;  // formats[i] & kFormatMask: the Format
 constexpr int kInt8Flag = 16;  // formats[i] & kInt8Flag: activations rounded to 8 bits
 constexpr int kInt16Flag = 32;  // formats[i] & kInt16Flag: activations rounded to 16 bits
-// formats[i] & kTiledFlag: a Q8_0 / Q4_0 / Q4_1 weight with integer activations in the
-// column-tiled layout (quant_format.h `IntWeight::tiled`; the AVX-512 set only).
+// formats[i] & kTiledFlag: a Q8_0 / Q4_0 / Q4_1 / Q4_K weight with integer activations in
+// the column-tiled layout (quant_format.h `IntWeight::tiled`; the AVX-512 set only).
 constexpr int kTiledFlag = 64;
 constexpr int64_t kColumnBlock = 64;  // output columns per work item
 // Rows a call takes: a decode step's, or a verify step's (sequences x (k + 1) positions);
@@ -472,10 +472,9 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
                       : (code & kInt8Flag) != 0  ? 8
                                                        : 32;
   w.tiled = (code & kTiledFlag) != 0;
-  if (w.tiled && (w.activation_bits == 32 || !(w.format == kS8 || w.format == kQ4_0 ||
-                                               w.format == kQ4_1))) {
+  if (w.tiled && (w.activation_bits == 32 || !TiledFormat(w.format))) {
     return ffi::Error::InvalidArgument(
-        "decoder layers: column tiles need Q8_0 / Q4_0 / Q4_1 with integer activations");
+        "decoder layers: column tiles need Q8_0 / Q4_0 / Q4_1 / Q4_K with integer activations");
   }
   auto codes = *ops[0], sc = *ops[1], off = *ops[2];
   auto cd = codes.dimensions();
@@ -500,6 +499,7 @@ ffi::Error ParseWeight(ffi::RemainingArgs& weights, int64_t i, int64_t code, Wei
       ok = ok && shaped(off, ffi::U8, w.in / kGroup) && shaped(so, ffi::F16, w.in / kSuper);
     }
     if (f != kQ4_K) ok = ok && shaped(qh, ffi::U8, KHighBytes(f, w.in));
+    ok = ok && (!w.tiled || w.out % kTileCols == 0);
     if (!ok) return ffi::Error::InvalidArgument("decoder layers: K-quant operands do not match");
     w.k.q = reinterpret_cast<const uint8_t*>(codes.untyped_data());
     w.k.scale = reinterpret_cast<const uint8_t*>(sc.untyped_data());

@@ -317,13 +317,14 @@ ffi::Error CheckKOperands(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::AnyB
 }
 
 // K-quants x float activations (kBits 32) or activations rounded per group of 32 to
-// kBits 8 or 16 (VNNI).
-template <Format kFmt, int kBits>
+// kBits 8 or 16 (VNNI); kTiled: the weight in the column-tiled layout (Q4_K).
+template <Format kFmt, int kBits, bool kTiled = false>
 ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                        ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer q_high,
                        ffi::Buffer<ffi::F16> super_scale, ffi::Buffer<ffi::F16> super_offset,
                        ffi::ResultBuffer<ffi::F32> out) {
   static_assert(IsKQuant(kFmt) && (kBits == 8 || kBits == 16 || kBits == 32));
+  static_assert(!kTiled || (TiledFormat(kFmt) && kBits != 32));
   int64_t rows = 0, in = 0, out_dim = 0;
   KWeight w;
   if (ffi::Error err = CheckKOperands<kFmt>(x, q, scale, offset, q_high, super_scale,
@@ -331,12 +332,16 @@ ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       err.failure()) {
     return err;
   }
+  if (kTiled && out_dim % kTileCols) {
+    return ffi::Error::InvalidArgument("K-quant matvec (column tiles): O not a multiple of 16");
+  }
   const float* xs = x.typed_data();
   float* y = out->typed_data();
   if constexpr (kBits != 32) {  // the integer tiles (quant_int.h), as the other formats'
     IntWeight iw;
     iw.in = in;
     iw.k = w;
+    iw.tiled = kTiled;
     BlockedIntMatvec<kFmt, kBits == 16>(pool, xs, rows, iw, y, out_dim);
     return ffi::Error::Success();
   }
@@ -511,4 +516,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ8, (KMatvecImpl<kQ6_K, 8>), KBin
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ16, (KMatvecImpl<kQ4_K, 16>), KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ5KQ16, (KMatvecImpl<kQ5_K, 16>), KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ16, (KMatvecImpl<kQ6_K, 16>), KBinding());
+// Q4_K in the column-tiled layout (quant_format.h `IntWeight::tiled`).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ8Tiled, (KMatvecImpl<kQ4_K, 8, true>),
+                              KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ16Tiled, (KMatvecImpl<kQ4_K, 16, true>),
+                              KBinding());
 #endif  // defined(__x86_64__)

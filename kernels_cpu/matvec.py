@@ -60,8 +60,7 @@ _K_LAYOUT = {"q4_k": (1 / 32, 0, jnp.uint8, True), "q5_k": (1 / 32, 1 / 8, jnp.u
 __all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "TILE_COLS", "available",
            "int8_matvec", "kquant_matvec", "library_path", "quantized_matvec", "supports",
            "supports_integer_activations", "supports_kquant", "supports_tiles", "tile_columns",
-           "tiles",
-           "untile_columns", "vnni"]
+           "tiled_rows", "tiles", "untile_columns", "vnni"]
 
 
 def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
@@ -91,50 +90,66 @@ def supports_integer_activations(rows: int, codes: jax.Array, scale: jax.Array,
           and scale.shape[1] % 2 == 0 and vnni())
 
 
-def _chunk_shape(codes_shape: tuple[int, ...], bits: int) -> tuple[int, ...]:
-  """[..., O, I*bits/8] codes as [..., O/16, 16, groups, chunks, 4] (4-byte chunks)."""
-  *lead, out_dim, width = codes_shape
+def _code_blocks(codes_shape: tuple[int, ...], bits: int) -> tuple[int, int]:
+  """(groups of 32, 4-byte chunks a group) of [..., O, I*bits/8] codes."""
+  width = codes_shape[-1]
   groups = width * 8 // bits // GROUP
-  return (*lead, out_dim // TILE_COLS, TILE_COLS, groups, width // groups // 4, 4)
+  return groups, width // groups // 4
 
 
-def tile_columns(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, bits: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-  """Codes [..., O, I*bits/8] and float16 scales (and mins) [..., O, I/32] as stored ->
-  the same shapes in the column-tiled layout the AVX-512 tiles read in one stream
-  (kernels_cpu/quant_format.h `IntWeight::tiled`): each block of 16 output columns as
-  codes [groups][chunks][16][4 bytes], values [groups][16]. O a multiple of 16. Host
-  arrays (numpy), once at load."""
-  codes, scale = np.asarray(codes), np.asarray(scale)
-  if codes.shape[-2] % TILE_COLS:
-    raise ValueError(f"column tiles need O a multiple of {TILE_COLS}, got {codes.shape[-2]}")
-  n = codes.ndim
-  order = (*range(n - 2), n - 2, n, n + 1, n - 1, n + 2)  # [.., O/16, groups, chunks, 16, 4]
-  tiled = np.ascontiguousarray(codes.reshape(_chunk_shape(codes.shape, bits)).transpose(order))
-  def values(v):
-    *lead, out_dim, groups = v.shape
-    v = v.reshape(*lead, out_dim // TILE_COLS, TILE_COLS, groups)
-    return np.ascontiguousarray(np.swapaxes(v, -1, -2)).reshape(*lead, out_dim, groups)
-  return (tiled.reshape(codes.shape), values(scale),
-          None if offset is None else values(np.asarray(offset)))
+def tile_columns(codes, bits: int, *values):
+  """Codes [..., O, I*bits/8] (nibbles: bits=4) and per-column value arrays [..., O, n]
+  (scales, mins, a K-quant's scale codes and super-block values; None passes through) as
+  stored -> the same shapes in the column-tiled layout the AVX-512 tiles read in one
+  stream (kernels_cpu/quant_format.h `IntWeight::tiled`): each block of 16 output
+  columns as codes [groups][chunks][16][4 bytes], values [n][16]. O a multiple of 16.
+  Host arrays (numpy), once at load."""
+  codes = np.asarray(codes)
+  *lead, out_dim, _ = codes.shape
+  if out_dim % TILE_COLS:
+    raise ValueError(f"column tiles need O a multiple of {TILE_COLS}, got {out_dim}")
+  groups, chunks = _code_blocks(codes.shape, bits)
+  blocked = codes.reshape(*lead, out_dim // TILE_COLS, TILE_COLS, groups, chunks, 4)
+  n = len(lead)  # [.., O/16, 16, groups, chunks, 4] -> [.., O/16, groups, chunks, 16, 4]
+  tiled = np.ascontiguousarray(blocked.transpose(*range(n), n, n + 2, n + 3, n + 1, n + 4))
+  def tile(v):
+    if v is None:
+      return None
+    v = np.asarray(v)
+    blocks = v.reshape(*v.shape[:-2], out_dim // TILE_COLS, TILE_COLS, v.shape[-1])
+    return np.ascontiguousarray(np.swapaxes(blocks, -1, -2)).reshape(v.shape)
+  return (tiled.reshape(codes.shape), *map(tile, values))
 
 
-def untile_columns(codes, scale, offset, bits: int):
-  """The inverse of `tile_columns`, on jax or numpy arrays (inside a jitted step: XLA
+def untile_columns(codes, bits: int, *values):
+  """The inverse of `tile_columns`, on jax or numpy arrays (inside a jitted step XLA
   fuses the transposes into whatever reads the codes)."""
   xp = np if isinstance(codes, np.ndarray) else jnp
-  n = codes.ndim
-  *lead, out_dim, width = codes.shape
-  groups = width * 8 // bits // GROUP
-  chunks = width // groups // 4
+  *lead, out_dim, _ = codes.shape
+  groups, chunks = _code_blocks(codes.shape, bits)
   blocked = codes.reshape(*lead, out_dim // TILE_COLS, groups, chunks, TILE_COLS, 4)
-  order = (*range(n - 2), n - 2, n + 1, n - 1, n, n + 2)  # [.., O/16, 16, groups, chunks, 4]
-  rows = xp.transpose(blocked, order).reshape(codes.shape)
-  def values(v):
-    *lead_v, out_v, groups_v = v.shape
-    v = v.reshape(*lead_v, out_v // TILE_COLS, groups_v, TILE_COLS)
-    return xp.swapaxes(v, -1, -2).reshape(*lead_v, out_v, groups_v)
-  return rows, values(scale), None if offset is None else values(offset)
+  n = len(lead)  # [.., O/16, groups, chunks, 16, 4] -> [.., O/16, 16, groups, chunks, 4]
+  rows = xp.transpose(blocked, (*range(n), n, n + 3, n + 1, n + 2, n + 4))
+  def untile(v):
+    if v is None:
+      return None
+    blocks = v.reshape(*v.shape[:-2], out_dim // TILE_COLS, v.shape[-1], TILE_COLS)
+    return xp.swapaxes(blocks, -1, -2).reshape(v.shape)
+  return (rows.reshape(codes.shape), *map(untile, values))
+
+
+def tiled_rows(codes, bits: int, ids, *values):
+  """Rows `ids` [...] of a 2-D weight in the column-tiled layout, as stored rows: codes
+  [..., I*bits/8] and each value array's [..., n] (a gather of just those bytes: an
+  embedding lookup)."""
+  out_dim, width = codes.shape
+  groups, chunks = _code_blocks(codes.shape, bits)
+  block, col = ids // TILE_COLS, ids % TILE_COLS
+  q = codes.reshape(out_dim // TILE_COLS, groups, chunks, TILE_COLS, 4)[block, :, :, col, :]
+  def rows(v):
+    return None if v is None else v.reshape(out_dim // TILE_COLS, v.shape[-1],
+                                            TILE_COLS)[block, :, col]
+  return (q.reshape(*ids.shape, width), *map(rows, values))
 
 
 def supports_tiles(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
@@ -201,12 +216,18 @@ def supports_kquant(rows: int, fmt: str, q: jax.Array, scale: jax.Array,
 
 def kquant_matvec(x: jax.Array, fmt: str, q: jax.Array, scale: jax.Array,
                   offset: jax.Array | None, q_high: jax.Array | None, super_scale: jax.Array,
-                  super_offset: jax.Array | None, activation_bits: int = 32) -> jax.Array:
+                  super_offset: jax.Array | None, activation_bits: int = 32,
+                  tiled: bool = False) -> jax.Array:
   """x [B, I] float32 -> [B, O] float32 for a K-quant weight (module doc); needs
-  `available()` and `supports_kquant(...)`, and `vnni()` for activation_bits 8 or 16."""
+  `available()` and `supports_kquant(...)`, and `vnni()` for activation_bits 8 or 16.
+  `tiled`: a Q4_K weight in the column-tiled layout (`tile_columns` of q and the four
+  value arrays; integer activations, `tiles()`)."""
   if activation_bits not in ACTIVATION_BITS:
     raise ValueError(f"activation_bits={activation_bits} not in {ACTIVATION_BITS}")
+  if tiled and (activation_bits == 32 or fmt != "q4_k"):
+    raise ValueError("column-tiled K-quants are Q4_K with integer activations (8 or 16 bits)")
   target = f"xlaserve_{fmt}_matvec" + ("" if activation_bits == 32 else f"_q{activation_bits}")
+  target += "_tiled" if tiled else ""
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))
   # An operand the format lacks is any array (the kernel does not read it).
   return call(x.astype(jnp.float32), q, scale, scale if offset is None else offset,

@@ -184,6 +184,27 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void KColumnVal
   }
 }
 
+// A Q4_K column tile's scales and mins in the column-tiled layout (quant_format.h
+// `IntWeight::tiled`: the scale and min codes [groups][16], the super-blocks' d and
+// -dmin [supers][16] from column o's block) as floats [groups][16]: the products
+// KColumnValues forms (d x code, -dmin x code, float32), without its transposes.
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void TiledKColumnValues(
+    const IntWeight& w, int64_t groups, int64_t o, float* dcol, float* mcol) {
+  const int64_t supers = w.in / kSuper, per_super = kSuper / kGroup;
+  const uint8_t* codes[2] = {w.k.scale + o * groups, w.k.offset + o * groups};
+  const uint16_t* super[2] = {w.k.super_scale + o * supers, w.k.super_offset + o * supers};
+  float* dst[2] = {dcol, mcol};
+  for (int a = 0; a < 2; ++a) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(super[a] + g / per_super * 16)));
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[a] + g * 16))));
+      _mm512_storeu_ps(dst[a] + g * 16, _mm512_mul_ps(c, d));
+    }
+  }
+}
+
 // A column tile's float16 values (scales or mins) in the column-tiled layout
 // (quant_format.h `IntWeight::tiled`: [groups][16] from column o's block) as floats
 // [groups][16].
@@ -748,7 +769,7 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i RowG
 template <Format kFmt>
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline void TiledGroupCodes(
     const uint8_t* u, int64_t g, __m512i* w) {
-  static_assert(kFmt == kS8 || kFmt == kQ4_0 || kFmt == kQ4_1);
+  static_assert(TiledFormat(kFmt));
   constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // a group of 16 columns
   const uint8_t* at = u + g * kBytes;
   for (int64_t line = 0; line < kBytes; line += 64) {
@@ -828,12 +849,17 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   thread_local std::vector<uint8_t> packed_u;  // PackColumnsUnsigned
   dcol.resize(groups * ScalesPerGroup(kFmt) * 16);
   if (kMin) mcol.resize(groups * 16);
-  if constexpr (!IsKQuant(kFmt)) {
+  if constexpr (TiledFormat(kFmt)) {
     if (w.tiled) {  // every row tile reads the column tiles as laid out (no AMX, no packing)
       for (int64_t o = o0; o < o1; o += kTileCols) {
-        TiledColumnValues(w.scale, groups, o, dcol.data());
-        if constexpr (kMin) TiledColumnValues(w.offset, groups, o, mcol.data());
-        const uint8_t* u = w.codes + o * groups * GroupBytes(kFmt);
+        if constexpr (IsKQuant(kFmt)) {
+          TiledKColumnValues(w, groups, o, dcol.data(), mcol.data());
+        } else {
+          TiledColumnValues(w.scale, groups, o, dcol.data());
+          if constexpr (kMin) TiledColumnValues(w.offset, groups, o, mcol.data());
+        }
+        const uint8_t* u = IsKQuant(kFmt) ? w.k.q + o * groups * 16
+                                          : w.codes + o * groups * GroupBytes(kFmt);
         for (int r0 = r_begin; r0 < r_end; r0 += kTileRows) {
           XLASERVE_WITH_TILE_ROWS(
               std::min(kTileRows, r_end - r0),

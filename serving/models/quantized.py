@@ -98,6 +98,8 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 HIGH_BITS = {"int5": 1, "int6": 2}  # bits above the low nibble, in `q_high`
 ROW_FIELDS = ("q", "scale", "offset", "zero", "q_high", "super_scale", "super_offset")
+# The per-output-channel value arrays the column-tiled layout re-lays beside `q`.
+TILED_VALUES = ("scale", "offset", "super_scale", "super_offset")
 FIELDS = (*ROW_FIELDS, "perm", "full")
 # With a `full` copy beside the codes, the native kernel takes batches up to this many
 # rows (where it beats XLA's dot); larger ones multiply the copy.
@@ -135,10 +137,9 @@ class QuantizedWeight:
       raise ValueError(f"kind={self.kind!r} not in {KINDS}")
     if self.layout not in LAYOUTS:
       raise ValueError(f"layout={self.layout!r} not in {LAYOUTS}")
-    if self.layout == "tiles" and not _tileable(self):
-      raise ValueError("the column-tiled layout holds Q8_0 / Q4_0 / Q4_1 weights (groups of 32, "
-                       "integer activations, output channels a multiple of "
-                       f"{kernels_cpu.matvec.TILE_COLS}) without a dense copy")
+    if self.layout == "tiles" and not _tileable_kind(self):
+      raise ValueError("the column-tiled layout holds Q8_0 / Q4_0 / Q4_1 / Q4_K weights (groups "
+                       "of 32, integer activations) without a dense copy")
     packed = self.kind in CODE_BITS
     if packed and (self.group_size <= 0 or self.group_size % 2):
       raise ValueError(f"{self.kind} needs an even group_size > 0, got {self.group_size}")
@@ -211,9 +212,9 @@ class QuantizedWeight:
     """The same weight with its arrays as stored (`layout="rows"`; a no-op for such)."""
     if self.layout == "rows":
       return self
-    q, scale, offset = kernels_cpu.matvec.untile_columns(self.q, self.scale, self.offset,
-                                                         self.bits)
-    return dataclasses.replace(self, q=q, scale=scale, offset=offset, layout="rows")
+    q, *values = kernels_cpu.matvec.untile_columns(
+        self.q, self.bits, *(getattr(self, f) for f in TILED_VALUES))
+    return dataclasses.replace(self, q=q, **dict(zip(TILED_VALUES, values)), layout="rows")
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The weight in storage orientation `[..., Out, In]`, as `dtype` (inputs in stored
@@ -225,9 +226,13 @@ class QuantizedWeight:
     """Storage rows `[..., In]` for output channels `ids` (embedding lookup)."""
     if self.perm is not None:
       raise ValueError("an embedding cannot have permuted inputs")
-    w = self.rows_layout()
-    rows = {f: None if getattr(w, f) is None else getattr(w, f)[ids] for f in ROW_FIELDS}
-    return _dequantize_rows(w, rows, dtype)
+    if self.layout == "tiles":  # each id's row from its block of 16, without untiling all
+      rows = dict.fromkeys(ROW_FIELDS)
+      rows.update(zip(("q", *TILED_VALUES), kernels_cpu.matvec.tiled_rows(
+          self.q, self.bits, ids, *(getattr(self, f) for f in TILED_VALUES))))
+      return _dequantize_rows(dataclasses.replace(self, layout="rows"), rows, dtype)
+    rows = {f: None if getattr(self, f) is None else getattr(self, f)[ids] for f in ROW_FIELDS}
+    return _dequantize_rows(self, rows, dtype)
 
   def dense(self, x: jax.Array) -> jax.Array:
     """The logical `[..., In, Out]` matrix in the compute dtype for activations `x`,
@@ -250,7 +255,8 @@ class QuantizedWeight:
       else:
         out = kernels_cpu.matvec.kquant_matvec(rows, fmt, self.q, self.scale, self.offset,
                                                self.q_high, self.super_scale,
-                                               self.super_offset, activation_bits=bits)
+                                               self.super_offset, activation_bits=bits,
+                                               tiled=self.layout == "tiles")
       return out.reshape(*x.shape[:-1], -1).astype(x.dtype)
     if self.full is not None:
       return dot_f32_accumulate("...i,oi->...o", x, self.full).astype(x.dtype)
@@ -285,6 +291,8 @@ class QuantizedWeight:
       takes = kernels_cpu.matvec.supports_kquant(rows, fmt, self.q, self.scale, self.offset,
                                                  self.q_high, self.super_scale,
                                                  self.super_offset)
+      if self.layout == "tiles":  # integer activations on AVX-512 VNNI only
+        takes = takes and kernels_cpu.matvec.tiles()
     elif self.layout == "tiles":
       takes = kernels_cpu.matvec.supports_tiles(rows, self.q, self.scale, self.offset,
                                                 self.bits)
@@ -359,25 +367,33 @@ def with_activation_bits(params: Any, bits: int) -> Any:
   return jax.tree.map(mark, params, is_leaf=is_quantized)
 
 
-def _tileable(w: QuantizedWeight) -> bool:
-  """Whether `w` (either layout) can be held in the column-tiled layout: Q8_0 / Q4_0 / Q4_1
-  in a `native_format`, integer activations, output channels a multiple of 16, an even
-  group count, no dense copy."""
+def _tileable_kind(w: QuantizedWeight) -> bool:
+  """The column-tiled layout's kinds (static fields only: also checked while JAX rebuilds
+  a weight from non-array leaves): Q8_0 / Q4_0 / Q4_1 / Q4_K in a `native_format`, integer
+  activations, no dense copy."""
   signed_bytes = w.kind == "int8" and w.offset is None
-  groups = w.scale.shape[-1] if w.scale is not None and w.scale.ndim >= 2 else 0
-  return (native_format(w) and kquant_format(w) is None and (w.kind == "int4" or signed_bytes)
-          and w.activation_bits != 32 and w.full is None and groups % 2 == 0 and groups > 0
+  fmt = kquant_format(w)
+  legacy = fmt is None and (w.kind == "int4" or signed_bytes)
+  return (native_format(w) and (legacy or fmt == "q4_k") and w.activation_bits != 32
+          and w.full is None)
+
+
+def _tileable(w: QuantizedWeight) -> bool:
+  """Whether `w` (either layout) can be held in the column-tiled layout: `_tileable_kind`,
+  output channels a multiple of 16 and an even group count."""
+  groups = w.scale.shape[-1] if w.scale.ndim >= 2 else 0
+  return (_tileable_kind(w) and groups % 2 == 0 and groups > 0
           and w.q.shape[-2] % kernels_cpu.matvec.TILE_COLS == 0)
 
 
-# The params whose weights `tile_for_native` lays out: the layers' linear weights and an
-# untied LM head (not the embedding: its rows are looked up).
-TILED_KEYS = (*LINEAR_KEYS, "lm_head")
+# The params whose weights `tile_for_native` lays out: the layers' linear weights, the LM
+# head and the embedding (a tied head; `lookup` gathers its rows from their blocks).
+TILED_KEYS = (*LINEAR_KEYS, "lm_head", "embed")
 
 
 def tile_for_native(params: Any) -> Any:
   """Params whose `TILED_KEYS` weights that the integer tiles read (`_tileable`: Q8_0,
-  Q4_0, Q4_1 with integer activations) are in the native kernels' column-tiled layout
+  Q4_0, Q4_1, Q4_K with integer activations) are in the native kernels' column-tiled layout
   (`layout="tiles"`, kernels_cpu/matvec.py `tile_columns`), on the host. For one device
   where `kernels_cpu.matvec.tiles()` (AVX-512 VNNI); other weights are unchanged. Same
   results bitwise (the tiles' integer sums are exact, the epilogue the same); batch-1 decode
@@ -386,8 +402,9 @@ def tile_for_native(params: Any) -> Any:
     key = getattr(path[-1], "key", None) if path else None
     if not is_quantized(w) or key not in TILED_KEYS or w.layout != "rows" or not _tileable(w):
       return w
-    q, scale, offset = kernels_cpu.matvec.tile_columns(w.q, w.scale, w.offset, w.bits)
-    return dataclasses.replace(w, q=q, scale=scale, offset=offset, layout="tiles")
+    q, *values = kernels_cpu.matvec.tile_columns(w.q, w.bits,
+                                                 *(getattr(w, f) for f in TILED_VALUES))
+    return dataclasses.replace(w, q=q, **dict(zip(TILED_VALUES, values)), layout="tiles")
 
   return jax.tree_util.tree_map_with_path(tile, params, is_leaf=is_quantized)
 

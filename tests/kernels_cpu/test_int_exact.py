@@ -148,6 +148,71 @@ def test_a_row_alone_is_bitwise_the_row_among_300(fmt, bits, monkeypatch):
   assert np.array_equal(_product(x, qw, bits), together)
 
 
+# ---- The column-tiled layout (quant_format.h IntWeight::tiled) ----
+
+def _tiled_product(x, qw, bits):
+  q, scale, offset = matvec.tile_columns(qw.q, qw.bits, qw.scale, qw.offset)
+  return np.asarray(matvec.quantized_matvec(
+      jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale),
+      None if offset is None else jnp.asarray(offset), qw.bits, activation_bits=bits,
+      tiled=True))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # one row tile; two; several
+def test_tiled_layout_matches_block_exact_reference_bitwise(fmt, bits, rows):
+  """The same reference as the stored rows, from a weight re-laid in 16-column tiles (80
+  columns: five tiles; 18 groups; an all-zero activation group)."""
+  qw = _weight(fmt, 80, 576)
+  x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+  x[0, :32] = 0.0
+  want = block_exact_reference(x, fmt, qw.q, qw.scale, qw.offset, bits)
+  assert np.array_equal(_tiled_product(x, qw, bits), want)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiled_layout_row_alone_is_bitwise_the_row_among_300(fmt):
+  """Batch invariance in the tiled layout, and the same bits as the stored rows."""
+  qw = _weight(fmt, 1024, 1024)
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((300, 1024)).astype(np.float32) * rng.uniform(0.1, 10.0, (300, 1))
+  together = _tiled_product(x, qw, 16)
+  assert np.array_equal(together, _product(x, qw, 16))
+  for at in (0, 150, 299):
+    assert np.array_equal(_tiled_product(x[at:at + 1], qw, 16)[0], together[at]), at
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tile_columns_round_trips_and_gathers_rows(bits):
+  """tile_columns / untile_columns (numpy and jax) are inverses; tiled_rows gathers
+  stored rows from the tiles; O not a multiple of 16 is refused."""
+  rng = np.random.default_rng(bits)
+  codes = rng.integers(0, 256, (48, 256 * bits // 8), dtype=np.uint8)
+  scale = rng.random((48, 8)).astype(np.float16)
+  offset = rng.random((48, 8)).astype(np.float16)
+  supers = rng.random((48, 1)).astype(np.float16)  # e.g. a K-quant's per-256 values
+  tiled = matvec.tile_columns(codes, bits, scale, offset, None, supers)
+  assert not np.array_equal(tiled[0], codes) and tiled[3] is None
+  for back in (matvec.untile_columns(tiled[0], bits, *tiled[1:]),
+               matvec.untile_columns(jnp.asarray(tiled[0]), bits, *map(
+                   lambda a: None if a is None else jnp.asarray(a), tiled[1:]))):
+    assert back[3] is None
+    for got, want in zip(back[:3] + back[4:], (codes, scale, offset, supers)):
+      assert np.array_equal(np.asarray(got), want)
+  ids = np.array([[0, 15, 16], [47, 31, 2]])
+  rows = matvec.tiled_rows(jnp.asarray(tiled[0]), bits, jnp.asarray(ids),
+                           jnp.asarray(tiled[1]), jnp.asarray(tiled[2]), None,
+                           jnp.asarray(tiled[4]))
+  assert rows[3] is None
+  for got, want in zip(rows[:3] + rows[4:], (codes, scale, offset, supers)):
+    assert np.array_equal(np.asarray(got), want[ids])
+  with pytest.raises(ValueError, match="multiple of 16"):
+    matvec.tile_columns(codes[:40], bits, scale[:40])
+
+
 # ---- K-quants ----
 
 K_TYPES = {"q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
@@ -221,6 +286,31 @@ def test_kquant_row_alone_is_bitwise_the_row_among_300(fmt):
   together = _kproduct(x, fmt, qw, 16)
   for at in (0, 150, 299):
     assert np.array_equal(_kproduct(x[at:at + 1], fmt, qw, 16)[0], together[at]), at
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])
+def test_tiled_q4_k_matches_block_exact_reference_bitwise(bits, rows):
+  """Q4_K in the column-tiled layout (codes, scale and min codes, super-block d and -dmin
+  re-laid per 16 columns): the same reference as its stored rows, and a row alone among
+  300 keeps its bits."""
+  qw = _kweight("q4_k", 80, 768)
+  fields = ("scale", "offset", "super_scale", "super_offset")
+  q, *values = matvec.tile_columns(qw.q, 4, *(getattr(qw, f) for f in fields))
+  tiled = dataclasses.replace(qw, **dict(zip(("q", *fields), map(jnp.asarray, [q, *values]))))
+  run = lambda x: np.asarray(matvec.kquant_matvec(  # noqa: E731
+      jnp.asarray(x), "q4_k", tiled.q, tiled.scale, tiled.offset, None, tiled.super_scale,
+      tiled.super_offset, activation_bits=bits, tiled=True))
+  x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
+  x[0, :32] = 0.0
+  assert np.array_equal(run(x), kquant_block_exact_reference(x, "q4_k", qw, bits))
+  if rows == 37:
+    many = np.random.default_rng(9).standard_normal((300, 768)).astype(np.float32)
+    together = run(many)
+    assert np.array_equal(together, _kproduct(many, "q4_k", qw, bits))
+    for at in (0, 299):
+      assert np.array_equal(run(many[at:at + 1])[0], together[at])
 
 
 @needs_vnni

@@ -2,6 +2,7 @@
 quantizers (checkpoints/quantizers.py), GPTQ (serving/tools/gptq.py) and the quantized
 KV cache rows (small, random)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -67,6 +68,46 @@ def test_matmul_and_lookup_match_dequantized(method, kw, rows):
   np.testing.assert_allclose(out, x @ dense, rtol=1e-4, atol=1e-4)
   ids = jnp.array([3, 0, 95])
   np.testing.assert_allclose(qw.lookup(ids), dense.T[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_column_tiled_layout_reads_as_the_stored_rows(monkeypatch):
+  """tile_for_native re-lays the linear weights, the head and the embedding it can (Q8_0,
+  Q4_0, Q4_1 with integer activations) and nothing else; a tiled weight dequantizes, looks
+  up rows and multiplies (native tiles where they run, else the XLA path) as the stored
+  one; the layout refuses the kinds its tiles do not read."""
+  params = {"embed": quantizers.quantize_int8(_w((64, 96)), 32, asymmetric=False),
+            "layers": [{"wq": quantizers.quantize_int4(_w((64, 96)), 32),
+                        "wk": quantizers.quantize_int4(_w((64, 40)), 32),  # 40 outputs
+                        "wv": quantizers.quantize_int8(_w((64, 96)), 32),  # uint8 + mins
+                        "w_up": quantizers.quantize_int4(_w((64, 96)), 32, asymmetric=False)}]}
+  params = quant.with_activation_bits(jax.tree.map(jnp.asarray, params), 16)
+  tiled = quant.tile_for_native(params)
+  layer = tiled["layers"][0]
+  assert [tiled["embed"].layout, layer["wq"].layout, layer["wk"].layout, layer["wv"].layout,
+          layer["w_up"].layout] == ["tiles", "tiles", "rows", "rows", "tiles"]
+  assert quant.tile_for_native({"other": params["layers"][0]["wq"]})["other"].layout == "rows"
+  x = RNG.standard_normal((3, 64)).astype(np.float32)
+  for name, w in [("embed", params["embed"]), ("wq", params["layers"][0]["wq"]),
+                  ("w_up", params["layers"][0]["w_up"])]:
+    t = tiled[name] if name == "embed" else layer[name]
+    assert not np.array_equal(np.asarray(t.q), np.asarray(w.q))
+    np.testing.assert_array_equal(np.asarray(t.dequantize()), np.asarray(w.dequantize()))
+    np.testing.assert_array_equal(np.asarray(t.rows_layout().q), np.asarray(w.q))
+    ids = jnp.array([[3, 0], [95, 17]])
+    np.testing.assert_array_equal(np.asarray(t.lookup(ids)), np.asarray(w.lookup(ids)))
+    matmul = jax.jit(lambda q, x: q.matmul(x))
+    np.testing.assert_array_equal(np.asarray(matmul(t, x)), np.asarray(matmul(w, x)))
+    with monkeypatch.context() as m:  # no tiles here: the XLA path on the stored rows
+      m.setattr(quant.kernels_cpu.matvec, "tiles", lambda: False)
+      assert not t.runs_native(3)
+      dense = np.swapaxes(np.asarray(w.dequantize()), -1, -2)
+      np.testing.assert_allclose(np.asarray(t.matmul(jnp.asarray(x))), x @ dense, rtol=1e-4,
+                                 atol=1e-4)
+  kquant_like = dataclasses.replace(params["layers"][0]["wq"], activation_bits=32)
+  with pytest.raises(ValueError, match="column-tiled layout"):
+    dataclasses.replace(kquant_like, layout="tiles")
+  with pytest.raises(ValueError, match="layout="):
+    dataclasses.replace(kquant_like, layout="columns")
 
 
 def test_stacked_indexing_and_params_tree():

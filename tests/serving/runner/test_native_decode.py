@@ -235,6 +235,44 @@ def _kquant_layers(activation_bits):
   return layers
 
 
+@needs_native
+@pytest.mark.parametrize("family", ["legacy", "kquants"])
+@pytest.mark.parametrize("activation_bits", [16, 8])
+@pytest.mark.parametrize("many", [False, True], ids=["4rows", "20rows"])
+def test_tiled_weights_give_the_bits_of_the_stored_rows(family, activation_bits, many):
+  """The layers' Q8_0 / Q4_0 / Q4_1 / Q4_K weights in the column-tiled layout
+  (`tile_for_native`; our uint8 groups, Q5_K and Q6_K stay as stored) give the fused
+  call's h and K/V bitwise, and so does the op-by-op path (per-op matvec on the tiles)."""
+  if not kernels_cpu.matvec.tiles():
+    pytest.skip("the column-tiled layout needs AVX-512 VNNI")
+  if family == "legacy":
+    cfg, layers = CFG, _layers(activation_bits=activation_bits)
+  else:
+    cfg, layers = K_CFG, _kquant_layers(activation_bits)
+  tiled = quantized.tile_for_native(layers)
+  kinds = {(quantized.kquant_format(w), w.kind, w.offset is None, w.layout)
+           for lp in tiled for w in lp.values() if quantized.is_quantized(w)}
+  want_kinds = ({(None, "int4", False, "tiles"), (None, "int4", True, "tiles"),
+                 (None, "int8", False, "rows"), (None, "int8", True, "tiles")}
+                if family == "legacy" else
+                {("q4_k", "int4", False, "tiles"), ("q5_k", "int5", False, "rows"),
+                 ("q6_k", "int6", True, "rows"), (None, "int8", True, "tiles")})
+  assert kinds == want_kinds
+  rows = MANY_ROWS if many else ROWS
+  positions, meta = _step(rows)
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((len(rows), cfg.hidden_size)),
+                  jnp.float32)
+  kv = create_kv_cache(cfg, PAGES, PAGE_SIZE, "float32")
+  assert native_decode.runs_native(tiled, cfg, kv, x, None)
+  for fn in (native_decode.run_layers, _op_by_op):
+    run = jax.jit(fn, static_argnums=1)
+    want_h, want_kv = run(layers, cfg, x, positions, meta, kv)
+    got_h, got_kv = run(tiled, cfg, x, positions, meta, kv)
+    assert np.array_equal(np.asarray(got_h), np.asarray(want_h))
+    assert np.array_equal(np.asarray(got_kv.k), np.asarray(want_kv.k))
+    assert np.array_equal(np.asarray(got_kv.v), np.asarray(want_kv.v))
+
+
 # 20 rows (more than one tile of 8 rows, and past 13, where the kernel checks stopped):
 # positions 0-3 on each of pages 1-5, all written in the step.
 MANY_ROWS = [(b % PAGE_SIZE, [1 + b // PAGE_SIZE]) for b in range(20)]
@@ -540,6 +578,33 @@ def test_llm_greedy_tokens_same_with_and_without(family, monkeypatch, tmp_path):
   monkeypatch.setenv("XLASERVE_NATIVE_LAYERS", "0")
   want = [o.token_ids for o in LLM(path, **engine).generate(prompts, greedy)]
   assert got == want
+
+
+@needs_native
+@pytest.mark.slow
+def test_default_model_same_tokens_and_logprobs_with_tiles_and_stored_rows():
+  """The default model (Q4_0 layers, a Q8_0 embedding and tied head) is served from the
+  column-tiled layout by default; with `cpu_weight_tiles=False` from the stored rows: the
+  same greedy tokens and logprobs, bitwise, alone (fused decode, batch 1) and among 20
+  (prefill and decode rows past one row tile)."""
+  if not kernels_cpu.matvec.tiles():
+    pytest.skip("the column-tiled layout needs AVX-512 VNNI")
+  from serving import LLM, SamplingParams
+
+  greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+  prompts = [f"Question {i}: what is {i} plus {i * 3}? Answer briefly." for i in range(20)]
+  results = {}
+  for tiles in (True, False):
+    llm = LLM("smollm2-135m-instruct", max_num_seqs=32, cpu_weight_tiles=tiles)
+    layouts = {w.layout for w in jax.tree.leaves(llm.engine.runner.params,
+                                                  is_leaf=quantized.is_quantized)
+               if quantized.is_quantized(w)}
+    assert layouts == ({"tiles"} if tiles else {"rows"})
+    outs = llm.generate(prompts[:1], greedy) + llm.generate(prompts, greedy)
+    results[tiles] = [(o.token_ids, [(lp.token_id, lp.logprob, lp.top)
+                                     for lp in o.logprobs]) for o in outs]
+    del llm
+  assert results[True] == results[False]
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
