@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
 from kernels_cpu.library import available, kquant_isa, library_path, target, tiles, vnni

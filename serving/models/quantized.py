@@ -214,7 +214,8 @@ class QuantizedWeight:
       return self
     q, *values = kernels_cpu.matvec.untile_columns(
         self.q, self.bits, *(getattr(self, f) for f in TILED_VALUES))
-    return dataclasses.replace(self, q=q, **dict(zip(TILED_VALUES, values)), layout="rows")
+    fields = dict(zip(TILED_VALUES, values, strict=True))
+    return dataclasses.replace(self, q=q, **fields, layout="rows")
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The weight in storage orientation `[..., Out, In]`, as `dtype` (inputs in stored
@@ -229,7 +230,7 @@ class QuantizedWeight:
     if self.layout == "tiles":  # each id's row from its block of 16, without untiling all
       rows = dict.fromkeys(ROW_FIELDS)
       rows.update(zip(("q", *TILED_VALUES), kernels_cpu.matvec.tiled_rows(
-          self.q, self.bits, ids, *(getattr(self, f) for f in TILED_VALUES))))
+          self.q, self.bits, ids, *(getattr(self, f) for f in TILED_VALUES)), strict=True))
       return _dequantize_rows(dataclasses.replace(self, layout="rows"), rows, dtype)
     rows = {f: None if getattr(self, f) is None else getattr(self, f)[ids] for f in ROW_FIELDS}
     return _dequantize_rows(self, rows, dtype)
@@ -404,7 +405,8 @@ def tile_for_native(params: Any) -> Any:
       return w
     q, *values = kernels_cpu.matvec.tile_columns(w.q, w.bits,
                                                  *(getattr(w, f) for f in TILED_VALUES))
-    return dataclasses.replace(w, q=q, **dict(zip(TILED_VALUES, values)), layout="tiles")
+    fields = dict(zip(TILED_VALUES, values, strict=True))
+    return dataclasses.replace(w, q=q, **fields, layout="tiles")
 
   return jax.tree_util.tree_map_with_path(tile, params, is_leaf=is_quantized)
 

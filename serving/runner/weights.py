@@ -43,8 +43,12 @@ from checkpoints.quantizers import quantize_params
 from serving.config import EngineConfig
 from serving.models import causal_lm
 from serving.models.model_config import ModelConfig
-from serving.models.quantized import (is_quantized, tile_for_native, with_activation_bits,
-                                      with_full_copies)
+from serving.models.quantized import (
+  is_quantized,
+  tile_for_native,
+  with_activation_bits,
+  with_full_copies,
+)
 from serving.runner.draft_model import check_vocabulary
 from serving.runner.executable_store import enable_jax_cache
 

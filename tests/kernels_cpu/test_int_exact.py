@@ -200,14 +200,14 @@ def test_tile_columns_round_trips_and_gathers_rows(bits):
                matvec.untile_columns(jnp.asarray(tiled[0]), bits, *map(
                    lambda a: None if a is None else jnp.asarray(a), tiled[1:]))):
     assert back[3] is None
-    for got, want in zip(back[:3] + back[4:], (codes, scale, offset, supers)):
+    for got, want in zip(back[:3] + back[4:], (codes, scale, offset, supers), strict=True):
       assert np.array_equal(np.asarray(got), want)
   ids = np.array([[0, 15, 16], [47, 31, 2]])
   rows = matvec.tiled_rows(jnp.asarray(tiled[0]), bits, jnp.asarray(ids),
                            jnp.asarray(tiled[1]), jnp.asarray(tiled[2]), None,
                            jnp.asarray(tiled[4]))
   assert rows[3] is None
-  for got, want in zip(rows[:3] + rows[4:], (codes, scale, offset, supers)):
+  for got, want in zip(rows[:3] + rows[4:], (codes, scale, offset, supers), strict=True):
     assert np.array_equal(np.asarray(got), want[ids])
   with pytest.raises(ValueError, match="multiple of 16"):
     matvec.tile_columns(codes[:40], bits, scale[:40])
@@ -298,7 +298,8 @@ def test_tiled_q4_k_matches_block_exact_reference_bitwise(bits, rows):
   qw = _kweight("q4_k", 80, 768)
   fields = ("scale", "offset", "super_scale", "super_offset")
   q, *values = matvec.tile_columns(qw.q, 4, *(getattr(qw, f) for f in fields))
-  tiled = dataclasses.replace(qw, **dict(zip(("q", *fields), map(jnp.asarray, [q, *values]))))
+  arrays = map(jnp.asarray, [q, *values])
+  tiled = dataclasses.replace(qw, **dict(zip(("q", *fields), arrays, strict=True)))
   run = lambda x: np.asarray(matvec.kquant_matvec(  # noqa: E731
       jnp.asarray(x), "q4_k", tiled.q, tiled.scale, tiled.offset, None, tiled.super_scale,
       tiled.super_offset, activation_bits=bits, tiled=True))
