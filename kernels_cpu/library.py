@@ -66,6 +66,8 @@ TARGETS = {
     "xlaserve_q6_k_matvec_q16": "XlaserveMatvecQ6KQ16",
     "xlaserve_q4_k_matvec_q8_tiled": "XlaserveMatvecQ4KQ8Tiled",
     "xlaserve_q4_k_matvec_q16_tiled": "XlaserveMatvecQ4KQ16Tiled",
+    "xlaserve_q6_k_matvec_q8_tiled": "XlaserveMatvecQ6KQ8Tiled",
+    "xlaserve_q6_k_matvec_q16_tiled": "XlaserveMatvecQ6KQ16Tiled",
     "xlaserve_paged_attention": "XlaservePagedAttentionSinks",
     "xlaserve_decode_layers": "XlaserveDecodeLayersK",  # up to 1024 rows
 }

@@ -317,7 +317,7 @@ ffi::Error CheckKOperands(ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q, ffi::AnyB
 }
 
 // K-quants x float activations (kBits 32) or activations rounded per group of 32 to
-// kBits 8 or 16 (VNNI); kTiled: the weight in the column-tiled layout (Q4_K).
+// kBits 8 or 16 (VNNI); kTiled: the weight in the column-tiled layout (Q4_K, Q6_K).
 template <Format kFmt, int kBits, bool kTiled = false>
 ffi::Error KMatvecImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                        ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer q_high,
@@ -516,9 +516,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ8, (KMatvecImpl<kQ6_K, 8>), KBin
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ16, (KMatvecImpl<kQ4_K, 16>), KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ5KQ16, (KMatvecImpl<kQ5_K, 16>), KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ16, (KMatvecImpl<kQ6_K, 16>), KBinding());
-// Q4_K in the column-tiled layout (quant_format.h `IntWeight::tiled`).
+// Q4_K and Q6_K in the column-tiled layout (quant_format.h `IntWeight::tiled`).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ8Tiled, (KMatvecImpl<kQ4_K, 8, true>),
                               KBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ4KQ16Tiled, (KMatvecImpl<kQ4_K, 16, true>),
+                              KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ8Tiled, (KMatvecImpl<kQ6_K, 8, true>),
+                              KBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveMatvecQ6KQ16Tiled, (KMatvecImpl<kQ6_K, 16, true>),
                               KBinding());
 #endif  // defined(__x86_64__)

@@ -50,16 +50,17 @@ _TARGETS = {(8, True): "xlaserve_int8_matvec_u8", (8, False): "xlaserve_int8_mat
             (8, False, 16): "xlaserve_int8_matvec_s8_q16"}
 ACTIVATION_BITS = (32, 16, 8)
 TILE_COLS = 16  # output columns a block of the column-tiled layout (`tile_columns`)
+TILED_K_FORMATS = ("q4_k", "q6_k")  # the K-quants the column-tiled layout holds
 SUPER = 256  # inputs per K-quant super-block
 K_FORMATS = ("q4_k", "q5_k", "q6_k")
 # K-quant format -> (scale codes per input, q_high bytes per input, scale dtype, has mins)
 _K_LAYOUT = {"q4_k": (1 / 32, 0, jnp.uint8, True), "q5_k": (1 / 32, 1 / 8, jnp.uint8, True),
              "q6_k": (1 / 16, 1 / 4, jnp.int8, False)}
 
-__all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "TILE_COLS", "available",
-           "int8_matvec", "kquant_matvec", "library_path", "quantized_matvec", "supports",
-           "supports_integer_activations", "supports_kquant", "supports_tiles", "tile_columns",
-           "tiled_rows", "tiles", "untile_columns", "vnni"]
+__all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "TILED_K_FORMATS", "TILE_COLS",
+           "available", "int8_matvec", "kquant_matvec", "library_path", "nibbles_by_32",
+           "quantized_matvec", "supports", "supports_integer_activations", "supports_kquant",
+           "supports_tiles", "tile_columns", "tiled_rows", "tiles", "untile_columns", "vnni", "nibbles_by_32", "TILED_K_FORMATS"]
 
 
 def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
@@ -135,6 +136,23 @@ def untile_columns(codes, bits: int, *values):
     blocks = v.reshape(*v.shape[:-2], out_dim // TILE_COLS, v.shape[-1], TILE_COLS)
     return xp.swapaxes(blocks, -1, -2).reshape(v.shape)
   return (rows.reshape(codes.shape), *map(untile, values))
+
+
+def nibbles_by_32(q, inverse: bool = False):
+  """Nibbles [..., O, I/2] in groups of 16 (Q6_K's order: byte j of a group's 8 holds
+  input j and j + 8) -> groups of 32 (byte j of 16: input j and j + 16), the order the
+  column-tiled layout's chunks take (`inverse`: back). numpy or jax arrays."""
+  xp = np if isinstance(q, np.ndarray) else jnp
+  b = q.reshape(*q.shape[:-1], -1, 2, 8) if not inverse else q.reshape(*q.shape[:-1], -1, 16)
+  lo, hi = b & 15, b >> 4
+  if not inverse:  # inputs 0-7, 8-15 | 16-23, 24-31 of each group of 32
+    inputs = xp.concatenate([lo[..., 0, :], hi[..., 0, :], lo[..., 1, :], hi[..., 1, :]], -1)
+    out = inputs[..., :16] | (inputs[..., 16:] << 4)
+  else:  # inputs j and j + 16 -> per 16: (j, j + 8)
+    inputs = xp.concatenate([lo, hi], -1)
+    halves = inputs.reshape(*inputs.shape[:-1], 2, 16)
+    out = (halves[..., :8] | (halves[..., 8:] << 4)).reshape(*inputs.shape[:-1], 16)
+  return out.astype(q.dtype).reshape(q.shape)
 
 
 def tiled_rows(codes, bits: int, ids, *values):
@@ -219,12 +237,14 @@ def kquant_matvec(x: jax.Array, fmt: str, q: jax.Array, scale: jax.Array,
                   tiled: bool = False) -> jax.Array:
   """x [B, I] float32 -> [B, O] float32 for a K-quant weight (module doc); needs
   `available()` and `supports_kquant(...)`, and `vnni()` for activation_bits 8 or 16.
-  `tiled`: a Q4_K weight in the column-tiled layout (`tile_columns` of q and the four
-  value arrays; integer activations, `tiles()`)."""
+  `tiled`: a Q4_K / Q6_K weight in the column-tiled layout (`tile_columns` of q — Q6_K's
+  re-paired by `nibbles_by_32` first — and its value arrays, Q6_K's q_high among them;
+  integer activations, `tiles()`)."""
   if activation_bits not in ACTIVATION_BITS:
     raise ValueError(f"activation_bits={activation_bits} not in {ACTIVATION_BITS}")
-  if tiled and (activation_bits == 32 or fmt != "q4_k"):
-    raise ValueError("column-tiled K-quants are Q4_K with integer activations (8 or 16 bits)")
+  if tiled and (activation_bits == 32 or fmt not in TILED_K_FORMATS):
+    raise ValueError("column-tiled K-quants are Q4_K / Q6_K with integer activations (8 or "
+                     "16 bits)")
   target = f"xlaserve_{fmt}_matvec" + ("" if activation_bits == 32 else f"_q{activation_bits}")
   target += "_tiled" if tiled else ""
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32))

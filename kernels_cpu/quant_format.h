@@ -47,21 +47,23 @@ struct KWeight {
 constexpr int64_t kTileCols = 16;
 // The formats the column-tiled layout holds (`IntWeight::tiled`).
 constexpr bool TiledFormat(Format f) {
-  return f == kS8 || f == kQ4_0 || f == kQ4_1 || f == kQ4_K;
+  return f == kS8 || f == kQ4_0 || f == kQ4_1 || f == kQ4_K || f == kQ6_K;
 }
 
 // One matrix's operands for the integer tiles (quant_int.h): `codes` with float16 `scale` (and
 // `offset`: mins) per group of 32 (Q8_0, Q4_0, Q4_1), or a K-quant's blocks (`k`).
 //
-// `tiled` (`TiledFormat`: Q8_0, Q4_0, Q4_1, Q4_K; AVX-512 only): the arrays keep their
-// shapes ([O, I/2] or [O, I] codes, [O, I/32] scales and mins, Q4_K's [O, I/32] scale
-// and min codes and [O, I/256] super-block values) but each block of kTileCols = 16
-// output columns is laid out as the integer tiles read it, one sequential stream a
-// block: codes [groups][chunks][16 columns][4 bytes] — chunk k of a group is its bytes
-// 4k..4k+3 as stored (Q4 / Q4_K: the low nibbles inputs 4k..4k+3, the high nibbles
-// inputs 16 + 4k..; 4 chunks a group; Q8_0: inputs 4k..4k+3, 8 chunks) — and every
-// per-column value array [its count][16 columns]. O is a multiple of 16. Made once at
-// load (serving/models/quantized.py `tile_for_native`).
+// `tiled` (`TiledFormat`: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; AVX-512 only): the arrays keep
+// their shapes ([O, I/2] or [O, I] codes, [O, I/32] scales and mins, a K-quant's scale
+// and min codes, super-block values and Q6_K's [O, I/4] high bits) but each block of
+// kTileCols = 16 output columns is laid out as the integer tiles read it, one
+// sequential stream a block: codes [groups][chunks][16 columns][4 bytes] — chunk k of a
+// group is its bytes 4k..4k+3 (Q4 / Q4_K / Q6_K: the low nibbles inputs 4k..4k+3, the
+// high nibbles inputs 16 + 4k..: 4 chunks a group; Q6_K's nibbles are re-paired into
+// that order from its per-16 one; Q8_0: inputs 4k..4k+3, 8 chunks) — and every
+// per-column byte or value array [its count][16 columns] (Q6_K's high bits: a byte per
+// chunk of 4 inputs). O is a multiple of 16. Made once at load
+// (serving/models/quantized.py `tile_for_native`).
 struct IntWeight {
   int64_t in = 0;
   const uint8_t* codes = nullptr;

@@ -184,23 +184,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void KColumnVal
   }
 }
 
-// A Q4_K column tile's scales and mins in the column-tiled layout (quant_format.h
-// `IntWeight::tiled`: the scale and min codes [groups][16], the super-blocks' d and
-// -dmin [supers][16] from column o's block) as floats [groups][16]: the products
-// KColumnValues forms (d x code, -dmin x code, float32), without its transposes.
+// A K-quant column tile's scales (and mins) in the column-tiled layout (quant_format.h
+// `IntWeight::tiled`: the scale (and min) codes [values][16], the super-blocks' d (and
+// -dmin) [supers][16] from column o's block) as floats [values][16]: the products
+// KColumnValues forms (d x code, -dmin x code, float32), without its transposes. Q4_K:
+// a value per group of 32, uint8 codes, and mins; Q6_K: per 16 inputs, int8 codes.
+template <Format kFmt>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void TiledKColumnValues(
-    const IntWeight& w, int64_t groups, int64_t o, float* dcol, float* mcol) {
-  const int64_t supers = w.in / kSuper, per_super = kSuper / kGroup;
-  const uint8_t* codes[2] = {w.k.scale + o * groups, w.k.offset + o * groups};
+    const IntWeight& w, int64_t o, float* dcol, float* mcol) {
+  static_assert(kFmt == kQ4_K || kFmt == kQ6_K);
+  constexpr int64_t kPerSuper = kFmt == kQ6_K ? 16 : 8;
+  constexpr int kArrays = kFmt == kQ6_K ? 1 : 2;
+  const int64_t supers = w.in / kSuper, values = supers * kPerSuper;
+  const uint8_t* codes[2] = {w.k.scale + o * values, w.k.offset + o * values};
   const uint16_t* super[2] = {w.k.super_scale + o * supers, w.k.super_offset + o * supers};
   float* dst[2] = {dcol, mcol};
-  for (int a = 0; a < 2; ++a) {
-    for (int64_t g = 0; g < groups; ++g) {
+  for (int a = 0; a < kArrays; ++a) {
+    for (int64_t v = 0; v < values; ++v) {
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(super[a] + g / per_super * 16)));
-      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[a] + g * 16))));
-      _mm512_storeu_ps(dst[a] + g * 16, _mm512_mul_ps(c, d));
+          reinterpret_cast<const __m256i*>(super[a] + v / kPerSuper * 16)));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[a] + v * 16));
+      const __m512i c = kFmt == kQ6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+      _mm512_storeu_ps(dst[a] + v * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
     }
   }
 }
@@ -764,11 +769,13 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i RowG
 
 // The 8 unsigned chunk vectors of group g of a column tile in the column-tiled layout
 // (quant_format.h `IntWeight::tiled`; `u` the tile's codes): w[k] = inputs 4k..4k+3 of
-// the 16 columns, as PackColumnsUnsigned lays them. Prefetches the tile's bytes 1 KiB
-// ahead (the next tile's first where this one ends: the blocks are back to back).
+// the 16 columns, as PackColumnsUnsigned lays them. Q6_K: `high` the tile's high bits
+// ([groups][8 chunks][16 columns] bytes, a chunk's four 2-bit values from the lowest
+// bits up) add 16 x each input's two bits. Prefetches the tile's bytes 1 KiB ahead (the
+// next tile's first where this one ends: the blocks are back to back).
 template <Format kFmt>
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline void TiledGroupCodes(
-    const uint8_t* u, int64_t g, __m512i* w) {
+    const uint8_t* u, const uint8_t* high, int64_t g, __m512i* w) {
   static_assert(TiledFormat(kFmt));
   constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // a group of 16 columns
   const uint8_t* at = u + g * kBytes;
@@ -787,15 +794,31 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void TiledGrou
       w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
     }
   }
+  if constexpr (kFmt == kQ6_K) {  // byte j of column c's dword: its input j's 2 bits x 16
+    const uint8_t* h = high + g * 128;
+    _mm_prefetch(reinterpret_cast<const char*>(h + 512), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(h + 512 + 64), _MM_HINT_T0);
+    const __m512i two = _mm512_set1_epi32(0x03030303);
+    for (int k = 0; k < 8; ++k) {
+      const __m512i d = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k * 16)));
+      const __m512i spread = _mm512_or_si512(
+          _mm512_or_si512(d, _mm512_slli_epi32(d, 6)),
+          _mm512_or_si512(_mm512_slli_epi32(d, 12), _mm512_slli_epi32(d, 18)));
+      w[k] = _mm512_or_si512(w[k], _mm512_slli_epi32(_mm512_and_si512(spread, two), 4));
+    }
+  }
 }
 
 // Rows [r0, r0 + kRows) of `r` x 16 columns: the packed columns `u`
-// (PackColumnsUnsigned) or, kTiled, a column tile's codes in the column-tiled layout
-// (TiledGroupCodes; the rows' bytes in input order): the module comment's numerics.
+// (PackColumnsUnsigned) or, kTiled, a column tile's codes (and Q6_K's `high` bits) in the
+// column-tiled layout (TiledGroupCodes; the rows' bytes in input order): the module
+// comment's numerics.
 template <Format kFmt, int kRows, bool kLo, bool kTiled = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedIntTile(
     const IntRows& r, int r0, int64_t groups, const uint8_t* u, int64_t o, int n,
-    const float* dcol, const float* mcol, float* out, int64_t out_dim) {
+    const float* dcol, const float* mcol, float* out, int64_t out_dim,
+    const uint8_t* high = nullptr) {
   constexpr bool kPlain = kTiled || kFmt == kS8;
   constexpr int kPer = ScalesPerGroup(kFmt);
   const int64_t row_bytes = groups * kGroup;  // of hi / lo, either order
@@ -805,7 +828,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
     if constexpr (kTiled) {
-      TiledGroupCodes<kFmt>(u, g, w);
+      TiledGroupCodes<kFmt>(u, high, g, w);
     } else {
       for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
     }
@@ -853,18 +876,19 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
     if (w.tiled) {  // every row tile reads the column tiles as laid out (no AMX, no packing)
       for (int64_t o = o0; o < o1; o += kTileCols) {
         if constexpr (IsKQuant(kFmt)) {
-          TiledKColumnValues(w, groups, o, dcol.data(), mcol.data());
+          TiledKColumnValues<kFmt>(w, o, dcol.data(), mcol.data());
         } else {
           TiledColumnValues(w.scale, groups, o, dcol.data());
           if constexpr (kMin) TiledColumnValues(w.offset, groups, o, mcol.data());
         }
         const uint8_t* u = IsKQuant(kFmt) ? w.k.q + o * groups * 16
                                           : w.codes + o * groups * GroupBytes(kFmt);
+        const uint8_t* high = kFmt == kQ6_K ? w.k.q_high + o * groups * 8 : nullptr;
         for (int r0 = r_begin; r0 < r_end; r0 += kTileRows) {
           XLASERVE_WITH_TILE_ROWS(
               std::min(kTileRows, r_end - r0),
               (PackedIntTile<kFmt, R, kLo, true>(r, r0, groups, u, o, kTileCols, dcol.data(),
-                                                 mcol.data(), out, out_dim)));
+                                                 mcol.data(), out, out_dim, high)));
         }
       }
       return;

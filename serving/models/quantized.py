@@ -99,7 +99,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 HIGH_BITS = {"int5": 1, "int6": 2}  # bits above the low nibble, in `q_high`
 ROW_FIELDS = ("q", "scale", "offset", "zero", "q_high", "super_scale", "super_offset")
 # The per-output-channel value arrays the column-tiled layout re-lays beside `q`.
-TILED_VALUES = ("scale", "offset", "super_scale", "super_offset")
+TILED_VALUES = ("scale", "offset", "super_scale", "super_offset", "q_high")
 FIELDS = (*ROW_FIELDS, "perm", "full")
 # With a `full` copy beside the codes, the native kernel takes batches up to this many
 # rows (where it beats XLA's dot); larger ones multiply the copy.
@@ -138,8 +138,8 @@ class QuantizedWeight:
     if self.layout not in LAYOUTS:
       raise ValueError(f"layout={self.layout!r} not in {LAYOUTS}")
     if self.layout == "tiles" and not _tileable_kind(self):
-      raise ValueError("the column-tiled layout holds Q8_0 / Q4_0 / Q4_1 / Q4_K weights (groups "
-                       "of 32, integer activations) without a dense copy")
+      raise ValueError("the column-tiled layout holds Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights "
+                       "(integer activations) without a dense copy")
     packed = self.kind in CODE_BITS
     if packed and (self.group_size <= 0 or self.group_size % 2):
       raise ValueError(f"{self.kind} needs an even group_size > 0, got {self.group_size}")
@@ -213,7 +213,9 @@ class QuantizedWeight:
     if self.layout == "rows":
       return self
     q, *values = kernels_cpu.matvec.untile_columns(
-        self.q, self.bits, *(getattr(self, f) for f in TILED_VALUES))
+        self.q, 4 if self.kind in CODE_BITS else 8, *(getattr(self, f) for f in TILED_VALUES))
+    if kquant_format(self) == "q6_k":
+      q = kernels_cpu.matvec.nibbles_by_32(q, inverse=True)
     fields = dict(zip(TILED_VALUES, values, strict=True))
     return dataclasses.replace(self, q=q, **fields, layout="rows")
 
@@ -230,7 +232,10 @@ class QuantizedWeight:
     if self.layout == "tiles":  # each id's row from its block of 16, without untiling all
       rows = dict.fromkeys(ROW_FIELDS)
       rows.update(zip(("q", *TILED_VALUES), kernels_cpu.matvec.tiled_rows(
-          self.q, self.bits, ids, *(getattr(self, f) for f in TILED_VALUES)), strict=True))
+          self.q, 4 if self.kind in CODE_BITS else 8, ids,
+          *(getattr(self, f) for f in TILED_VALUES)), strict=True))
+      if kquant_format(self) == "q6_k":
+        rows["q"] = kernels_cpu.matvec.nibbles_by_32(rows["q"], inverse=True)
       return _dequantize_rows(dataclasses.replace(self, layout="rows"), rows, dtype)
     rows = {f: None if getattr(self, f) is None else getattr(self, f)[ids] for f in ROW_FIELDS}
     return _dequantize_rows(self, rows, dtype)
@@ -370,13 +375,13 @@ def with_activation_bits(params: Any, bits: int) -> Any:
 
 def _tileable_kind(w: QuantizedWeight) -> bool:
   """The column-tiled layout's kinds (static fields only: also checked while JAX rebuilds
-  a weight from non-array leaves): Q8_0 / Q4_0 / Q4_1 / Q4_K in a `native_format`, integer
-  activations, no dense copy."""
+  a weight from non-array leaves): Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K in a `native_format`,
+  integer activations, no dense copy."""
   signed_bytes = w.kind == "int8" and w.offset is None
   fmt = kquant_format(w)
   legacy = fmt is None and (w.kind == "int4" or signed_bytes)
-  return (native_format(w) and (legacy or fmt == "q4_k") and w.activation_bits != 32
-          and w.full is None)
+  return (native_format(w) and (legacy or fmt in kernels_cpu.matvec.TILED_K_FORMATS)
+          and w.activation_bits != 32 and w.full is None)
 
 
 def _tileable(w: QuantizedWeight) -> bool:
@@ -394,7 +399,7 @@ TILED_KEYS = (*LINEAR_KEYS, "lm_head", "embed")
 
 def tile_for_native(params: Any) -> Any:
   """Params whose `TILED_KEYS` weights that the integer tiles read (`_tileable`: Q8_0,
-  Q4_0, Q4_1, Q4_K with integer activations) are in the native kernels' column-tiled layout
+  Q4_0, Q4_1, Q4_K, Q6_K with integer activations) are in the native kernels' column-tiled layout
   (`layout="tiles"`, kernels_cpu/matvec.py `tile_columns`), on the host. For one device
   where `kernels_cpu.matvec.tiles()` (AVX-512 VNNI); other weights are unchanged. Same
   results bitwise (the tiles' integer sums are exact, the epilogue the same); batch-1 decode
@@ -403,7 +408,8 @@ def tile_for_native(params: Any) -> Any:
     key = getattr(path[-1], "key", None) if path else None
     if not is_quantized(w) or key not in TILED_KEYS or w.layout != "rows" or not _tileable(w):
       return w
-    q, *values = kernels_cpu.matvec.tile_columns(w.q, w.bits,
+    q = kernels_cpu.matvec.nibbles_by_32(np.asarray(w.q)) if kquant_format(w) == "q6_k" else w.q
+    q, *values = kernels_cpu.matvec.tile_columns(q, 4 if w.kind in CODE_BITS else 8,
                                                  *(getattr(w, f) for f in TILED_VALUES))
     fields = dict(zip(TILED_VALUES, values, strict=True))
     return dataclasses.replace(w, q=q, **fields, layout="tiles")

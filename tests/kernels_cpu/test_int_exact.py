@@ -289,29 +289,42 @@ def test_kquant_row_alone_is_bitwise_the_row_among_300(fmt):
 
 
 @needs_vnni
+@pytest.mark.parametrize("fmt", list(matvec.TILED_K_FORMATS))
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("rows", [1, 7, 16, 37])
-def test_tiled_q4_k_matches_block_exact_reference_bitwise(bits, rows):
-  """Q4_K in the column-tiled layout (codes, scale and min codes, super-block d and -dmin
-  re-laid per 16 columns): the same reference as its stored rows, and a row alone among
-  300 keeps its bits."""
-  qw = _kweight("q4_k", 80, 768)
-  fields = ("scale", "offset", "super_scale", "super_offset")
-  q, *values = matvec.tile_columns(qw.q, 4, *(getattr(qw, f) for f in fields))
-  arrays = map(jnp.asarray, [q, *values])
-  tiled = dataclasses.replace(qw, **dict(zip(("q", *fields), arrays, strict=True)))
+def test_tiled_kquants_match_block_exact_reference_bitwise(fmt, bits, rows):
+  """Q4_K and Q6_K in the column-tiled layout (codes — Q6_K's nibbles re-paired per 32 —,
+  scale and min codes, super-block values, Q6_K's high bits, re-laid per 16 columns,
+  `tile_for_native`): the same reference as the stored rows, and a row alone among 300
+  keeps its bits."""
+  qw = quant.with_activation_bits(_kweight(fmt, 80, 768), bits)
+  tiled = quant.tile_for_native({"wq": qw})["wq"]
+  assert tiled.layout == "tiles" and not np.array_equal(np.asarray(tiled.q), np.asarray(qw.q))
   run = lambda x: np.asarray(matvec.kquant_matvec(  # noqa: E731
-      jnp.asarray(x), "q4_k", tiled.q, tiled.scale, tiled.offset, None, tiled.super_scale,
-      tiled.super_offset, activation_bits=bits, tiled=True))
+      jnp.asarray(x), fmt, tiled.q, tiled.scale, tiled.offset, tiled.q_high,
+      tiled.super_scale, tiled.super_offset, activation_bits=bits, tiled=True))
   x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
   x[0, :32] = 0.0
-  assert np.array_equal(run(x), kquant_block_exact_reference(x, "q4_k", qw, bits))
+  assert np.array_equal(run(x), kquant_block_exact_reference(x, fmt, qw, bits))
+  np.testing.assert_array_equal(np.asarray(tiled.dequantize()), np.asarray(qw.dequantize()))
   if rows == 37:
     many = np.random.default_rng(9).standard_normal((300, 768)).astype(np.float32)
     together = run(many)
-    assert np.array_equal(together, _kproduct(many, "q4_k", qw, bits))
+    assert np.array_equal(together, _kproduct(many, fmt, qw, bits))
     for at in (0, 299):
       assert np.array_equal(run(many[at:at + 1])[0], together[at])
+
+
+def test_nibbles_by_32_round_trips():
+  """Q6_K's per-16 nibble pairs <-> per-32 pairs, numpy and jax, on every byte value."""
+  q = np.random.default_rng(1).integers(0, 256, (3, 48), dtype=np.uint8)
+  by32 = matvec.nibbles_by_32(q)
+  codes16 = np.concatenate([q.reshape(3, -1, 2, 8) & 15, q.reshape(3, -1, 2, 8) >> 4], -1)
+  inputs = codes16.reshape(3, -1, 32)  # per 16: (j, j + 8) -> input order
+  assert np.array_equal(by32.reshape(3, -1, 16) & 15, inputs[..., :16])
+  assert np.array_equal(by32.reshape(3, -1, 16) >> 4, inputs[..., 16:])
+  assert np.array_equal(matvec.nibbles_by_32(by32, inverse=True), q)
+  assert np.array_equal(np.asarray(matvec.nibbles_by_32(jnp.asarray(by32), inverse=True)), q)
 
 
 @needs_vnni

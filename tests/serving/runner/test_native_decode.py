@@ -240,8 +240,8 @@ def _kquant_layers(activation_bits):
 @pytest.mark.parametrize("activation_bits", [16, 8])
 @pytest.mark.parametrize("many", [False, True], ids=["4rows", "20rows"])
 def test_tiled_weights_give_the_bits_of_the_stored_rows(family, activation_bits, many):
-  """The layers' Q8_0 / Q4_0 / Q4_1 / Q4_K weights in the column-tiled layout
-  (`tile_for_native`; our uint8 groups, Q5_K and Q6_K stay as stored) give the fused
+  """The layers' Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights in the column-tiled layout
+  (`tile_for_native`; our uint8 groups and Q5_K stay as stored) give the fused
   call's h and K/V bitwise, and so does the op-by-op path (per-op matvec on the tiles)."""
   if not kernels_cpu.matvec.tiles():
     pytest.skip("the column-tiled layout needs AVX-512 VNNI")
@@ -256,7 +256,7 @@ def test_tiled_weights_give_the_bits_of_the_stored_rows(family, activation_bits,
                  (None, "int8", False, "rows"), (None, "int8", True, "tiles")}
                 if family == "legacy" else
                 {("q4_k", "int4", False, "tiles"), ("q5_k", "int5", False, "rows"),
-                 ("q6_k", "int6", True, "rows"), (None, "int8", True, "tiles")})
+                 ("q6_k", "int6", True, "tiles"), (None, "int8", True, "tiles")})
   assert kinds == want_kinds
   rows = MANY_ROWS if many else ROWS
   positions, meta = _step(rows)
