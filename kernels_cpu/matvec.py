@@ -60,7 +60,7 @@ _K_LAYOUT = {"q4_k": (1 / 32, 0, jnp.uint8, True), "q5_k": (1 / 32, 1 / 8, jnp.u
 __all__ = ["ACTIVATION_BITS", "K_FORMATS", "MAX_ROWS", "TILED_K_FORMATS", "TILE_COLS",
            "available", "int8_matvec", "kquant_matvec", "library_path", "nibbles_by_32",
            "quantized_matvec", "supports", "supports_integer_activations", "supports_kquant",
-           "supports_tiles", "tile_columns", "tiled_rows", "tiles", "untile_columns", "vnni", "nibbles_by_32", "TILED_K_FORMATS"]
+           "supports_tiles", "tile_columns", "tiled_rows", "tiles", "untile_columns", "vnni"]
 
 
 def supports(rows: int, codes: jax.Array, scale: jax.Array, offset: jax.Array | None,
