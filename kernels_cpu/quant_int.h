@@ -778,9 +778,10 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void TiledGrou
     const uint8_t* u, const uint8_t* high, int64_t g, __m512i* w) {
   static_assert(TiledFormat(kFmt));
   constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // a group of 16 columns
+  constexpr int64_t kAhead = 1024;  // 2 KiB and 4 KiB measured no different
   const uint8_t* at = u + g * kBytes;
   for (int64_t line = 0; line < kBytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(at + 1024 + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + line), _MM_HINT_T0);
   }
   if constexpr (kFmt == kS8) {
     for (int k = 0; k < 8; ++k) {
