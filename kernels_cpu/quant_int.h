@@ -184,45 +184,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void KColumnVal
   }
 }
 
-// A K-quant column tile's scales (and mins) in the column-tiled layout (quant_format.h
-// `IntWeight::tiled`: the scale (and min) codes [values][16], the super-blocks' d (and
-// -dmin) [supers][16] from column o's block) as floats [values][16]: the products
-// KColumnValues forms (d x code, -dmin x code, float32), without its transposes. Q4_K:
-// a value per group of 32, uint8 codes, and mins; Q6_K: per 16 inputs, int8 codes.
-template <Format kFmt>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline void TiledKColumnValues(
-    const IntWeight& w, int64_t o, float* dcol, float* mcol) {
-  static_assert(kFmt == kQ4_K || kFmt == kQ6_K);
-  constexpr int64_t kPerSuper = kFmt == kQ6_K ? 16 : 8;
-  constexpr int kArrays = kFmt == kQ6_K ? 1 : 2;
-  const int64_t supers = w.in / kSuper, values = supers * kPerSuper;
-  const uint8_t* codes[2] = {w.k.scale + o * values, w.k.offset + o * values};
-  const uint16_t* super[2] = {w.k.super_scale + o * supers, w.k.super_offset + o * supers};
-  float* dst[2] = {dcol, mcol};
-  for (int a = 0; a < kArrays; ++a) {
-    for (int64_t v = 0; v < values; ++v) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(super[a] + v / kPerSuper * 16)));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[a] + v * 16));
-      const __m512i c = kFmt == kQ6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-      _mm512_storeu_ps(dst[a] + v * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
-    }
-  }
-}
-
-// A column tile's float16 values (scales or mins) in the column-tiled layout
-// (quant_format.h `IntWeight::tiled`: [groups][16] from column o's block) as floats
-// [groups][16].
-__attribute__((target("avx512f,f16c"))) inline void TiledColumnValues(const uint16_t* values,
-                                                                      int64_t groups, int64_t o,
-                                                                      float* dst) {
-  const uint16_t* block = values + o * groups;
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm512_storeu_ps(dst + g * 16, _mm512_cvtph_ps(_mm256_loadu_si256(
-                                       reinterpret_cast<const __m256i*>(block + g * 16))));
-  }
-}
-
 // Columns [o, o + n)'s scales and mins as [values][16] (ColumnValues, KColumnValues).
 template <Format kFmt>
 inline void IntColumnValues(const IntWeight& w, int64_t o, int n, float* dcol, float* mcol) {
@@ -767,69 +728,154 @@ __attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i RowG
   return isum;
 }
 
-// The 8 unsigned chunk vectors of group g of a column tile in the column-tiled layout
-// (quant_format.h `IntWeight::tiled`; `u` the tile's codes): w[k] = inputs 4k..4k+3 of
-// the 16 columns, as PackColumnsUnsigned lays them. Q6_K: `high` the tile's high bits
-// ([groups][8 chunks][16 columns] bytes, a chunk's four 2-bit values from the lowest
-// bits up) add 16 x each input's two bits. Prefetches the tile's bytes 1 KiB ahead (the
-// next tile's first where this one ends: the blocks are back to back).
+// One column tile of a weight in the column-tiled layout (quant_format.h
+// `IntWeight::tiled`), read a group at a time: `Group(g, w, d, m)` gives the 8 unsigned
+// chunk vectors w[k] = inputs 4k..4k+3 of the 16 columns (as PackColumnsUnsigned lays
+// them; Q6_K adds 16 x each input's two high bits from `high`, a byte per chunk per
+// column, a chunk's four 2-bit values from the lowest bits up) and the group's scales
+// `d` (Q6_K: two rows of 16, per 16 inputs) and mins `m` as floats: the float16 values,
+// or a K-quant's codes times its super-block's d / -dmin (the products KColumnValues
+// forms, float32). Codes, high bits and values are each one sequential stream through
+// the tiles, prefetched ahead as the groups go (into the next tile where this one ends:
+// the blocks are back to back); the values are read beside the codes, not in a pass of
+// their own (which a Q4_K_M decode step spent a sixth of its time waiting on).
 template <Format kFmt>
-__attribute__((target("avx512f,avx512bw"), always_inline)) inline void TiledGroupCodes(
-    const uint8_t* u, const uint8_t* high, int64_t g, __m512i* w) {
+struct TiledColumns {
   static_assert(TiledFormat(kFmt));
-  constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // a group of 16 columns
-  constexpr int64_t kAhead = 1024;  // 2 KiB and 4 KiB measured no different
-  const uint8_t* at = u + g * kBytes;
-  for (int64_t line = 0; line < kBytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + line), _MM_HINT_T0);
-  }
-  if constexpr (kFmt == kS8) {
-    for (int k = 0; k < 8; ++k) {
-      w[k] = _mm512_xor_si512(_mm512_loadu_si512(at + k * 64), _mm512_set1_epi8(-128));
-    }
-  } else {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    for (int k = 0; k < 4; ++k) {
-      const __m512i v = _mm512_loadu_si512(at + k * 64);
-      w[k] = _mm512_and_si512(v, nib);
-      w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    }
-  }
-  if constexpr (kFmt == kQ6_K) {  // byte j of column c's dword: its input j's 2 bits x 16
-    const uint8_t* h = high + g * 128;
-    _mm_prefetch(reinterpret_cast<const char*>(h + 512), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(h + 512 + 64), _MM_HINT_T0);
-    const __m512i two = _mm512_set1_epi32(0x03030303);
-    for (int k = 0; k < 8; ++k) {
-      const __m512i d = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k * 16)));
-      const __m512i spread = _mm512_or_si512(
-          _mm512_or_si512(d, _mm512_slli_epi32(d, 6)),
-          _mm512_or_si512(_mm512_slli_epi32(d, 12), _mm512_slli_epi32(d, 18)));
-      w[k] = _mm512_or_si512(w[k], _mm512_slli_epi32(_mm512_and_si512(spread, two), 4));
+  static constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // codes of a group
+  static constexpr int64_t kAhead = 1024;  // bytes of codes ahead (2 and 4 KiB: alike)
+  static constexpr int64_t kPerGroup = kFmt == kQ6_K ? 2 : 1;  // values a group
+  static constexpr int64_t kPerSuper = kSuper / kGroup * kPerGroup;  // K-quants
+
+  TiledColumns(const IntWeight& w, int64_t o) {
+    const int64_t groups = w.in / kGroup;
+    if constexpr (IsKQuant(kFmt)) {
+      const int64_t supers = w.in / kSuper;
+      codes = w.k.q + o * groups * 16;
+      high = kFmt == kQ6_K ? w.k.q_high + o * groups * 8 : nullptr;
+      scale_codes = w.k.scale + o * groups * kPerGroup;
+      min_codes = kFmt == kQ4_K ? w.k.offset + o * groups : nullptr;
+      super_scale = w.k.super_scale + o * supers;
+      super_min = kFmt == kQ4_K ? w.k.super_offset + o * supers : nullptr;
+    } else {
+      codes = w.codes + o * groups * GroupBytes(kFmt);
+      scale = w.scale + o * groups;
+      min = IntMin(kFmt) ? w.offset + o * groups : nullptr;
     }
   }
-}
+
+  __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) void Group(
+      int64_t g, __m512i* w, float* d, float* m) const {
+    const uint8_t* at = codes + g * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(at + kAhead + line), _MM_HINT_T0);
+    }
+    if constexpr (kFmt == kS8) {
+      for (int k = 0; k < 8; ++k) {
+        w[k] = _mm512_xor_si512(_mm512_loadu_si512(at + k * 64), _mm512_set1_epi8(-128));
+      }
+    } else {
+      const __m512i nib = _mm512_set1_epi8(0x0F);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_loadu_si512(at + k * 64);
+        w[k] = _mm512_and_si512(v, nib);
+        w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+    }
+    if constexpr (kFmt == kQ6_K) {  // byte j of column c's dword: its input j's 2 bits x 16
+      const uint8_t* h = high + g * 128;
+      _mm_prefetch(reinterpret_cast<const char*>(h + 512), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(h + 512 + 64), _MM_HINT_T0);
+      const __m512i two = _mm512_set1_epi32(0x03030303);
+      for (int k = 0; k < 8; ++k) {
+        const __m512i c = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + k * 16)));
+        const __m512i spread = _mm512_or_si512(
+            _mm512_or_si512(c, _mm512_slli_epi32(c, 6)),
+            _mm512_or_si512(_mm512_slli_epi32(c, 12), _mm512_slli_epi32(c, 18)));
+        w[k] = _mm512_or_si512(w[k], _mm512_slli_epi32(_mm512_and_si512(spread, two), 4));
+      }
+    }
+    if constexpr (IsKQuant(kFmt)) {
+      if (g % 4 == 0) {  // a line of codes holds 4 groups' (2 for Q6_K); supers: 2 lines each
+        _mm_prefetch(reinterpret_cast<const char*>(scale_codes + (g + 16) * kPerGroup * 16),
+                     _MM_HINT_T0);
+        if constexpr (kFmt == kQ6_K) {
+          _mm_prefetch(reinterpret_cast<const char*>(scale_codes + (g + 18) * 32), _MM_HINT_T0);
+        } else {
+          _mm_prefetch(reinterpret_cast<const char*>(min_codes + (g + 16) * 16), _MM_HINT_T0);
+        }
+      }
+      if (g % (kSuper / kGroup) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(super_scale + (g / 8 + 2) * 16), _MM_HINT_T0);
+        if constexpr (kFmt == kQ4_K) {
+          _mm_prefetch(reinterpret_cast<const char*>(super_min + (g / 8 + 2) * 16), _MM_HINT_T0);
+        }
+      }
+      const __m512 ds = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(super_scale + g / 8 * 16)));
+      for (int64_t v = 0; v < kPerGroup; ++v) {
+        const __m128i b = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(scale_codes + (g * kPerGroup + v) * 16));
+        const __m512i c = kFmt == kQ6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+        _mm512_store_ps(d + v * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c), ds));
+      }
+      if constexpr (kFmt == kQ4_K) {
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(super_min + g / 8 * 16)));
+        const __m512i c = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(min_codes + g * 16)));
+        _mm512_store_ps(m, _mm512_mul_ps(_mm512_cvtepi32_ps(c), dm));
+      }
+    } else {
+      if (g % 2 == 0) {  // a line holds 2 groups' values
+        _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 16) * 16), _MM_HINT_T0);
+        if constexpr (IntMin(kFmt)) {
+          _mm_prefetch(reinterpret_cast<const char*>(min + (g + 16) * 16), _MM_HINT_T0);
+        }
+      }
+      _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(
+                             reinterpret_cast<const __m256i*>(scale + g * 16))));
+      if constexpr (IntMin(kFmt)) {
+        _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(
+                               reinterpret_cast<const __m256i*>(min + g * 16))));
+      }
+    }
+  }
+
+  const uint8_t* codes = nullptr;
+  const uint8_t* high = nullptr;
+  const uint16_t* scale = nullptr;  // Q8_0 / Q4_0 / Q4_1 float16 values
+  const uint16_t* min = nullptr;
+  const uint8_t* scale_codes = nullptr;  // K-quants
+  const uint8_t* min_codes = nullptr;
+  const uint16_t* super_scale = nullptr;
+  const uint16_t* super_min = nullptr;
+};
 
 // Rows [r0, r0 + kRows) of `r` x 16 columns: the packed columns `u`
-// (PackColumnsUnsigned) or, kTiled, a column tile's codes (and Q6_K's `high` bits) in the
-// column-tiled layout (TiledGroupCodes; the rows' bytes in input order): the module
-// comment's numerics.
+// (PackColumnsUnsigned) with their values `dcol` / `mcol`, or, kTiled, a column tile in
+// the column-tiled layout (`tiled`: codes and values a group at a time; the rows' bytes
+// in input order): the module comment's numerics.
 template <Format kFmt, int kRows, bool kLo, bool kTiled = false>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedIntTile(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void PackedIntTile(
     const IntRows& r, int r0, int64_t groups, const uint8_t* u, int64_t o, int n,
     const float* dcol, const float* mcol, float* out, int64_t out_dim,
-    const uint8_t* high = nullptr) {
+    const TiledColumns<kFmt>* tiled = nullptr) {
   constexpr bool kPlain = kTiled || kFmt == kS8;
   constexpr int kPer = ScalesPerGroup(kFmt);
   const int64_t row_bytes = groups * kGroup;  // of hi / lo, either order
   const RowOperands<kFmt, kLo, kPlain> rows(r);
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
+  alignas(64) float dg[2 * 16], mg[16];  // kTiled: the group's values (TiledColumns)
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
+    const float* d = dcol + g * kPer * 16;
+    const float* m = mcol + g * 16;
     if constexpr (kTiled) {
-      TiledGroupCodes<kFmt>(u, high, g, w);
+      tiled->Group(g, w, dg, mg);
+      d = dg, m = mg;
     } else {
       for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
     }
@@ -847,8 +893,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void PackedI
           isum[0] = _mm512_sub_epi32(isum[0], _mm512_set1_epi32(128 * rows.xint[at]));
         }
       }
-      GroupEpilogue<kFmt, kLo>(rows, isum, at, dcol + g * kPer * 16, mcol + g * 16, &acc[b],
-                               &mins[b]);
+      GroupEpilogue<kFmt, kLo>(rows, isum, at, d, m, &acc[b], &mins[b]);
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
@@ -876,20 +921,12 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   if constexpr (TiledFormat(kFmt)) {
     if (w.tiled) {  // every row tile reads the column tiles as laid out (no AMX, no packing)
       for (int64_t o = o0; o < o1; o += kTileCols) {
-        if constexpr (IsKQuant(kFmt)) {
-          TiledKColumnValues<kFmt>(w, o, dcol.data(), mcol.data());
-        } else {
-          TiledColumnValues(w.scale, groups, o, dcol.data());
-          if constexpr (kMin) TiledColumnValues(w.offset, groups, o, mcol.data());
-        }
-        const uint8_t* u = IsKQuant(kFmt) ? w.k.q + o * groups * 16
-                                          : w.codes + o * groups * GroupBytes(kFmt);
-        const uint8_t* high = kFmt == kQ6_K ? w.k.q_high + o * groups * 8 : nullptr;
+        const TiledColumns<kFmt> tile(w, o);
         for (int r0 = r_begin; r0 < r_end; r0 += kTileRows) {
           XLASERVE_WITH_TILE_ROWS(
               std::min(kTileRows, r_end - r0),
-              (PackedIntTile<kFmt, R, kLo, true>(r, r0, groups, u, o, kTileCols, dcol.data(),
-                                                 mcol.data(), out, out_dim, high)));
+              (PackedIntTile<kFmt, R, kLo, true>(r, r0, groups, nullptr, o, kTileCols, nullptr,
+                                                 nullptr, out, out_dim, &tile)));
         }
       }
       return;
