@@ -745,7 +745,7 @@ struct TiledColumns {
   static constexpr int64_t kBytes = kFmt == kS8 ? 512 : 256;  // codes of a group
   static constexpr int64_t kAhead = 1024;  // bytes of codes ahead (2 and 4 KiB: alike)
   static constexpr int64_t kPerGroup = kFmt == kQ6_K ? 2 : 1;  // values a group
-  static constexpr int64_t kPerSuper = kSuper / kGroup * kPerGroup;  // K-quants
+  static constexpr int64_t kGroupsPerSuper = kSuper / kGroup;  // K-quants
 
   TiledColumns(const IntWeight& w, int64_t o) {
     const int64_t groups = w.in / kGroup;
@@ -797,7 +797,7 @@ struct TiledColumns {
       }
     }
     if constexpr (IsKQuant(kFmt)) {
-      if (g % 4 == 0) {  // a line of codes holds 4 groups' (2 for Q6_K); supers: 2 lines each
+      if (g % 4 == 0) {  // a line of scale / min codes: 4 groups' (Q6_K: 2 groups')
         _mm_prefetch(reinterpret_cast<const char*>(scale_codes + (g + 16) * kPerGroup * 16),
                      _MM_HINT_T0);
         if constexpr (kFmt == kQ6_K) {
@@ -806,14 +806,15 @@ struct TiledColumns {
           _mm_prefetch(reinterpret_cast<const char*>(min_codes + (g + 16) * 16), _MM_HINT_T0);
         }
       }
-      if (g % (kSuper / kGroup) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(super_scale + (g / 8 + 2) * 16), _MM_HINT_T0);
+      const int64_t super = g / kGroupsPerSuper;  // its 16 values: half a line
+      if (g % kGroupsPerSuper == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(super_scale + (super + 2) * 16), _MM_HINT_T0);
         if constexpr (kFmt == kQ4_K) {
-          _mm_prefetch(reinterpret_cast<const char*>(super_min + (g / 8 + 2) * 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(super_min + (super + 2) * 16), _MM_HINT_T0);
         }
       }
       const __m512 ds = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(super_scale + g / 8 * 16)));
+          reinterpret_cast<const __m256i*>(super_scale + super * 16)));
       for (int64_t v = 0; v < kPerGroup; ++v) {
         const __m128i b = _mm_loadu_si128(
             reinterpret_cast<const __m128i*>(scale_codes + (g * kPerGroup + v) * 16));
@@ -822,7 +823,7 @@ struct TiledColumns {
       }
       if constexpr (kFmt == kQ4_K) {
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(super_min + g / 8 * 16)));
+            reinterpret_cast<const __m256i*>(super_min + super * 16)));
         const __m512i c = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(min_codes + g * 16)));
         _mm512_store_ps(m, _mm512_mul_ps(_mm512_cvtepi32_ps(c), dm));
