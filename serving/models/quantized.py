@@ -49,12 +49,12 @@ of up to `NATIVE_ROWS_BESIDE_FULL` rows read the codes (the kernel is bound
 by their conversion, not by bytes, and beats XLA's dot there), prefill and
 larger batches take XLA's GEMM on the copy. Memory for speed at both ends.
 
-On one device where the native kernels run on AVX-512 VNNI, the linear weights the
-integer tiles read (Q8_0, Q4_0, Q4_1 with integer activations) are re-laid once at
+On one device where the native kernels run on AVX-512 VNNI, the weights the integer
+tiles read (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K with integer activations) are re-laid once at
 load in the kernels' column-tiled layout (`tile_for_native`, `layout="tiles"`): the
-same arrays and shapes, each block of 16 output channels' codes and scales in the
-order the tiles read them, one sequential stream a block instead of sixteen
-(kernels_cpu/quant_format.h `IntWeight::tiled`). The native kernels read them
+same arrays and shapes, each block of 16 output channels' codes and per-channel arrays
+(`TILED_VALUES`) in the order the tiles read them, one sequential stream a block
+instead of sixteen (kernels_cpu/quant_format.h `IntWeight::tiled`). The native kernels read them
 bitwise as they read the stored rows; every other reader (`dequantize`, the XLA
 path) takes `rows_layout()` first.
 
@@ -128,8 +128,8 @@ class QuantizedWeight:
   # Nibble and Q8_0 weights on CPU: the native kernel rounds the activations per group of
   # 32 to 8 or 16 bits and uses integer dot products (`with_activation_bits`); 32: float.
   activation_bits: int = dataclasses.field(default=32, metadata=dict(static=True))
-  # "rows": the arrays as stored (module doc); "tiles": q, scale and offset in the native
-  # kernels' column-tiled layout (`tile_for_native`).
+  # "rows": the arrays as stored (module doc); "tiles": q and its `TILED_VALUES` in the
+  # native kernels' column-tiled layout (`tile_for_native`).
   layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
 
   def __post_init__(self):
