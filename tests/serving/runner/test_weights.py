@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from server_procs import xla_flags
 
+import kernels_cpu
 from checkpoints import quantizers
 from serving.config import EngineConfig
 from serving.models.layout import param_shapes
@@ -103,6 +104,21 @@ def test_activation_bits_mark_native_quantized_weights(bits):
                                                           is_leaf=is_quantized))
 
 
+def test_column_tiles_on_one_device_where_the_tiles_run(monkeypatch):
+  """Nibbles with integer activations (as a GGUF Q4_0 arrives) take the column-tiled layout
+  by default where the native tiles run (AVX-512 VNNI); not with cpu_weight_tiles=False,
+  with float activations, or where the tiles do not run (the mesh case: _mesh_worker)."""
+  nibbles = quantizers.quantize_params(random_params(CFG), "int4", group_size=32)
+  layouts = lambda ec: {layer(prepare_weights(nibbles, CFG, ec))[n].layout  # noqa: E731
+                        for n in LINEARS}
+  monkeypatch.setattr(kernels_cpu.matvec, "tiles", lambda: True)
+  assert layouts(engine_config(cpu_activation_bits=16)) == {"tiles"}
+  assert layouts(engine_config(cpu_activation_bits=16, cpu_weight_tiles=False)) == {"rows"}
+  assert layouts(engine_config(cpu_activation_bits=32)) == {"rows"}
+  monkeypatch.setattr(kernels_cpu.matvec, "tiles", lambda: False)
+  assert layouts(engine_config(cpu_activation_bits=16)) == {"rows"}
+
+
 def test_dense_copy_is_added_as_the_weight_dtype():
   ec = engine_config(quantization="int8", quantized_dense_copy=True, weight_dtype="bfloat16",
                      unroll_layers=True)
@@ -161,7 +177,7 @@ def test_on_a_mesh():
   assert got["lora_with_pp"].startswith("NotImplementedError: LoRA adapters with pipeline")
   assert got["tp"] == dict(kv_heads=2, source_kv_heads=1, unrolled=True, wk_out=2 * 16,
                            mesh={"tp": 2}, wq_spec="P(None, 'tp')")  # [In, Out]: out split
-  assert got["tp_quantized"] == dict(full=[], activation_bits=[32])
+  assert got["tp_quantized"] == dict(full=[], activation_bits=[32], layouts=["rows"])
   assert got["pp"] == dict(num_layers=4, source_layers=3, stacked_layers=4)
 
 
@@ -188,7 +204,8 @@ def _mesh_worker() -> dict:
   ec = engine_config(tp=2, quantized_dense_copy=True, cpu_activation_bits=16)
   lp = layer(prepare_weights(nibbles, CFG, ec))
   out["tp_quantized"] = dict(full=[n for n in LINEARS if lp[n].full is not None],
-                             activation_bits=sorted({lp[n].activation_bits for n in LINEARS}))
+                             activation_bits=sorted({lp[n].activation_bits for n in LINEARS}),
+                             layouts=sorted({lp[n].layout for n in LINEARS}))
   w = prepare_weights(random_params(CFG), CFG, engine_config(pp=2, unroll_layers=True))
   out["pp"] = dict(num_layers=w.model_cfg.num_layers, source_layers=w.source_cfg.num_layers,
                    stacked_layers=w.params["layers"]["wq"].shape[0])
