@@ -167,10 +167,20 @@ def kquant_isa() -> bool:
   return isa() == "avx512"
 
 
+@functools.cache
+def amx() -> bool:
+  """True when the AVX-512 set's integer tiles use AMX for calls of 16 rows and more
+  (the CPU has AMX-INT8 and `XLASERVE_NATIVE_AMX` is not 0; read once)."""
+  path = library_path()
+  return (isa() == "avx512" and path is not None
+          and bool(ctypes.CDLL(path).xlaserve_native_amx()))
+
+
 def tiles() -> bool:
-  """True when the kernels read weights in the column-tiled layout (Q8_0 / Q4_0 / Q4_1
-  with integer activations; serving/models/quantized.py `tile_for_native`): the AVX-512
-  set on a CPU with VNNI."""
+  """True when the kernels read weights in the column-tiled layout (Q8_0 / Q4_0 / Q4_1 /
+  Q4_K / Q6_K with integer activations; serving/models/quantized.py `tile_for_native`):
+  the AVX-512 set on a CPU with VNNI. (The engine lays weights out so only where AMX is
+  not in use as well: `amx()`.)"""
   return isa() == "avx512" and _cpu_vnni()
 
 

@@ -399,11 +399,13 @@ TILED_KEYS = (*LINEAR_KEYS, "lm_head", "embed")
 
 def tile_for_native(params: Any) -> Any:
   """Params whose `TILED_KEYS` weights that the integer tiles read (`_tileable`: Q8_0,
-  Q4_0, Q4_1, Q4_K, Q6_K with integer activations) are in the native kernels' column-tiled layout
-  (`layout="tiles"`, kernels_cpu/matvec.py `tile_columns`), on the host. For one device
-  where `kernels_cpu.matvec.tiles()` (AVX-512 VNNI); other weights are unchanged. Same
-  results bitwise (the tiles' integer sums are exact, the epilogue the same); batch-1 decode
-  reads each block of 16 output channels as one stream."""
+  Q4_0, Q4_1, Q4_K, Q6_K with integer activations) are in the native kernels'
+  column-tiled layout (`layout="tiles"`, kernels_cpu/matvec.py `tile_columns`), on the
+  host; other weights are unchanged. For one device where `kernels_cpu.matvec.tiles()`
+  (AVX-512 VNNI) and AMX is not in use (`kernels_cpu.library.amx()`;
+  serving/runner/weights.py decides). Same results bitwise (the tiles' integer sums are
+  exact, the epilogue the same); batch-1 decode reads each block of 16 output channels as
+  one stream."""
   def tile(path, w):
     key = getattr(path[-1], "key", None) if path else None
     if not is_quantized(w) or key not in TILED_KEYS or w.layout != "rows" or not _tileable(w):
