@@ -92,7 +92,8 @@ constexpr int kFormatMask = 15;  // formats[i] & kFormatMask: the Format
 constexpr int kInt8Flag = 16;  // formats[i] & kInt8Flag: activations rounded to 8 bits
 constexpr int kInt16Flag = 32;  // formats[i] & kInt16Flag: activations rounded to 16 bits
 // formats[i] & kTiledFlag: a Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weight with integer
-// activations in the column-tiled layout (quant_format.h `IntWeight::tiled`; the AVX-512 set only).
+// activations in the column-tiled layout (quant_format.h `IntWeight::tiled`; the AVX-512
+// set only).
 constexpr int kTiledFlag = 64;
 constexpr int64_t kColumnBlock = 64;  // output columns per work item
 // Rows a call takes: a decode step's, or a verify step's (sequences x (k + 1) positions);

@@ -36,8 +36,8 @@ K_FORMATS = {"q4_k": 4, "q5_k": 5, "q6_k": 6}
 # Added to a nibble, Q8_0 or K-quant format: activations rounded per group to 8 or 16 bits
 # (VNNI).
 ACTIVATION_FLAGS = {32: 0, 8: 16, 16: 32}
-# Added to a Q8_0 / Q4_0 / Q4_1 format with integer activations: the weight is in the
-# column-tiled layout (kernels_cpu/matvec.py `tile_columns`; the AVX-512 set only).
+# Added to a Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K format with integer activations: the weight
+# is in the column-tiled layout (kernels_cpu/matvec.py `tile_columns`; the AVX-512 set only).
 TILED_FLAG = 64
 OPERANDS_PER_WEIGHT = 6  # codes, scale, offset, q_high, super_scale, super_offset
 PAGE_KINDS = {"float32": 0, "bfloat16": 1}
