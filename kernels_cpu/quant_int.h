@@ -870,15 +870,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void Pa
   __m512 acc[kRows], mins[kRows];
   for (int b = 0; b < kRows; ++b) acc[b] = mins[b] = _mm512_setzero_ps();
   alignas(64) float dg[2 * 16], mg[16];  // kTiled: the group's values (TiledColumns)
+  constexpr bool kMinArrays = IntMin(kFmt);  // mcol is read only where there are mins
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
-    const float* d = dcol + g * kPer * 16;
-    const float* m = mcol + g * 16;
+    const float* d = dg;  // kTiled: this group's values; else the columns' arrays
+    const float* m = mg;
     if constexpr (kTiled) {
       tiled->Group(g, w, dg, mg);
-      d = dg, m = mg;
     } else {
       for (int k = 0; k < 8; ++k) w[k] = _mm512_loadu_si512(u + g * 512 + k * 64);
+      d = dcol + g * kPer * 16;  // (the tiled calls pass no arrays: null)
+      m = kMinArrays ? mcol + g * 16 : mg;
     }
     for (int b = 0; b < kRows; ++b) {
       const int8_t* hi = rows.his + (r0 + b) * row_bytes;
