@@ -179,8 +179,7 @@ def amx() -> bool:
 def tiles() -> bool:
   """True when the kernels read weights in the column-tiled layout (Q8_0 / Q4_0 / Q4_1 /
   Q4_K / Q6_K with integer activations; serving/models/quantized.py `tile_for_native`):
-  the AVX-512 set on a CPU with VNNI. (The engine lays weights out so only where AMX is
-  not in use as well: `amx()`.)"""
+  the AVX-512 set on a CPU with VNNI (with AMX too: its tiles read the layout as well)."""
   return isa() == "avx512" and _cpu_vnni()
 
 

@@ -233,11 +233,11 @@ void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
   const int64_t in = w.in, groups = in / kGroup;
   auto r = std::make_shared<IntRows>();
   // Only the layouts this format's tiles read: the nibble tiles' order (VNNI), the
-  // input order (Q8_0's VNNI tiles, the column-tiled layout's) and the AMX A tiles (every
-  // format's but the K-quants' and the column-tiled layout's; quant_int.h).
+  // input order (Q8_0's VNNI tiles, the column-tiled layout's) and the AMX A tiles
+  // (`AmxFormat`; quant_int.h).
   r->nibble_order = kFmt != kS8 && !w.tiled;
   r->plain_order = kFmt == kS8 || w.tiled;
-  r->amx_order = !IsKQuant(kFmt) && !w.tiled;
+  r->amx_order = AmxFormat(kFmt);
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
   constexpr int64_t kQuantizeRows = 64;

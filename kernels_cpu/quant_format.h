@@ -32,6 +32,11 @@ constexpr int64_t GroupBytes(Format f) { return f == kQ4_1 || f == kQ4_0 ? kGrou
 constexpr int64_t kSuper = 256;  // inputs per K-quant super-block
 
 constexpr bool IsKQuant(Format f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
+// The formats the AMX tiles take (quant_int.h): one scale (and min) per group of 32
+// inputs, codes that fit a signed byte (Q6_K's scales are per 16 inputs: VNNI only).
+constexpr bool AmxFormat(Format f) {
+  return f == kS8 || f == kQ4_0 || f == kQ4_1 || f == kQ4_K || f == kQ5_K;
+}
 
 // The operands of one K-quant matrix (pointers to its first output row; kquant_dot.h).
 struct KWeight {

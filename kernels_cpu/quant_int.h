@@ -27,8 +27,11 @@
 //    int32 lanes of 4-product sums (quant_dot.h DotBytes layouts); 16 columns' lanes
 //    are reduced in integers (`ReduceBlocks`) to one lane per column and group, and
 //    the epilogue runs on 16 columns at once;
-//  - `AmxTile8` / `AmxTile16` (AMX-INT8): the codes of 16 columns are packed once into
-//    the TDPBSSD B-tile layout (`PackColumns`), the rows once per rounding into A tiles
+//  - `AmxTile8` / `AmxTile16` (AMX-INT8; the `AmxFormat`s: all but Q6_K, whose scales
+//    are per 16 inputs): the codes of 16 columns as signed bytes in the TDPBSSD B-tile
+//    layout (packed once per call from the stored rows, `PackColumns` /
+//    `PackColumnsUnsigned`; from the column-tiled layout a group's chunk vectors as
+//    they are, Q8_0's codes read in place), the rows once per rounding into A tiles
 //    (quant_dot.h QuantizeRowRange, IntRows amx_a), and every 16-row tile of
 //    activations meets them, one 16 x 16 int32 product per group (two for a16: hi and
 //    lo bytes), stored and taken through the same epilogue.
@@ -508,7 +511,7 @@ template <Format kFmt, bool kLo>
 __attribute__((target("avx512f,fma"), always_inline)) inline void AmxFinish(
     const IntRows& r, int r0, int64_t groups, const float* mcol, const __m512* acc, float* out,
     int64_t out_dim, int64_t o) {
-  constexpr bool kMin = HasMin(kFmt);
+  constexpr bool kMin = IntMin(kFmt);
   const float* xsum = kMin ? (kLo ? r.xsum16 : r.xsum8).data() + r0 * groups : nullptr;
   for (int i = 0; i < 16; ++i) {
     __m512 mins = _mm512_setzero_ps();
@@ -523,8 +526,9 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void AmxFinish(
 }
 
 // Columns [o, o + 16) x rows [r0, r0 + 16) of `r`'s 8-bit rounding with AMX: a the
-// rows' A tiles (IntRows amx_a), dxt their scales (amx_dx), b the columns'
-// PackColumns, dcol / mcol their ColumnValues. Needs AmxConfigure() on this thread.
+// rows' A tiles (IntRows amx_a), dxt their scales (amx_dx), b the columns' B tiles
+// (groups x 512 bytes), dcol / mcol their values as [groups][16] (IntColumnValues).
+// Needs AmxConfigure() on this thread.
 // Tile sets (A, B, C) alternate between groups (tmm0, tmm2, tmm3 and tmm1, tmm7, tmm4),
 // so a group's loads and product do not wait for the previous group's.
 template <Format kFmt>
@@ -819,14 +823,14 @@ struct TiledColumns {
         const __m128i b = _mm_loadu_si128(
             reinterpret_cast<const __m128i*>(scale_codes + (g * kPerGroup + v) * 16));
         const __m512i c = kFmt == kQ6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-        _mm512_store_ps(d + v * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c), ds));
+        _mm512_storeu_ps(d + v * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(c), ds));
       }
       if constexpr (kFmt == kQ4_K) {
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(super_min + super * 16)));
         const __m512i c = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(min_codes + g * 16)));
-        _mm512_store_ps(m, _mm512_mul_ps(_mm512_cvtepi32_ps(c), dm));
+        _mm512_storeu_ps(m, _mm512_mul_ps(_mm512_cvtepi32_ps(c), dm));
       }
     } else {
       if (g % 2 == 0) {  // a line holds 2 groups' values
@@ -835,13 +839,33 @@ struct TiledColumns {
           _mm_prefetch(reinterpret_cast<const char*>(min + (g + 16) * 16), _MM_HINT_T0);
         }
       }
-      _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(
-                             reinterpret_cast<const __m256i*>(scale + g * 16))));
+      _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(
+                              reinterpret_cast<const __m256i*>(scale + g * 16))));
       if constexpr (IntMin(kFmt)) {
-        _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(
-                               reinterpret_cast<const __m256i*>(min + g * 16))));
+        _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(min + g * 16))));
       }
     }
+  }
+
+  // The tile's AMX operands (`AmxFormat`s): its codes as signed bytes in the B-tile
+  // layout, which is the chunk vectors' (b[g]: 512 bytes; Q4_0's nibbles less 8, the
+  // others' codes as they are), and its values as [groups][16] floats in dcol / mcol.
+  // Returns the B tiles: `b`, or Q8_0's codes in place (already signed, in that layout).
+  __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) const int8_t* AmxOperands(
+      int64_t groups, int8_t* b, float* dcol, float* mcol) const {
+    static_assert(AmxFormat(kFmt));
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i w[8];
+      Group(g, w, dcol + g * 16, IntMin(kFmt) ? mcol + g * 16 : nullptr);
+      if constexpr (kFmt != kS8) {
+        for (int k = 0; k < 8; ++k) {
+          if constexpr (kFmt == kQ4_0) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(8));
+          _mm512_storeu_si512(b + g * 512 + k * 64, w[k]);
+        }
+      }
+    }
+    return kFmt == kS8 ? reinterpret_cast<const int8_t*>(codes) : b;
   }
 
   const uint8_t* codes = nullptr;
@@ -909,7 +933,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))) void Pa
 // Output columns [o0, o1) for rows [r_begin, r_end) of `r` (kLo: its 16-bit
 // rounding), the module comment's numerics: the whole 16-row tiles that `r` packed
 // for AMX (IntRows amx_a; r_begin a multiple of 16) through AMX while AmxEnabled()
-// (not the K-quants), the other rows through the VNNI tiles, 16 columns at a time.
+// (the `AmxFormat`s), the other rows through the VNNI tiles, 16 columns at a time.
 template <Format kFmt, bool kLo>
 void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& w, float* out,
                      int64_t out_dim, int64_t o0, int64_t o1) {
@@ -921,30 +945,53 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   thread_local std::vector<uint8_t> packed_u;  // PackColumnsUnsigned
   dcol.resize(groups * ScalesPerGroup(kFmt) * 16);
   if (kMin) mcol.resize(groups * 16);
+  // The A tiles hold the rounding r was made for: 8-bit tiles reading a 16-bit rounding
+  // (its high bytes, as the decoder does for a phase of mixed weights) take VNNI.
+  const int packed_rows = r.has_lo == kLo ? static_cast<int>(AmxPackedRows(r, groups)) : 0;
+  const int amx_rows = std::min(r_end, packed_rows) - r_begin;
+  const bool amx = AmxFormat(kFmt) && amx_rows >= kAmxRows && r_begin % kAmxRows == 0 &&
+                   AmxEnabled();
+  const int amx_end = amx ? r_begin + amx_rows / kAmxRows * kAmxRows : r_begin;
+  if (amx) {
+    packed.resize(groups * 512);
+    AmxConfigure();
+  }
+  // 16 columns' B tiles b (groups x 512 bytes) and values through AMX, rows
+  // [r_begin, amx_end).
+  auto amx_tiles = [&](const int8_t* b, int64_t o) {
+    if constexpr (AmxFormat(kFmt)) {
+      for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
+        const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
+        const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
+        if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
+          AmxTile16<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
+        } else {
+          AmxTile8<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
+        }
+      }
+    }
+  };
   if constexpr (TiledFormat(kFmt)) {
-    if (w.tiled) {  // every row tile reads the column tiles as laid out (no AMX, no packing)
+    if (w.tiled) {  // the column tiles as laid out: AMX operands unpacked, else read in place
       for (int64_t o = o0; o < o1; o += kTileCols) {
         const TiledColumns<kFmt> tile(w, o);
-        for (int r0 = r_begin; r0 < r_end; r0 += kTileRows) {
+        int vnni_begin = r_begin;
+        if constexpr (AmxFormat(kFmt)) {
+          if (amx) {
+            amx_tiles(tile.AmxOperands(groups, packed.data(), dcol.data(), mcol.data()), o);
+            vnni_begin = amx_end;
+          }
+        }
+        for (int r0 = vnni_begin; r0 < r_end; r0 += kTileRows) {
           XLASERVE_WITH_TILE_ROWS(
               std::min(kTileRows, r_end - r0),
               (PackedIntTile<kFmt, R, kLo, true>(r, r0, groups, nullptr, o, kTileCols, nullptr,
                                                  nullptr, out, out_dim, &tile)));
         }
       }
+      if (amx) AmxRelease();
       return;
     }
-  }
-  // The A tiles hold the rounding r was made for: 8-bit tiles reading a 16-bit rounding
-  // (its high bytes, as the decoder does for a phase of mixed weights) take VNNI.
-  const int packed_rows = r.has_lo == kLo ? static_cast<int>(AmxPackedRows(r, groups)) : 0;
-  const int amx_rows = std::min(r_end, packed_rows) - r_begin;
-  const bool amx = !IsKQuant(kFmt) && amx_rows >= kAmxRows && r_begin % kAmxRows == 0 &&
-                   AmxEnabled();
-  const int amx_end = amx ? r_begin + amx_rows / kAmxRows * kAmxRows : r_begin;
-  if (amx) {
-    packed.resize(groups * 512);
-    AmxConfigure();
   }
   if (r_end - r_begin >= kPackedRows) packed_u.resize(groups * 512);
   if (o1 > o0) {  // the first tile's scales (later tiles' come with the tile before them)
@@ -955,22 +1002,14 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
     const int n = static_cast<int>(std::min<int64_t>(16, o1 - o));
     IntColumnValues<kFmt>(w, o, n, dcol.data(), mcol.data());
     int vnni_begin = r_begin;
-    if constexpr (!IsKQuant(kFmt)) {
-      if (amx && n == 16) {
+    if (amx && n == 16) {
+      if constexpr (IsKQuant(kFmt)) {  // unsigned codes below 128: the same signed bytes
+        PackColumnsUnsigned<kFmt>(w, o, n, reinterpret_cast<uint8_t*>(packed.data()));
+      } else {
         PackColumns<kFmt>(w.codes, groups, o, packed.data());
-        for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
-          const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
-          const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
-          if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
-            AmxTile16<kFmt>(r, r0, groups, a, dxt, packed.data(), dcol.data(), mcol.data(),
-                            out, out_dim, o);
-          } else {
-            AmxTile8<kFmt>(r, r0, groups, a, dxt, packed.data(), dcol.data(), mcol.data(), out,
-                           out_dim, o);
-          }
-        }
-        vnni_begin = amx_end;
       }
+      amx_tiles(packed.data(), o);
+      vnni_begin = amx_end;
     }
     if (r_end - vnni_begin >= kPackedRows) {  // many rows: packed once, no lane reduction
       PackColumnsUnsigned<kFmt>(w, o, n, packed_u.data());

@@ -402,10 +402,10 @@ def tile_for_native(params: Any) -> Any:
   Q4_0, Q4_1, Q4_K, Q6_K with integer activations) are in the native kernels'
   column-tiled layout (`layout="tiles"`, kernels_cpu/matvec.py `tile_columns`), on the
   host; other weights are unchanged. For one device where `kernels_cpu.matvec.tiles()`
-  (AVX-512 VNNI) and AMX is not in use (`kernels_cpu.library.amx()`;
-  serving/runner/weights.py decides). Same results bitwise (the tiles' integer sums are
-  exact, the epilogue the same); batch-1 decode reads each block of 16 output channels as
-  one stream."""
+  (AVX-512 VNNI; serving/runner/weights.py decides; where AMX runs, its tiles take their
+  B tiles from the same layout). Same results bitwise (the tiles' integer sums are exact,
+  the epilogue the same); batch-1 decode reads each block of 16 output channels as one
+  stream."""
   def tile(path, w):
     key = getattr(path[-1], "key", None) if path else None
     if not is_quantized(w) or key not in TILED_KEYS or w.layout != "rows" or not _tileable(w):

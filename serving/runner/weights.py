@@ -195,9 +195,8 @@ def _transform(params: Params, engine_cfg: EngineConfig, weight_dtype, *, one_de
   # The native kernel runs on one device only: a mesh places the params as loaded.
   if engine_cfg.cpu.cpu_activation_bits != 32 and one_device:
     params = with_activation_bits(params, engine_cfg.cpu.cpu_activation_bits)
-    # Not where AMX runs: its tiles (prefill's many rows) read the stored rows.
     if (engine_cfg.cpu.cpu_weight_tiles and jax.default_backend() == "cpu"
-        and kernels_cpu.matvec.tiles() and not kernels_cpu.library.amx()):
+        and kernels_cpu.matvec.tiles()):
       params = tile_for_native(params)
   if unstack:
     params = causal_lm.unstack_layers(params)

@@ -16,8 +16,9 @@ with the VPMADDWD products (`XLASERVE_NATIVE_AVXVNNI=0`), and keep each row's bi
 any batch.
 
 GGUF K-quants (Q4_K, Q5_K, Q6_K) take the same tiles and numerics: Q4_K / Q5_K as
-Q4_1 with d = super-block d x the group's scale code and m = -dmin x its min code;
-Q6_K per 16 inputs, (code - 32) with d x its int8 scale code, two fmas a group.
+Q4_1 with d = super-block d x the group's scale code and m = -dmin x its min code
+(AMX tiles too); Q6_K per 16 inputs, (code - 32) with d x its int8 scale code, two fmas
+a group (VNNI only). The column-tiled layout meets the same reference, AMX included.
 """
 
 import ctypes
@@ -161,14 +162,17 @@ def _tiled_product(x, qw, bits):
 @needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # one row tile; two; several
-def test_tiled_layout_matches_block_exact_reference_bitwise(fmt, bits, rows):
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # row tiles; one AMX tile; both
+def test_tiled_layout_matches_block_exact_reference_bitwise(fmt, bits, rows, monkeypatch):
   """The same reference as the stored rows, from a weight re-laid in 16-column tiles (80
-  columns: five tiles; 18 groups; an all-zero activation group)."""
+  columns: five tiles; 18 groups; an all-zero activation group), with AMX (B tiles from
+  the tiled codes, where the CPU has it) and forced off."""
   qw = _weight(fmt, 80, 576)
   x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
   x[0, :32] = 0.0
   want = block_exact_reference(x, fmt, qw.q, qw.scale, qw.offset, bits)
+  assert np.array_equal(_tiled_product(x, qw, bits), want)
+  monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
   assert np.array_equal(_tiled_product(x, qw, bits), want)
 
 
@@ -265,13 +269,16 @@ def _kproduct(x, fmt, qw, bits):
 @needs_vnni
 @pytest.mark.parametrize("fmt", list(K_TYPES))
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # row tiles; packed tiles; both
-def test_kquants_match_block_exact_reference_bitwise(fmt, bits, rows):
-  """Columns not a multiple of 16 (70), three super-blocks, an all-zero group."""
+@pytest.mark.parametrize("rows", [1, 7, 16, 37])  # row tiles; AMX or packed tiles; both
+def test_kquants_match_block_exact_reference_bitwise(fmt, bits, rows, monkeypatch):
+  """Columns not a multiple of 16 (70), three super-blocks, an all-zero group; with AMX
+  (Q4_K and Q5_K, where the CPU has it) and forced off."""
   qw = _kweight(fmt, 70, 768)
   x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
   x[0, :32] = 0.0
   want = kquant_block_exact_reference(x, fmt, qw, bits)
+  assert np.array_equal(_kproduct(x, fmt, qw, bits), want)
+  monkeypatch.setenv("XLASERVE_NATIVE_AMX", "0")
   assert np.array_equal(_kproduct(x, fmt, qw, bits), want)
 
 
@@ -292,11 +299,11 @@ def test_kquant_row_alone_is_bitwise_the_row_among_300(fmt):
 @pytest.mark.parametrize("fmt", list(matvec.TILED_K_FORMATS))
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("rows", [1, 7, 16, 37])
-def test_tiled_kquants_match_block_exact_reference_bitwise(fmt, bits, rows):
+def test_tiled_kquants_match_block_exact_reference_bitwise(fmt, bits, rows, monkeypatch):
   """Q4_K and Q6_K in the column-tiled layout (codes — Q6_K's nibbles re-paired per 32 —,
   scale and min codes, super-block values, Q6_K's high bits, re-laid per 16 columns,
-  `tile_for_native`): the same reference as the stored rows, and a row alone among 300
-  keeps its bits."""
+  `tile_for_native`): the same reference as the stored rows, with AMX (Q4_K, where the
+  CPU has it) and forced off, and a row alone among 300 keeps its bits."""
   qw = quant.with_activation_bits(_kweight(fmt, 80, 768), bits)
   tiled = quant.tile_for_native({"wq": qw})["wq"]
   assert tiled.layout == "tiles" and not np.array_equal(np.asarray(tiled.q), np.asarray(qw.q))
@@ -305,8 +312,12 @@ def test_tiled_kquants_match_block_exact_reference_bitwise(fmt, bits, rows):
       tiled.super_scale, tiled.super_offset, activation_bits=bits, tiled=True))
   x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
   x[0, :32] = 0.0
-  assert np.array_equal(run(x), kquant_block_exact_reference(x, fmt, qw, bits))
+  want = kquant_block_exact_reference(x, fmt, qw, bits)
+  assert np.array_equal(run(x), want)
   np.testing.assert_array_equal(np.asarray(tiled.dequantize()), np.asarray(qw.dequantize()))
+  with monkeypatch.context() as m:
+    m.setenv("XLASERVE_NATIVE_AMX", "0")
+    assert np.array_equal(run(x), want)
   if rows == 37:
     many = np.random.default_rng(9).standard_normal((300, 768)).astype(np.float32)
     together = run(many)

@@ -106,20 +106,16 @@ def test_activation_bits_mark_native_quantized_weights(bits):
 
 def test_column_tiles_on_one_device_where_the_tiles_run(monkeypatch):
   """Nibbles with integer activations (as a GGUF Q4_0 arrives) take the column-tiled layout
-  by default where the native tiles run (AVX-512 VNNI, AMX not in use); not with
-  cpu_weight_tiles=False, with float activations, where AMX runs, or where the tiles do not
-  run (the mesh case: _mesh_worker)."""
+  by default where the native tiles run (AVX-512 VNNI, with or without AMX); not with
+  cpu_weight_tiles=False, with float activations, or where the tiles do not run (the mesh
+  case: _mesh_worker)."""
   nibbles = quantizers.quantize_params(random_params(CFG), "int4", group_size=32)
   layouts = lambda ec: {layer(prepare_weights(nibbles, CFG, ec))[n].layout  # noqa: E731
                         for n in LINEARS}
   monkeypatch.setattr(kernels_cpu.matvec, "tiles", lambda: True)
-  monkeypatch.setattr(kernels_cpu.library, "amx", lambda: False)
   assert layouts(engine_config(cpu_activation_bits=16)) == {"tiles"}
   assert layouts(engine_config(cpu_activation_bits=16, cpu_weight_tiles=False)) == {"rows"}
   assert layouts(engine_config(cpu_activation_bits=32)) == {"rows"}
-  monkeypatch.setattr(kernels_cpu.library, "amx", lambda: True)  # AMX reads the rows
-  assert layouts(engine_config(cpu_activation_bits=16)) == {"rows"}
-  monkeypatch.setattr(kernels_cpu.library, "amx", lambda: False)
   monkeypatch.setattr(kernels_cpu.matvec, "tiles", lambda: False)
   assert layouts(engine_config(cpu_activation_bits=16)) == {"rows"}
 
