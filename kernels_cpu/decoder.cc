@@ -646,9 +646,9 @@ ffi::Error DecodeLayersImpl(xla::ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                                       : std::max(bits, w->activation_bits);
     }
     if (bits == 32) return;
-    // AMX A tiles only for the formats whose tiles read them (`AmxFormat`: not Q6_K).
+    // AMX A tiles only where the tiles read them (`AmxFormat`).
     xq.amx_order = std::any_of(ws.begin(), ws.end(), [](const Weight* w) {
-      return w->activation_bits != 32 && AmxFormat(w->format);
+      return w->activation_bits != 32 && AmxFormat(w->format, w->tiled);
     });
     Steps<kIsa>::prepare_rows(rows, in, bits == 16, xq);
     for_rows([&](int64_t b0, int64_t b1) {

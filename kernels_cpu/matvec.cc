@@ -237,7 +237,7 @@ void BlockedIntMatvec(xla::ffi::ThreadPool& pool, const float* xs, int64_t rows,
   // (`AmxFormat`; quant_int.h).
   r->nibble_order = kFmt != kS8 && !w.tiled;
   r->plain_order = kFmt == kS8 || w.tiled;
-  r->amx_order = AmxFormat(kFmt);
+  r->amx_order = AmxFormat(kFmt, w.tiled);
   PrepareRows(static_cast<int>(rows), in, kLo, *r);
   // Rounding the rows: in blocks over the threads where there are many.
   constexpr int64_t kQuantizeRows = 64;

@@ -32,10 +32,12 @@ constexpr int64_t GroupBytes(Format f) { return f == kQ4_1 || f == kQ4_0 ? kGrou
 constexpr int64_t kSuper = 256;  // inputs per K-quant super-block
 
 constexpr bool IsKQuant(Format f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K; }
-// The formats the AMX tiles take (quant_int.h): one scale (and min) per group of 32
-// inputs, codes that fit a signed byte (Q6_K's scales are per 16 inputs: VNNI only).
-constexpr bool AmxFormat(Format f) {
-  return f == kS8 || f == kQ4_0 || f == kQ4_1 || f == kQ4_K || f == kQ5_K;
+// Whether the AMX tiles take format f (quant_int.h; `tiled`: in the column-tiled layout):
+// the integer formats, Q6_K (a product per 16 inputs) only column-tiled, where its codes
+// are in input order (as stored, each group's two 16-input halves are interleaved).
+constexpr bool AmxFormat(Format f, bool tiled) {
+  return f == kS8 || f == kQ4_0 || f == kQ4_1 || f == kQ4_K || f == kQ5_K ||
+         (f == kQ6_K && tiled);
 }
 
 // The operands of one K-quant matrix (pointers to its first output row; kquant_dot.h).

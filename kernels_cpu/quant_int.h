@@ -27,9 +27,9 @@
 //    int32 lanes of 4-product sums (quant_dot.h DotBytes layouts); 16 columns' lanes
 //    are reduced in integers (`ReduceBlocks`) to one lane per column and group, and
 //    the epilogue runs on 16 columns at once;
-//  - `AmxTile8` / `AmxTile16` (AMX-INT8; the `AmxFormat`s: all but Q6_K, whose scales
-//    are per 16 inputs): the codes of 16 columns as signed bytes in the TDPBSSD B-tile
-//    layout (packed once per call from the stored rows, `PackColumns` /
+//  - `AmxTile8` / `AmxTile16` (AMX-INT8, `AmxFormat`; Q6_K, column-tiled only, a product
+//    per 16 inputs: `AmxTileHalves`): the codes of 16 columns as signed bytes in the
+//    TDPBSSD B-tile layout (packed once per call from the stored rows, `PackColumns` /
 //    `PackColumnsUnsigned`; from the column-tiled layout a group's chunk vectors as
 //    they are, Q8_0's codes read in place), the rows once per rounding into A tiles
 //    (quant_dot.h QuantizeRowRange, IntRows amx_a), and every 16-row tile of
@@ -439,6 +439,18 @@ inline void AmxConfigure() {
   asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
 }
 
+// Q6_K's configuration (`AmxTileHalves`): its products are per 16 inputs, so the A tiles
+// tmm0 / tmm1 hold half a group (16 rows x 16 bytes, read at the A tiles' 32-byte row
+// stride) and the B tiles tmm2 / tmm7 its 4 chunks (4 rows x 64 bytes).
+inline void AmxConfigureHalves() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t == 2 || t == 7 ? 4 : 16;
+    cfg.colsb[t] = t < 2 ? 16 : 64;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+}
+
 inline void AmxRelease() { asm volatile("tilerelease" ::: "memory"); }
 
 #define XLASERVE_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
@@ -628,6 +640,83 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
     }
   }
   AmxFinish<kFmt, true>(r, r0, groups, mcol, acc, out, out_dim, o);
+}
+
+// One Q6_K group's stored products c[h][t] (AmxTileHalves) into the 16 rows'
+// accumulators: for h = 0, 1, acc = fma(float(isum_h - 32 x the half's rounded inputs'
+// sum), d_h x dx, acc), as GroupEpilogue. d: the group's two rows of 16 scales, dx[row]
+// the rows' group scales, xint (IntRows xint8_half / xint16_half) at the tile's first
+// row and this group, `stride` its ints a row.
+template <bool kLo>
+__attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogueHalves(
+    const int32_t (*c)[2][16][16], const float* d, const float* dx, const int32_t* xint,
+    int64_t stride, __m512* acc) {
+  const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+  for (int row = 0; row < 16; ++row) {
+    const int t = kLo ? row / 8 : 0, i = kLo ? row % 8 : row;  // the 8-row half, its tile row
+    const __m512 x = _mm512_set1_ps(dx[row]);
+    for (int h = 0; h < 2; ++h) {
+      __m512i v = _mm512_load_si512(c[h][t][i]);
+      if constexpr (kLo) {
+        v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(c[h][t][8 + i]));
+      }
+      v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * xint[row * stride + h]));
+      acc[row] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(h ? d1 : d0, x), acc[row]);
+    }
+  }
+}
+
+// Columns [o, o + 16) x rows [r0, r0 + 16) of a column-tiled Q6_K weight with AMX
+// (after AmxConfigureHalves): AmxTile8 / AmxTile16's operands (b: its B tiles, the chunk
+// vectors of `TiledColumns::AmxOperands`, codes 0..63; dcol: two rows of 16 scales a
+// group), one product per 16-input half h and (a16) per 8-row half t of the tile: group
+// g's products (tmm3 + t + 2h) are stored into c[g % 2] once issued (the previous
+// group's epilogue runs meanwhile) and scaled as the VNNI tiles do.
+template <bool kLo>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTileHalves(
+    const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
+    const int8_t* b, const float* dcol, float* out, int64_t out_dim, int64_t o) {
+  constexpr int64_t kStep = kLo ? 1024 : 512;  // amx_a's bytes a group
+  const int32_t* xint = (kLo ? r.xint16_half : r.xint8_half).data() + r0 * groups * 2;
+  alignas(64) int32_t c[2][2][2][16][16];  // [group % 2][half h][8-row half t][row][column]
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {  // a group's tiles are free once stored
+    const int8_t* bg = b + g * 512;
+    const int8_t* ag = a + g * kStep;
+    XLASERVE_TILE_ZERO(3);
+    XLASERVE_TILE_ZERO(5);
+    XLASERVE_TILE_LOAD(2, bg, 64);
+    XLASERVE_TILE_LOAD(0, ag, kGroup);
+    XLASERVE_TILE_DPBSSD(3, 0, 2);
+    XLASERVE_TILE_LOAD(7, bg + 256, 64);
+    XLASERVE_TILE_LOAD(1, ag + 16, kGroup);
+    XLASERVE_TILE_DPBSSD(5, 1, 7);
+    if constexpr (kLo) {  // rows 8-15
+      XLASERVE_TILE_ZERO(4);
+      XLASERVE_TILE_ZERO(6);
+      XLASERVE_TILE_LOAD(0, ag + 512, kGroup);
+      XLASERVE_TILE_DPBSSD(4, 0, 2);
+      XLASERVE_TILE_LOAD(1, ag + 512 + 16, kGroup);
+      XLASERVE_TILE_DPBSSD(6, 1, 7);
+    }
+    if (g >= 1) {
+      AmxEpilogueHalves<kLo>(c[(g - 1) % 2], dcol + (g - 1) * 32, dxt + (g - 1) * 16,
+                             xint + (g - 1) * 2, groups * 2, acc);
+    }
+    int32_t(*cg)[2][16][16] = c[g % 2];
+    XLASERVE_TILE_STORE(3, cg[0][0], 64);
+    XLASERVE_TILE_STORE(5, cg[1][0], 64);
+    if constexpr (kLo) {
+      XLASERVE_TILE_STORE(4, cg[0][1], 64);
+      XLASERVE_TILE_STORE(6, cg[1][1], 64);
+    }
+  }
+  AmxEpilogueHalves<kLo>(c[(groups - 1) % 2], dcol + (groups - 1) * 32,
+                         dxt + (groups - 1) * 16, xint + (groups - 1) * 2, groups * 2, acc);
+  for (int i = 0; i < 16; ++i) {
+    _mm512_storeu_ps(out + (r0 + i) * out_dim + o, Finish<false, kLo>(acc[i], acc[i]));
+  }
 }
 
 // ---- VNNI over packed columns (many rows, no AMX) ----
@@ -848,16 +937,17 @@ struct TiledColumns {
     }
   }
 
-  // The tile's AMX operands (`AmxFormat`s): its codes as signed bytes in the B-tile
+  // The tile's AMX operands (`AmxFormat`): its codes as signed bytes in the B-tile
   // layout, which is the chunk vectors' (b[g]: 512 bytes; Q4_0's nibbles less 8, the
-  // others' codes as they are), and its values as [groups][16] floats in dcol / mcol.
-  // Returns the B tiles: `b`, or Q8_0's codes in place (already signed, in that layout).
+  // others' codes as they are), and its values as [groups * kPerGroup][16] floats in
+  // dcol / mcol. Returns the B tiles: `b`, or Q8_0's codes in place (already signed, in
+  // that layout).
   __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) const int8_t* AmxOperands(
       int64_t groups, int8_t* b, float* dcol, float* mcol) const {
-    static_assert(AmxFormat(kFmt));
+    static_assert(AmxFormat(kFmt, true));
     for (int64_t g = 0; g < groups; ++g) {
       __m512i w[8];
-      Group(g, w, dcol + g * 16, IntMin(kFmt) ? mcol + g * 16 : nullptr);
+      Group(g, w, dcol + g * kPerGroup * 16, IntMin(kFmt) ? mcol + g * 16 : nullptr);
       if constexpr (kFmt != kS8) {
         for (int k = 0; k < 8; ++k) {
           if constexpr (kFmt == kQ4_0) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(8));
@@ -949,25 +1039,29 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   // (its high bytes, as the decoder does for a phase of mixed weights) take VNNI.
   const int packed_rows = r.has_lo == kLo ? static_cast<int>(AmxPackedRows(r, groups)) : 0;
   const int amx_rows = std::min(r_end, packed_rows) - r_begin;
-  const bool amx = AmxFormat(kFmt) && amx_rows >= kAmxRows && r_begin % kAmxRows == 0 &&
-                   AmxEnabled();
+  const bool amx = AmxFormat(kFmt, w.tiled) && amx_rows >= kAmxRows &&
+                   r_begin % kAmxRows == 0 && AmxEnabled();
   const int amx_end = amx ? r_begin + amx_rows / kAmxRows * kAmxRows : r_begin;
   if (amx) {
     packed.resize(groups * 512);
-    AmxConfigure();
+    if (kFmt == kQ6_K) {
+      AmxConfigureHalves();
+    } else {
+      AmxConfigure();
+    }
   }
   // 16 columns' B tiles b (groups x 512 bytes) and values through AMX, rows
   // [r_begin, amx_end).
   auto amx_tiles = [&](const int8_t* b, int64_t o) {
-    if constexpr (AmxFormat(kFmt)) {
-      for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
-        const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
-        const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
-        if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
-          AmxTile16<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
-        } else {
-          AmxTile8<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
-        }
+    for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
+      const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
+      const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
+      if constexpr (kFmt == kQ6_K) {
+        AmxTileHalves<kLo>(r, r0, groups, a, dxt, b, dcol.data(), out, out_dim, o);
+      } else if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
+        AmxTile16<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
+      } else {
+        AmxTile8<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
       }
     }
   };
@@ -976,11 +1070,9 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
       for (int64_t o = o0; o < o1; o += kTileCols) {
         const TiledColumns<kFmt> tile(w, o);
         int vnni_begin = r_begin;
-        if constexpr (AmxFormat(kFmt)) {
-          if (amx) {
-            amx_tiles(tile.AmxOperands(groups, packed.data(), dcol.data(), mcol.data()), o);
-            vnni_begin = amx_end;
-          }
+        if (amx) {
+          amx_tiles(tile.AmxOperands(groups, packed.data(), dcol.data(), mcol.data()), o);
+          vnni_begin = amx_end;
         }
         for (int r0 = vnni_begin; r0 < r_end; r0 += kTileRows) {
           XLASERVE_WITH_TILE_ROWS(
@@ -1002,7 +1094,7 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
     const int n = static_cast<int>(std::min<int64_t>(16, o1 - o));
     IntColumnValues<kFmt>(w, o, n, dcol.data(), mcol.data());
     int vnni_begin = r_begin;
-    if (amx && n == 16) {
+    if (amx && n == 16) {  // (not Q6_K: AmxFormat)
       if constexpr (IsKQuant(kFmt)) {  // unsigned codes below 128: the same signed bytes
         PackColumnsUnsigned<kFmt>(w, o, n, reinterpret_cast<uint8_t*>(packed.data()));
       } else {
