@@ -642,15 +642,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
   AmxFinish<kFmt, true>(r, r0, groups, mcol, acc, out, out_dim, o);
 }
 
-// One Q6_K group's stored products c[h][t] (AmxTileHalves) into the 16 rows'
-// accumulators: for h = 0, 1, acc = fma(float(isum_h - 32 x the half's rounded inputs'
-// sum), d_h x dx, acc), as GroupEpilogue. d: the group's two rows of 16 scales, dx[row]
-// the rows' group scales, xint (IntRows xint8_half / xint16_half) at the tile's first
-// row and this group, `stride` its ints a row.
+// One Q6_K group's stored products c[h][t] (AmxTileHalves; the codes less 32, so the
+// products are GroupEpilogue's isum_h - 32 x the half's rounded inputs' sum) into the
+// 16 rows' accumulators: for h = 0, 1, acc = fma(float(isum_h), d_h x dx, acc). d: the
+// group's two rows of 16 scales, dx[row] the rows' group scales.
 template <bool kLo>
 __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogueHalves(
-    const int32_t (*c)[2][16][16], const float* d, const float* dx, const int32_t* xint,
-    int64_t stride, __m512* acc) {
+    const int32_t (*c)[2][16][16], const float* d, const float* dx, __m512* acc) {
   const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
   for (int row = 0; row < 16; ++row) {
     const int t = kLo ? row / 8 : 0, i = kLo ? row % 8 : row;  // the 8-row half, its tile row
@@ -660,7 +658,6 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogueHal
       if constexpr (kLo) {
         v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), _mm512_load_si512(c[h][t][8 + i]));
       }
-      v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * xint[row * stride + h]));
       acc[row] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(h ? d1 : d0, x), acc[row]);
     }
   }
@@ -668,16 +665,15 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogueHal
 
 // Columns [o, o + 16) x rows [r0, r0 + 16) of a column-tiled Q6_K weight with AMX
 // (after AmxConfigureHalves): AmxTile8 / AmxTile16's operands (b: its B tiles, the chunk
-// vectors of `TiledColumns::AmxOperands`, codes 0..63; dcol: two rows of 16 scales a
+// vectors of `TiledColumns::AmxOperands`, codes - 32; dcol: two rows of 16 scales a
 // group), one product per 16-input half h and (a16) per 8-row half t of the tile: group
 // g's products (tmm3 + t + 2h) are stored into c[g % 2] once issued (the previous
 // group's epilogue runs meanwhile) and scaled as the VNNI tiles do.
 template <bool kLo>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTileHalves(
-    const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
-    const int8_t* b, const float* dcol, float* out, int64_t out_dim, int64_t o) {
+    int r0, int64_t groups, const int8_t* a, const float* dxt, const int8_t* b,
+    const float* dcol, float* out, int64_t out_dim, int64_t o) {
   constexpr int64_t kStep = kLo ? 1024 : 512;  // amx_a's bytes a group
-  const int32_t* xint = (kLo ? r.xint16_half : r.xint8_half).data() + r0 * groups * 2;
   alignas(64) int32_t c[2][2][2][16][16];  // [group % 2][half h][8-row half t][row][column]
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -701,8 +697,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTileHalves(
       XLASERVE_TILE_DPBSSD(6, 1, 7);
     }
     if (g >= 1) {
-      AmxEpilogueHalves<kLo>(c[(g - 1) % 2], dcol + (g - 1) * 32, dxt + (g - 1) * 16,
-                             xint + (g - 1) * 2, groups * 2, acc);
+      AmxEpilogueHalves<kLo>(c[(g - 1) % 2], dcol + (g - 1) * 32, dxt + (g - 1) * 16, acc);
     }
     int32_t(*cg)[2][16][16] = c[g % 2];
     XLASERVE_TILE_STORE(3, cg[0][0], 64);
@@ -712,8 +707,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTileHalves(
       XLASERVE_TILE_STORE(6, cg[1][1], 64);
     }
   }
-  AmxEpilogueHalves<kLo>(c[(groups - 1) % 2], dcol + (groups - 1) * 32,
-                         dxt + (groups - 1) * 16, xint + (groups - 1) * 2, groups * 2, acc);
+  AmxEpilogueHalves<kLo>(c[(groups - 1) % 2], dcol + (groups - 1) * 32, dxt + (groups - 1) * 16,
+                         acc);
   for (int i = 0; i < 16; ++i) {
     _mm512_storeu_ps(out + (r0 + i) * out_dim + o, Finish<false, kLo>(acc[i], acc[i]));
   }
@@ -938,8 +933,8 @@ struct TiledColumns {
   }
 
   // The tile's AMX operands (`AmxFormat`): its codes as signed bytes in the B-tile
-  // layout, which is the chunk vectors' (b[g]: 512 bytes; Q4_0's nibbles less 8, the
-  // others' codes as they are), and its values as [groups * kPerGroup][16] floats in
+  // layout, which is the chunk vectors' (b[g]: 512 bytes; Q4_0's nibbles less 8, Q6_K's
+  // codes less 32, the others' codes as they are), and its values as [groups * kPerGroup][16] floats in
   // dcol / mcol. Returns the B tiles: `b`, or Q8_0's codes in place (already signed, in
   // that layout).
   __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) const int8_t* AmxOperands(
@@ -951,6 +946,7 @@ struct TiledColumns {
       if constexpr (kFmt != kS8) {
         for (int k = 0; k < 8; ++k) {
           if constexpr (kFmt == kQ4_0) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(8));
+          if constexpr (kFmt == kQ6_K) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(32));
           _mm512_storeu_si512(b + g * 512 + k * 64, w[k]);
         }
       }
@@ -1057,7 +1053,7 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
       const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
       const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
       if constexpr (kFmt == kQ6_K) {
-        AmxTileHalves<kLo>(r, r0, groups, a, dxt, b, dcol.data(), out, out_dim, o);
+        AmxTileHalves<kLo>(r0, groups, a, dxt, b, dcol.data(), out, out_dim, o);
       } else if constexpr (kLo) {  // two halves of 8 rows sharing each B tile
         AmxTile16<kFmt>(r, r0, groups, a, dxt, b, dcol.data(), mcol.data(), out, out_dim, o);
       } else {
