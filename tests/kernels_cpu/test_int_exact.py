@@ -302,8 +302,9 @@ def test_kquant_row_alone_is_bitwise_the_row_among_300(fmt):
 def test_tiled_kquants_match_block_exact_reference_bitwise(fmt, bits, rows, monkeypatch):
   """Q4_K and Q6_K in the column-tiled layout (codes — Q6_K's nibbles re-paired per 32 —,
   scale and min codes, super-block values, Q6_K's high bits, re-laid per 16 columns,
-  `tile_for_native`): the same reference as the stored rows, with AMX (Q4_K, where the
-  CPU has it) and forced off, and a row alone among 300 keeps its bits."""
+  `tile_for_native`): the same reference as the stored rows, with AMX (where the CPU has
+  it; Q6_K a product per 16-input half) and forced off, and a row alone among 300 keeps
+  its bits."""
   qw = quant.with_activation_bits(_kweight(fmt, 80, 768), bits)
   tiled = quant.tile_for_native({"wq": qw})["wq"]
   assert tiled.layout == "tiles" and not np.array_equal(np.asarray(tiled.q), np.asarray(qw.q))
