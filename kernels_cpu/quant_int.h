@@ -547,16 +547,25 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void AmxFinish(
   }
 }
 
+// The AMX tiles' B tiles, group g's at At(g) once Prepare(g) ran (the tiles prepare one
+// group ahead of their products): `AmxBTiles` all laid out before (groups x 512 bytes);
+// `AmxBRing` (below TiledColumns) a column tile's unpacked a group at a time.
+struct AmxBTiles {
+  const int8_t* b;
+  const int8_t* At(int64_t g) const { return b + g * 512; }
+  void Prepare(int64_t) const {}
+};
+
 // Columns [o, o + 16) x rows [r0, r0 + 16) of `r`'s 8-bit rounding with AMX: a the
 // rows' A tiles (IntRows amx_a), dxt their scales (amx_dx), b the columns' B tiles
 // (groups x 512 bytes), dcol / mcol their values as [groups][16] (IntColumnValues).
 // Needs AmxConfigure() on this thread.
 // Tile sets (A, B, C) alternate between groups (tmm0, tmm2, tmm3 and tmm1, tmm7, tmm4),
 // so a group's loads and product do not wait for the previous group's.
-template <Format kFmt>
+template <Format kFmt, class B>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile8(
     const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
-    const int8_t* b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
+    const B& b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
     int64_t o) {
   constexpr int64_t kStep = 512;  // amx_a's bytes a group
   alignas(64) int32_t c[4][16][16];
@@ -570,7 +579,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile8(
   do {                                                 \
     XLASERVE_TILE_ZERO(tc);                            \
     XLASERVE_TILE_LOAD(ta, a + (g) * kStep, kGroup);   \
-    XLASERVE_TILE_LOAD(tb, b + (g) * 512, 64);         \
+    XLASERVE_TILE_LOAD(tb, b.At(g), 64);               \
     XLASERVE_TILE_DPBSSD(tc, ta, tb);                  \
   } while (0)
   auto issue = [&](int64_t g) {
@@ -590,7 +599,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile8(
     }
   };
 #undef XLASERVE_AMX_ISSUE
+  b.Prepare(0);
   for (int64_t g = 0; g < groups + 3; ++g) {
+    if (g + 1 < groups) b.Prepare(g + 1);
     if (g < groups) issue(g);
     if (g >= 1 && g - 1 < groups) store(g - 1);
     if (g >= 3) AmxEpilogue<false>(c[(g - 3) % 4], dcol + (g - 3) * 16, dxt + (g - 3) * 16, acc);
@@ -604,10 +615,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile8(
 // A tiles (amx_a), dxt its scales (amx_dx). Tiles: A tmm0 / tmm1 (rows 0-7 / 8-15), B
 // tmm2 / tmm7 (alternating groups), products tmm3 + tmm4 / tmm5 + tmm6 (alternating
 // groups), stored a group later and scaled two groups later.
-template <Format kFmt>
+template <Format kFmt, class B>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
     const IntRows& r, int r0, int64_t groups, const int8_t* a, const float* dxt,
-    const int8_t* b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
+    const B& b, const float* dcol, const float* mcol, float* out, int64_t out_dim,
     int64_t o) {
   alignas(64) int32_t c[2][2][16][16];  // [group % 2][half][tile row][column]
   __m512 acc[16];
@@ -617,7 +628,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
   do {                                                  \
     XLASERVE_TILE_ZERO(c0);                             \
     XLASERVE_TILE_ZERO(c1);                             \
-    XLASERVE_TILE_LOAD(tb, b + (g) * 512, 64);          \
+    XLASERVE_TILE_LOAD(tb, b.At(g), 64);                \
     XLASERVE_TILE_LOAD(0, a + (g) * 1024, kGroup);      \
     XLASERVE_TILE_DPBSSD(c0, 0, tb);                    \
     XLASERVE_TILE_LOAD(1, a + (g) * 1024 + 512, kGroup); \
@@ -640,7 +651,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTile16(
       XLASERVE_TILE_STORE(6, c[1][1], 64);
     }
   };
+  b.Prepare(0);
   for (int64_t g = 0; g < groups + 2; ++g) {
+    if (g + 1 < groups) b.Prepare(g + 1);
     if (g < groups) issue(g);
     if (g >= 1 && g - 1 < groups) store(g - 1);
     if (g >= 2) {
@@ -679,16 +692,18 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogueHal
 // group), one product per 16-input half h and (a16) per 8-row half t of the tile: group
 // g's products (tmm3 + t + 2h) are stored into c[g % 2] once issued (the previous
 // group's epilogue runs meanwhile) and scaled as the VNNI tiles do.
-template <bool kLo>
+template <bool kLo, class B>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void AmxTileHalves(
-    int r0, int64_t groups, const int8_t* a, const float* dxt, const int8_t* b,
+    int r0, int64_t groups, const int8_t* a, const float* dxt, const B& b,
     const float* dcol, float* out, int64_t out_dim, int64_t o) {
   constexpr int64_t kStep = kLo ? 1024 : 512;  // amx_a's bytes a group
   alignas(64) int32_t c[2][2][2][16][16];  // [group % 2][half h][8-row half t][row][column]
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  b.Prepare(0);
   for (int64_t g = 0; g < groups; ++g) {  // a group's tiles are free once stored
-    const int8_t* bg = b + g * 512;
+    if (g + 1 < groups) b.Prepare(g + 1);
+    const int8_t* bg = b.At(g);
     const int8_t* ag = a + g * kStep;
     XLASERVE_TILE_ZERO(3);
     XLASERVE_TILE_ZERO(5);
@@ -949,19 +964,24 @@ struct TiledColumns {
   // that layout).
   __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) const int8_t* AmxOperands(
       int64_t groups, int8_t* b, float* dcol, float* mcol) const {
+    for (int64_t g = 0; g < groups; ++g) AmxGroup(g, b + g * 512, dcol, mcol);
+    return kFmt == kS8 ? reinterpret_cast<const int8_t*>(codes) : b;
+  }
+
+  // Group g of AmxOperands: its B tile into `bg` (not Q8_0's, read in place), its values
+  // into dcol / mcol at the group.
+  __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void AmxGroup(
+      int64_t g, int8_t* bg, float* dcol, float* mcol) const {
     static_assert(AmxFormat(kFmt, true));
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512i w[8];
-      Group(g, w, dcol + g * kPerGroup * 16, IntMin(kFmt) ? mcol + g * 16 : nullptr);
-      if constexpr (kFmt != kS8) {
-        for (int k = 0; k < 8; ++k) {
-          if constexpr (kFmt == kQ4_0) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(8));
-          if constexpr (kFmt == kQ6_K) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(32));
-          _mm512_storeu_si512(b + g * 512 + k * 64, w[k]);
-        }
+    __m512i w[8];
+    Group(g, w, dcol + g * kPerGroup * 16, IntMin(kFmt) ? mcol + g * 16 : nullptr);
+    if constexpr (kFmt != kS8) {
+      for (int k = 0; k < 8; ++k) {
+        if constexpr (kFmt == kQ4_0) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(8));
+        if constexpr (kFmt == kQ6_K) w[k] = _mm512_sub_epi8(w[k], _mm512_set1_epi8(32));
+        _mm512_storeu_si512(bg + k * 64, w[k]);
       }
     }
-    return kFmt == kS8 ? reinterpret_cast<const int8_t*>(codes) : b;
   }
 
   const uint8_t* codes = nullptr;
@@ -972,6 +992,25 @@ struct TiledColumns {
   const uint8_t* min_codes = nullptr;
   const uint16_t* super_scale = nullptr;
   const uint16_t* super_min = nullptr;
+};
+
+// A column tile's B tiles unpacked a group at a time (`TiledColumns::AmxGroup`) into a ring
+// of 4 (2 KB: stays in L1), its values into dcol / mcol as the group comes: for a single
+// 16-row tile, which would write the full buffer once and read it once (at 8,192 inputs
+// 128 KB, whose stores missed L1: `perf` put a third of a 16-row Q4_K_M step there).
+// The AMX tiles prepare a group one ahead of its product, so a slot is rewritten three
+// groups after its B tile was loaded.
+template <Format kFmt>
+struct AmxBRing {
+  const TiledColumns<kFmt>* tile;
+  int8_t* ring;  // 4 x 512 bytes
+  float* dcol;
+  float* mcol;
+  const int8_t* At(int64_t g) const {
+    if constexpr (kFmt == kS8) return reinterpret_cast<const int8_t*>(tile->codes) + g * 512;
+    return ring + g % 4 * 512;
+  }
+  void Prepare(int64_t g) const { tile->AmxGroup(g, ring + g % 4 * 512, dcol, mcol); }
 };
 
 // Rows [r0, r0 + kRows) of `r` x 16 columns: the packed columns `u`
@@ -1058,7 +1097,7 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   }
   // 16 columns' B tiles b (groups x 512 bytes) and values through AMX, rows
   // [r_begin, amx_end).
-  auto amx_tiles = [&](const int8_t* b, int64_t o) {
+  auto amx_tiles = [&](const auto& b, int64_t o) {
     for (int r0 = r_begin; r0 < amx_end; r0 += kAmxRows) {
       const int8_t* a = r.amx_a.data() + r0 / kAmxRows * groups * kStep;
       const float* dxt = r.amx_dx.data() + r0 / kAmxRows * groups * 16;
@@ -1076,8 +1115,14 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
       for (int64_t o = o0; o < o1; o += kTileCols) {
         const TiledColumns<kFmt> tile(w, o);
         int vnni_begin = r_begin;
-        if (amx) {
-          amx_tiles(tile.AmxOperands(groups, packed.data(), dcol.data(), mcol.data()), o);
+        if (amx) {  // one row tile: a group at a time; more: unpacked once for all
+          if (amx_end - r_begin == kAmxRows) {
+            alignas(64) int8_t ring[4 * 512];
+            amx_tiles(AmxBRing<kFmt>{&tile, ring, dcol.data(), mcol.data()}, o);
+          } else {
+            amx_tiles(AmxBTiles{tile.AmxOperands(groups, packed.data(), dcol.data(), mcol.data())},
+                      o);
+          }
           vnni_begin = amx_end;
         }
         for (int r0 = vnni_begin; r0 < r_end; r0 += kTileRows) {
@@ -1106,7 +1151,7 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
       } else {
         PackColumns<kFmt>(w.codes, groups, o, packed.data());
       }
-      amx_tiles(packed.data(), o);
+      amx_tiles(AmxBTiles{packed.data()}, o);
       vnni_begin = amx_end;
     }
     if (r_end - vnni_begin >= kPackedRows) {  // many rows: packed once, no lane reduction

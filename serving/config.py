@@ -395,10 +395,11 @@ class CpuKernelOptions:
   # largest activation (the default: on the default model the same greedy tokens as 32);
   # 32: float32 tiles (exact up to summation order, slowest).
   cpu_activation_bits: int = 16
-  # Q8_0 / Q4_0 / Q4_1 weights with integer activations where the native kernels run on
-  # AVX-512 VNNI (one device): re-laid once at load in the kernels' column-tiled layout,
-  # one sequential stream per 16 output channels (same results bitwise; batch-1 decode
-  # reads the weights faster). False keeps the stored rows (for comparison).
+  # Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K weights with integer activations where the native
+  # kernels run on AVX-512 VNNI, with or without AMX (one device): re-laid once at load in
+  # the kernels' column-tiled layout, one sequential stream per 16 output channels (same
+  # results bitwise; batch-1 decode reads the weights faster). False keeps the stored
+  # rows (for comparison).
   cpu_weight_tiles: bool = True
 
   def __post_init__(self):
