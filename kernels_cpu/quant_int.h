@@ -430,23 +430,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-inline void AmxConfigure() {
+// The tiles' shapes: A tiles tmm0 / tmm1 of 16 rows x 32 bytes (a group), B tiles tmm2 /
+// tmm7 of 8 rows x 64 bytes (its 8 chunks of 16 columns), products 16 x 16 int32. `halves`:
+// Q6_K's (`AmxTileHalves`), whose products are per 16 inputs: A tiles of half a group (16
+// rows x 16 bytes, read at the A tiles' 32-byte row stride), B tiles of its 4 chunks.
+inline void AmxConfigure(bool halves = false) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t == 2 || t == 7 ? 8 : 16;
-    cfg.colsb[t] = t < 2 ? 32 : 64;
-  }
-  asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
-}
-
-// Q6_K's configuration (`AmxTileHalves`): its products are per 16 inputs, so the A tiles
-// tmm0 / tmm1 hold half a group (16 rows x 16 bytes, read at the A tiles' 32-byte row
-// stride) and the B tiles tmm2 / tmm7 its 4 chunks (4 rows x 64 bytes).
-inline void AmxConfigureHalves() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t == 2 || t == 7 ? 4 : 16;
-    cfg.colsb[t] = t < 2 ? 16 : 64;
+    const bool a = t < 2, b = t == 2 || t == 7;
+    cfg.rows[t] = b ? (halves ? 4 : 8) : 16;
+    cfg.colsb[t] = a ? (halves ? 16 : 32) : 64;
   }
   asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
 }
@@ -687,7 +680,7 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void AmxEpilogueHal
 }
 
 // Columns [o, o + 16) x rows [r0, r0 + 16) of a column-tiled Q6_K weight with AMX
-// (after AmxConfigureHalves): AmxTile8 / AmxTile16's operands (b: its B tiles, the chunk
+// (after AmxConfigure(true)): AmxTile8 / AmxTile16's operands (b: its B tiles, the chunk
 // vectors of `TiledColumns::AmxOperands`, codes - 32; dcol: two rows of 16 scales a
 // group), one product per 16-input half h and (a16) per 8-row half t of the tile: group
 // g's products (tmm3 + t + 2h) are stored into c[g % 2] once issued (the previous
@@ -1089,11 +1082,7 @@ void ExactIntColumns(const IntRows& r, int r_begin, int r_end, const IntWeight& 
   const int amx_end = amx ? r_begin + amx_rows / kAmxRows * kAmxRows : r_begin;
   if (amx) {
     packed.resize(groups * 512);
-    if (kFmt == kQ6_K) {
-      AmxConfigureHalves();
-    } else {
-      AmxConfigure();
-    }
+    AmxConfigure(kFmt == kQ6_K);
   }
   // 16 columns' B tiles b (groups x 512 bytes) and values through AMX, rows
   // [r_begin, amx_end).
