@@ -18,7 +18,9 @@ any batch.
 GGUF K-quants (Q4_K, Q5_K, Q6_K) take the same tiles and numerics: Q4_K / Q5_K as
 Q4_1 with d = super-block d x the group's scale code and m = -dmin x its min code
 (AMX tiles too); Q6_K per 16 inputs, (code - 32) with d x its int8 scale code, two fmas
-a group (VNNI only). The column-tiled layout meets the same reference, AMX included.
+a group (AMX only from the column-tiled layout, a product per 16-input half). The
+column-tiled layout meets the same reference, AMX included (at 16 rows the B tiles are
+unpacked a group at a time, at 37 once for both row tiles).
 """
 
 import ctypes
